@@ -1,0 +1,36 @@
+"""attnopt: find the attention in a PyTorch model, rewrite it per policy, and prove how far it moved.
+
+    opt = attnopt.compile(model, policy, example_inputs=...)
+    opt.attnopt_report.to_html("report.html")
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["inspect", "compile", "backend", "Policy", "PolicyError", "ops", "hf", "__version__"]
+
+
+def __getattr__(name: str):
+    # Imports are lazy so `import attnopt` stays cheap and the CLI can print errors before torch loads.
+    if name == "inspect":
+        from attnopt.inspection import inspect
+
+        return inspect
+    if name in ("compile", "backend"):
+        from attnopt import compiler
+
+        return getattr(compiler, "compile" if name == "compile" else "backend")
+    if name == "Policy":
+        from attnopt.policy import Policy
+
+        return Policy
+    if name == "PolicyError":
+        from attnopt.passes.forms import PolicyError
+
+        return PolicyError
+    if name in ("ops", "hf"):
+        import importlib
+
+        return importlib.import_module(f"attnopt.{name}")
+    raise AttributeError(f"module 'attnopt' has no attribute {name!r}")

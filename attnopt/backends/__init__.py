@@ -1,0 +1,1 @@
+"""Lowerings of the rewritten graph: inductor, onnx/ort, tensorrt."""

@@ -1,0 +1,1 @@
+"""Rewrite forms as ops: PyTorch reference, torch.library registration (fake + autograd)."""

@@ -1,0 +1,461 @@
+"""Decayed linear attention (RetNet retention / a diagonal SSM), chunked-parallel, causal.
+
+The recurrence, per query head h with decay γ_h in (0, 1]:
+
+    S_t = γ_h S_{t-1} + φ(k_t) v_tᵀ                      state  [Dk, Dv]
+    o_t = s · φ(q_t)ᵀ S_t                                 normalize=False (s = scale)
+    z_t = γ_h z_{t-1} + φ(k_t);  o_t = φ(q_t)ᵀ S_t / (φ(q_t)ᵀ z_t + eps)     normalize=True
+
+i.e. o_t = s Σ_{j<=t} γ^(t-j) (φ(q_t)·φ(k_j)) v_j: causal by construction. `scale` s defaults to
+1/sqrt(D) (the softmax logit scale, so the identity map keeps q·k at the magnitude the model was
+trained with); it is NOT applied when normalize=True, where the ratio makes it redundant.
+Feature maps φ: "identity", "elu" (ELU(x) + 1, positive), "relu".
+
+Prefill runs chunk-parallel: inside a chunk of C tokens the decay matrix D[i, j] = γ^(i-j) (j <= i)
+is built in log space as exp((i-j)·log γ) with the upper triangle set to -inf BEFORE the exp, so
+no γ^(negative) overflow meets a zero (inf·0 = NaN); across chunks a state [B, H, Dk, Dv] (+ the
+normaliser folded in as an extra value column) is carried by a short loop over N/C chunks. Never
+N×N and never a state per position. Every decay factor is γ to a non-negative power, so small γ
+underflows to 0 instead of overflowing.
+
+Alignment: Nq <= Nk; the queries are the last Nq positions (query i at position Nk - Nq + i).
+`key_mask` [B, Nk] (True = keep) removes a key's contribution; positions still count for decay.
+GQA: query head h reads kv head h // (H // Hkv); the state is per query head (γ differs per head).
+
+Stateful use (`state=`, `decay_attention_step`) is plain PyTorch, not the custom op: the op is the
+stateless prefill that graph rewrites insert; decoding loops call the functions directly.
+States are kept in the compute dtype (fp32 for fp16/bf16 inputs, else the input dtype).
+
+Letters: B batch, H query heads, Hkv key/value heads, G = H // Hkv, N length, D = Dk head dim of
+q and k, Dv head dim of v, C chunk length, nc number of chunks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "decay_attention",
+    "decay_attention_step",
+    "decay_attention_reference",
+    "init_decay_state",
+    "retnet_decay",
+    "DECAY_FEATURE_MAPS",
+]
+
+DECAY_FEATURE_MAPS = ("identity", "elu", "relu")
+
+DecayState = tuple  # (S [B, H, Dk, Dv], z [B, H, Dk] or None)
+
+
+def retnet_decay(heads: int) -> Tensor:
+    """RetNet's per-head decays γ_h = 1 - 2^(-5-h), h = 0..heads-1, as float64 [heads]."""
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        raise ValueError(f"retnet_decay: heads must be a positive int, got {heads!r}")
+    return 1.0 - torch.pow(2.0, -5.0 - torch.arange(heads, dtype=torch.float64))
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp16/bf16 accumulate in fp32; fp32 and fp64 keep their own precision."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _feature(x: Tensor, feature_map: str) -> Tensor:
+    if feature_map == "identity":
+        return x
+    if feature_map == "elu":
+        return F.elu(x) + 1.0
+    if feature_map == "relu":
+        return F.relu(x)
+    raise ValueError(f"decay_attention: unknown feature_map {feature_map!r}; allowed: {', '.join(DECAY_FEATURE_MAPS)}")
+
+
+def _decay_tensor(decay, H: int, device) -> Tensor:
+    """None / float / H floats / tensor [H] -> float64 tensor [H], checked to lie in (0, 1]."""
+    if decay is None:
+        gamma = retnet_decay(H)
+    elif isinstance(decay, bool):
+        raise TypeError(f"decay_attention: decay must be a float in (0, 1] or {H} floats, got {decay!r}")
+    elif isinstance(decay, (int, float)):
+        gamma = torch.full((H,), float(decay), dtype=torch.float64)
+    elif isinstance(decay, Tensor):
+        gamma = decay.reshape(-1) if decay.dim() == 0 else decay
+        if gamma.dim() == 0 or gamma.numel() == 1:
+            gamma = gamma.reshape(1).expand(H)
+        if tuple(gamma.shape) != (H,):
+            raise ValueError(f"decay_attention: decay tensor must have shape [H] = [{H}], got {tuple(decay.shape)}")
+        if not gamma.is_floating_point():
+            gamma = gamma.to(torch.float64)
+    elif isinstance(decay, Sequence) and not isinstance(decay, str):
+        if len(decay) != H:
+            raise ValueError(f"decay_attention: got {len(decay)} decays for H={H} query heads; give one per head or one float")
+        try:
+            gamma = torch.tensor([float(g) for g in decay], dtype=torch.float64)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"decay_attention: decay values must be floats, got {decay!r}") from e
+    else:
+        raise TypeError(
+            f"decay_attention: decay must be None (RetNet schedule), a float, {H} floats or a tensor [H]; "
+            f"got {type(decay).__name__}"
+        )
+    gamma = gamma.to(device=device, dtype=torch.float64)
+    if not _is_fake(gamma):
+        bad = ~((gamma > 0) & (gamma <= 1))
+        if bool(bad.any()):
+            raise ValueError(
+                f"decay_attention: every decay γ must lie in (0, 1] (1 = no decay); got {gamma.tolist()}"
+            )
+    return gamma
+
+
+def _is_fake(t: Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], who: str = "decay_attention") -> None:
+    """SDPA layout checks with messages that say what to change."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{who}: {name} must be 4-D [B, heads, N, dim] (SDPA layout), got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{who}: {name} must be floating point, got {t.dtype}")
+    B, H, Nq, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"{who}: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"{who}: k has {k.shape[1]} heads but v has {v.shape[1]}; they must match")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"{who}: k has {k.shape[2]} keys but v has {v.shape[2]} values; they must match")
+    if k.shape[3] != D:
+        raise ValueError(f"{who}: q head dim {D} != k head dim {k.shape[3]}")
+    Hkv = k.shape[1]
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"{who}: query heads H={H} must be a multiple of key/value heads Hkv={Hkv} (GQA)")
+    if Nq > k.shape[2]:
+        raise ValueError(
+            f"{who}: {Nq} queries but only {k.shape[2]} keys; decayed attention is causal and needs Nq <= Nk "
+            "(queries are the last Nq positions)"
+        )
+    if key_mask is not None:
+        if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool:
+            raise TypeError(f"{who}: key_mask must be a bool tensor [B, Nk] with True = keep")
+        if tuple(key_mask.shape) != (B, k.shape[2]):
+            raise ValueError(f"{who}: key_mask must have shape [B, Nk] = {(B, k.shape[2])}, got {tuple(key_mask.shape)}")
+
+
+def _check_options(feature_map, normalize, scale, eps, chunk_size, who="decay_attention") -> None:
+    if feature_map not in DECAY_FEATURE_MAPS:
+        raise ValueError(f"{who}: unknown feature_map {feature_map!r}; allowed: {', '.join(DECAY_FEATURE_MAPS)}")
+    if not isinstance(normalize, bool):
+        raise TypeError(f"{who}: normalize must be a bool, got {normalize!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+        raise ValueError(f"{who}: scale must be a finite float or None (1/sqrt(D)), got {scale!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"{who}: eps must be a float >= 0, got {eps!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"{who}: chunk_size must be an int >= 1, got {chunk_size!r}")
+
+
+def _expand_kv(x_BHkvND: Tensor, H: int) -> Tensor:
+    """GQA: kv head h // G serves query head h; the state is per query head since γ is."""
+    Hkv = x_BHkvND.shape[1]
+    return x_BHkvND if Hkv == H else x_BHkvND.repeat_interleave(H // Hkv, dim=1)
+
+
+def _chunk_pass(q_c: Tensor, k_c: Tensor, v_c: Tensor, S0: Tensor, log_gamma_H: Tensor):
+    """Chunks of equal length C: q_c/k_c [B, H, nc, C, Dk], v_c [B, H, nc, C, Dv'], S0 [B, H, Dk, Dv'].
+
+    Returns (out [B, H, nc, C, Dv'], state after the last chunk)."""
+    C = q_c.shape[3]
+    nc = q_c.shape[2]
+    idx = torch.arange(C, device=q_c.device)
+    lg = log_gamma_H.view(-1, 1, 1)
+    diff = (idx[:, None] - idx[None, :]).to(log_gamma_H.dtype)
+    # Mask the upper triangle to -inf before the exp: (i-j)·log γ > 0 there and, for γ -> 0,
+    # overflows to inf, which a later multiply by 0 would turn into NaN.
+    expo = torch.where(idx[:, None] >= idx[None, :], diff * lg, torch.full_like(diff * lg, float("-inf")))
+    decay_H_C_C = torch.exp(expo)  # γ^(i-j) for j <= i, else 0
+    q_decay_H_C = torch.exp((idx + 1).to(lg.dtype) * log_gamma_H[:, None])  # γ^(i+1): from previous chunk end
+    k_decay_H_C = torch.exp((C - 1 - idx).to(lg.dtype) * log_gamma_H[:, None])  # γ^(C-1-j): to this chunk end
+    chunk_decay_H = torch.exp(C * log_gamma_H)  # γ^C
+
+    intra = torch.matmul(torch.matmul(q_c, k_c.transpose(-1, -2)) * decay_H_C_C[None, :, None], v_c)
+    U = torch.matmul((k_c * k_decay_H_C[None, :, None, :, None]).transpose(-1, -2), v_c)  # [B,H,nc,Dk,Dv']
+
+    # Sequential scan over chunks only (nc steps of [B, H, Dk, Dv'] work).
+    before = []
+    S = S0
+    g = chunk_decay_H.view(1, -1, 1, 1)
+    for c in range(nc):
+        before.append(S)
+        S = g * S + U[:, :, c]
+    S_before = torch.stack(before, dim=2)  # [B, H, nc, Dk, Dv']
+    inter = torch.matmul(q_c * q_decay_H_C[None, :, None, :, None], S_before)
+    return intra + inter, S
+
+
+def _decay_forward(
+    q_BHND: Tensor,
+    k_BHkvND: Tensor,
+    v_BHkvND: Tensor,
+    gamma_H: Tensor,
+    key_mask_BN: Optional[Tensor],
+    feature_map: str,
+    normalize: bool,
+    scale: float,
+    eps: float,
+    chunk_size: int,
+    S0: Optional[Tensor] = None,
+    z0: Optional[Tensor] = None,
+):
+    """Chunk-parallel prefill; differentiable plain PyTorch. Returns (out, S, z-or-None)."""
+    B, H, Nq, Dk = q_BHND.shape
+    Nk, Dv = k_BHkvND.shape[2], v_BHkvND.shape[3]
+    out_dtype = q_BHND.dtype
+    cdt = _compute_dtype(out_dtype)
+    device = q_BHND.device
+
+    phi_q = _feature(q_BHND.to(cdt), feature_map)
+    if not normalize:
+        phi_q = phi_q * scale
+    phi_k = _feature(_expand_kv(k_BHkvND, H).to(cdt), feature_map)
+    v = _expand_kv(v_BHkvND, H).to(cdt)
+    if key_mask_BN is not None:
+        phi_k = phi_k * key_mask_BN[:, None, :, None].to(cdt)
+    if Nq < Nk:  # bottom-right: the queries are the last Nq positions; earlier rows are discarded
+        phi_q = F.pad(phi_q, (0, 0, Nk - Nq, 0))
+    if normalize:  # carry z as an extra value column: one pass yields numerator and denominator
+        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    Dv1 = v.shape[-1]
+
+    S = S0.to(cdt) if S0 is not None else phi_q.new_zeros(B, H, Dk, Dv)
+    if normalize:
+        z = z0.to(cdt) if z0 is not None else phi_q.new_zeros(B, H, Dk)
+        S = torch.cat([S, z[..., None]], dim=-1)
+    log_gamma_H = torch.log(gamma_H.to(torch.float64)).to(device=device, dtype=cdt)
+
+    C = max(1, min(chunk_size, Nk))
+    n_full = (Nk // C) * C
+    outs = []
+    # Full chunks in one batched pass, then the remainder as one shorter chunk: no padding, so
+    # the final state is not decayed by phantom positions.
+    for a, e, c in ((0, n_full, C), (n_full, Nk, Nk - n_full)):
+        if e <= a:
+            continue
+        nc = (e - a) // c
+        o, S = _chunk_pass(
+            phi_q[:, :, a:e].reshape(B, H, nc, c, Dk),
+            phi_k[:, :, a:e].reshape(B, H, nc, c, Dk),
+            v[:, :, a:e].reshape(B, H, nc, c, Dv1),
+            S,
+            log_gamma_H,
+        )
+        outs.append(o.reshape(B, H, e - a, Dv1))
+    out = torch.cat(outs, dim=2)[:, :, Nk - Nq :] if outs else phi_q.new_zeros(B, H, 0, Dv1)
+    if normalize:
+        out = out[..., :Dv] / (out[..., Dv:] + eps)
+        S, z = S[..., :Dv], S[..., Dv]
+    else:
+        z = None
+    return out.to(out_dtype), S, z
+
+
+# ---- custom op: the stateless prefill as one opaque node, fake + autograd registered ----
+
+
+@torch.library.custom_op("attnopt::decay_attention", mutates_args=())
+def _decay_attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    decay: Tensor,
+    key_mask: Optional[Tensor],
+    feature_map: str,
+    normalize: bool,
+    scale: float,
+    eps: float,
+    chunk_size: int,
+) -> Tensor:
+    out, _, _ = _decay_forward(q, k, v, decay, key_mask, feature_map, normalize, scale, eps, chunk_size)
+    return out
+
+
+@_decay_attention_op.register_fake
+def _(q, k, v, decay, key_mask, feature_map, normalize, scale, eps, chunk_size):
+    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, decay, key_mask, feature_map, normalize, scale, eps, chunk_size = inputs
+    ctx.save_for_backward(q, k, v, decay, key_mask)
+    ctx.params = (feature_map, normalize, scale, eps, chunk_size)
+
+
+def _backward(ctx, grad_out):
+    # Recompute the differentiable chunked forward and let autograd derive q/k/v gradients
+    # (O(N·D² + N·C) memory like the forward). The decays are treated as constants.
+    q, k, v, decay, key_mask = ctx.saved_tensors
+    with torch.enable_grad():
+        qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+        out, _, _ = _decay_forward(qg, kg, vg, decay, key_mask, *ctx.params)
+        dq, dk, dv = torch.autograd.grad(out, (qg, kg, vg), grad_out, allow_unused=True)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_decay_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- public API ----
+
+
+def init_decay_state(
+    B: int,
+    H: int,
+    Dk: int,
+    Dv: int,
+    *,
+    normalize: bool = False,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+) -> DecayState:
+    """Zero state (S [B, H, Dk, Dv], z [B, H, Dk] when normalize else None) = no earlier tokens."""
+    S = torch.zeros(B, H, Dk, Dv, dtype=_compute_dtype(dtype), device=device)
+    z = torch.zeros(B, H, Dk, dtype=_compute_dtype(dtype), device=device) if normalize else None
+    return S, z
+
+
+def _check_state(state, B, H, Dk, Dv, normalize, who) -> tuple:
+    if not isinstance(state, (tuple, list)) or len(state) != 2:
+        raise TypeError(f"{who}: state must be a pair (S [B, H, Dk, Dv], z [B, H, Dk] or None); see init_decay_state")
+    S, z = state
+    if not isinstance(S, Tensor) or tuple(S.shape) != (B, H, Dk, Dv):
+        got = tuple(S.shape) if isinstance(S, Tensor) else type(S).__name__
+        raise ValueError(f"{who}: state S must have shape [B, H, Dk, Dv] = {(B, H, Dk, Dv)}, got {got}")
+    if normalize:
+        if not isinstance(z, Tensor) or tuple(z.shape) != (B, H, Dk):
+            raise ValueError(f"{who}: normalize=True needs state z of shape [B, H, Dk] = {(B, H, Dk)}; use init_decay_state(..., normalize=True)")
+    elif z is not None:
+        raise ValueError(f"{who}: state carries z but normalize=False; pass (S, None) or set normalize=True")
+    return S, z
+
+
+def decay_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    decay: Union[None, float, Sequence[float], Tensor] = None,
+    feature_map: str = "identity",
+    normalize: bool = False,
+    scale: Optional[float] = None,
+    eps: float = 1e-6,
+    key_mask: Optional[Tensor] = None,
+    state: Optional[DecayState] = None,
+    chunk_size: int = 64,
+):
+    """Decayed (retention / SSM) attention over q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv].
+
+    o_t = s·φ(q_t)ᵀS_t with S_t = γ_h S_{t-1} + φ(k_t)v_tᵀ (normalize=False, s = scale, default
+    1/sqrt(D)), or φ(q_t)ᵀS_t / (φ(q_t)ᵀz_t + eps) with z_t = γ_h z_{t-1} + φ(k_t) (normalize=True,
+    no scale). decay: None = RetNet γ_h = 1 - 2^(-5-h); a float; or H floats / tensor [H] in (0, 1].
+    Returns [B, H, Nq, Dv] in q's dtype; with `state` (S, z-or-None) given, continues from it and
+    returns (out, new_state). Stateless calls run as the custom op `torch.ops.attnopt.decay_attention`.
+    """
+    _check_inputs(q, k, v, key_mask)
+    _check_options(feature_map, normalize, scale, eps, chunk_size)
+    B, H, _, D = q.shape
+    gamma = _decay_tensor(decay, H, q.device)
+    s = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if state is None:
+        return torch.ops.attnopt.decay_attention(q, k, v, gamma, key_mask, feature_map, normalize, s, float(eps), chunk_size)
+    S0, z0 = _check_state(state, B, H, D, v.shape[3], normalize, "decay_attention")
+    out, S, z = _decay_forward(q, k, v, gamma, key_mask, feature_map, normalize, s, float(eps), chunk_size, S0, z0)
+    return out, (S, z)
+
+
+def decay_attention_step(
+    q_t: Tensor,
+    k_t: Tensor,
+    v_t: Tensor,
+    state: Optional[DecayState],
+    *,
+    decay: Union[None, float, Sequence[float], Tensor] = None,
+    feature_map: str = "identity",
+    normalize: bool = False,
+    scale: Optional[float] = None,
+    eps: float = 1e-6,
+):
+    """One decoding step with O(1) state: q_t [B, H, 1, D], k_t [B, Hkv, 1, D], v_t [B, Hkv, 1, Dv].
+
+    state None means zeros. Returns (o_t [B, H, 1, Dv], (S, z-or-None)). Same maths as
+    `decay_attention`, so a prefill of T tokens followed by steps equals one full prefill."""
+    who = "decay_attention_step"
+    _check_inputs(q_t, k_t, v_t, None, who)
+    if q_t.shape[2] != 1 or k_t.shape[2] != 1:
+        raise ValueError(f"{who}: expects one token (N = 1); got q N={q_t.shape[2]}, k N={k_t.shape[2]}. Use decay_attention for prefill")
+    _check_options(feature_map, normalize, scale, eps, None, who)
+    B, H, _, D = q_t.shape
+    Dv = v_t.shape[3]
+    cdt = _compute_dtype(q_t.dtype)
+    if state is None:
+        state = init_decay_state(B, H, D, Dv, normalize=normalize, dtype=q_t.dtype, device=q_t.device)
+    S, z = _check_state(state, B, H, D, Dv, normalize, who)
+    gamma = _decay_tensor(decay, H, q_t.device).to(cdt)
+    phi_q = _feature(q_t.to(cdt), feature_map)  # [B, H, 1, Dk]
+    phi_k = _feature(_expand_kv(k_t, H).to(cdt), feature_map)
+    v = _expand_kv(v_t, H).to(cdt)
+    S = gamma.view(1, H, 1, 1) * S.to(cdt) + phi_k.transpose(-1, -2) @ v
+    num = phi_q @ S  # [B, H, 1, Dv]
+    if normalize:
+        z = gamma.view(1, H, 1) * z.to(cdt) + phi_k[:, :, 0]
+        out = num / ((phi_q[:, :, 0] * z).sum(-1)[..., None, None] + eps)
+    else:
+        s = 1.0 / math.sqrt(D) if scale is None else float(scale)
+        out = s * num
+    return out.to(q_t.dtype), (S, z)
+
+
+def decay_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    decay: Union[None, float, Sequence[float], Tensor] = None,
+    feature_map: str = "identity",
+    normalize: bool = False,
+    scale: Optional[float] = None,
+    eps: float = 1e-6,
+    key_mask: Optional[Tensor] = None,
+) -> Tensor:
+    """The explicit sum o_t = Σ_{j<=t} γ^(t-j) (φ(q_t)·φ(k_j)) v_j as an N×N matrix (γ^n by pow,
+    not the log-space path). O(N²): tests and verification only."""
+    _check_inputs(q, k, v, key_mask)
+    _check_options(feature_map, normalize, scale, eps, None)
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    cdt = _compute_dtype(q.dtype)
+    gamma = _decay_tensor(decay, H, q.device).to(cdt)
+    phi_q = _feature(q.to(cdt), feature_map)
+    phi_k = _feature(_expand_kv(k, H).to(cdt), feature_map)
+    v_ = _expand_kv(v, H).to(cdt)
+    t = (Nk - Nq) + torch.arange(Nq, device=q.device)[:, None]
+    j = torch.arange(Nk, device=q.device)[None, :]
+    diff = t - j
+    weight_H_Nq_Nk = torch.pow(gamma.view(H, 1, 1), diff.clamp(min=0).to(cdt)) * (diff >= 0).to(cdt)
+    A = (phi_q @ phi_k.transpose(-1, -2)) * weight_H_Nq_Nk
+    if key_mask is not None:
+        A = A * key_mask[:, None, None, :].to(cdt)
+    if normalize:
+        out = (A @ v_) / (A.sum(-1, keepdim=True) + eps)
+    else:
+        out = (1.0 / math.sqrt(D) if scale is None else float(scale)) * (A @ v_)
+    return out.to(q.dtype)

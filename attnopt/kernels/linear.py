@@ -1,0 +1,355 @@
+"""Linear (kernelised) attention: oᵢ = φ(qᵢ)ᵀS / (φ(qᵢ)ᵀz + ε), S = Σⱼ φ(kⱼ)vⱼᵀ, z = Σⱼ φ(kⱼ).
+
+Letters: B batch, H query heads, Hkv key/value heads, G = H // Hkv query heads per kv head, Hf the
+heads keys are featurised on (Hkv, or H for per-head maps such as hedgehog), Nq/Nk query/key
+length, D head dim of q and k, Dv head dim of v, M feature count, C chunk size.
+
+Layout is SDPA's: q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv] -> out [B, H, Nq, Dv] in q's
+dtype; query head h reads kv head h // G. fp16/bf16 compute in fp32, fp32/fp64 in their own dtype.
+
+Causal alignment is bottom-right (as with a KV cache): query i sits at absolute position
+Nk − Nq + i and sums over keys j ≤ Nk − Nq + i. A query that sees no key (Nq > Nk, or every visible
+key masked) gets an all-zero output row.
+
+Causal form is chunked: within a chunk of C queries the C×C block φ(q)φ(k)ᵀ is masked and applied
+directly; the keys of earlier chunks enter through a running prefix state (S, z). Neither an N×N
+matrix nor a per-position [N, M, Dv] state is ever built.
+
+`attnopt::linear_attention` is the torch.library op (one node under torch.export; fake and autograd
+registered). It takes the feature map as a name plus its one weight tensor (FAVOR+ ω or hedgehog W).
+The carried-state path (decoding, chunked prefill) is plain PyTorch sharing the same core, because
+an op returning an optional state would need a second schema for little gain; it is differentiable
+through ordinary autograd.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from attnopt.kernels.feature_maps import (
+    FEATURE_MAP_NAMES,
+    FeatureMap,
+    feature_map_class,
+    make_feature_map,
+    query_key_features,
+)
+
+__all__ = ["linear_attention", "linear_attention_reference", "linear_attention_op"]
+
+State = tuple[Tensor, Tensor]  # (S [B, H, M, Dv], z [B, H, M])
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp16/bf16 accumulate in fp32; fp32 and fp64 keep their own precision."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], scale: float, eps: float, chunk_size: int) -> None:
+    """SDPA layout checks with messages that say what to change."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D in SDPA layout [B, heads, N, dim], got shape {tuple(t.shape)}")
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first")
+    B, H, _, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[-1] != D:
+        raise ValueError(f"q and k head dims differ: q {D}, k {k.shape[-1]}; they must match")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on [B, Hkv, Nk]; only the last dim may differ"
+        )
+    hkv = k.shape[1]
+    if hkv < 1 or H % hkv != 0:
+        raise ValueError(
+            f"query heads H={H} must be a multiple of key/value heads Hkv={hkv} (GQA: head h reads kv head h // (H // Hkv))"
+        )
+    if key_mask is not None:
+        if key_mask.dtype != torch.bool or tuple(key_mask.shape) != (B, k.shape[2]):
+            raise ValueError(
+                f"key_mask must be a bool tensor [B, Nk] = [{B}, {k.shape[2]}] (True = keep), "
+                f"got {key_mask.dtype} {tuple(key_mask.shape)}"
+            )
+    if not scale > 0:
+        raise ValueError(f"scale must be > 0, got {scale}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
+def _safe_ratio(num: Tensor, den: Tensor, eps: float) -> Tensor:
+    """num / (den + eps), with rows of zero denominator (no visible key, eps = 0) set to 0."""
+    den = den + eps
+    return num / torch.where(den == 0, torch.ones_like(den), den)[..., None]
+
+
+def _linear_core(
+    phi_q: Tensor,
+    phi_k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool,
+    eps: float,
+    chunk_size: int,
+    S0: Optional[Tensor] = None,
+    z0: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Grouped linear attention: phi_q [B, Hf, G, Nq, M], phi_k [B, Hf, Nk, M], v [B, Hf, Nk, Dv].
+
+    Returns out [B, Hf, G, Nq, Dv] and the final state S [B, Hf, G|1, M, Dv], z [B, Hf, G|1, M]
+    (G dim 1 unless an incoming per-query-head state S0/z0 forced it). Cost: non-causal
+    O(Nk·M·Dv + G·Nq·M·Dv); causal adds O(G·Nq·C·(M + Dv)) for the in-chunk blocks; memory
+    O(N·M + M·Dv + G·C²) per kv head.
+    """
+    B, Hf, G, Nq, M = phi_q.shape
+    Nk, Dv = phi_k.shape[2], v.shape[-1]
+    S = phi_q.new_zeros(B, Hf, 1, M, Dv) if S0 is None else S0
+    z = phi_q.new_zeros(B, Hf, 1, M) if z0 is None else z0
+    if not causal:
+        S = S + (phi_k.transpose(-1, -2) @ v)[:, :, None]
+        z = z + phi_k.sum(2)[:, :, None]
+        return _safe_ratio(phi_q @ S, (phi_q @ z[..., None])[..., 0], eps), S, z
+
+    offset = Nk - Nq  # query i sits at absolute position offset + i
+    blind = max(0, -offset)  # leading queries placed before key 0 see nothing
+    if offset > 0:  # keys before the first query are visible to every query: fold them into the state
+        S = S + (phi_k[:, :, :offset].transpose(-1, -2) @ v[:, :, :offset])[:, :, None]
+        z = z + phi_k[:, :, :offset].sum(2)[:, :, None]
+    k0 = max(offset, 0)
+    outs = [phi_q.new_zeros(B, Hf, G, blind, Dv)] if blind else []
+    for a in range(blind, Nq, chunk_size):
+        b = min(a + chunk_size, Nq)
+        fq = phi_q[:, :, :, a:b]  # [B, Hf, G, c, M]
+        fk = phi_k[:, :, k0 + a - blind : k0 + b - blind]  # [B, Hf, c, M], aligned with fq
+        vc = v[:, :, k0 + a - blind : k0 + b - blind]
+        scores = torch.tril(fq @ fk[:, :, None].transpose(-1, -2))  # [B, Hf, G, c, c]
+        num = scores @ vc[:, :, None] + fq @ S
+        den = scores.sum(-1) + (fq @ z[..., None])[..., 0]
+        outs.append(_safe_ratio(num, den, eps))
+        S = S + (fk.transpose(-1, -2) @ vc)[:, :, None]
+        z = z + fk.sum(2)[:, :, None]
+    out = torch.cat(outs, dim=3) if outs else phi_q.new_zeros(B, Hf, G, 0, Dv)
+    return out, S, z
+
+
+def _grouped(phi_q: Tensor, phi_k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, int]:
+    """Reshape φ(q) to [B, Hf, G, Nq, M] and repeat v to Hf heads when keys were featurised per query head."""
+    B, H, Nq, M = phi_q.shape
+    Hf = phi_k.shape[1]
+    if v.shape[1] != Hf:  # per-head φ: v is shared by the G query heads of its kv head
+        v = v.repeat_interleave(Hf // v.shape[1], dim=1)
+    return phi_q.reshape(B, Hf, H // Hf, Nq, M), v, H // Hf
+
+
+def _forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    feature_map: str,
+    weight: Optional[Tensor],
+    causal: bool,
+    scale: float,
+    eps: float,
+    key_mask: Optional[Tensor],
+    chunk_size: int,
+    state: Optional[State] = None,
+) -> tuple[Tensor, Optional[State]]:
+    """Shared body of the op and the state path; returns out [B, H, Nq, Dv] and the new state (if asked)."""
+    _check_inputs(q, k, v, key_mask, scale, eps, chunk_size)
+    feature_map_class(feature_map)
+    cdt = _compute_dtype(q.dtype)
+    B, H, Nq, _ = q.shape
+    phi_q, phi_k, log_scale_k = query_key_features(
+        feature_map, q.to(cdt), k.to(cdt), scale, None if weight is None else weight.to(cdt), key_mask
+    )
+    phi_q, v_f, G = _grouped(phi_q, phi_k, v.to(cdt))
+    Hf, M, Dv = phi_k.shape[1], phi_k.shape[-1], v.shape[-1]
+    S0 = z0 = None
+    if state is not None:
+        S0, z0 = _state_in(state, B, H, Hf, M, Dv, cdt)
+        if log_scale_k is not None:
+            # The state is kept in true feature units; rescale it and the new keys to one shared
+            # constant that covers both, so neither overflows and the constant still cancels.
+            log_state = torch.log(z0.amax(dim=(2, 3), keepdim=True))  # [B, Hf, 1, 1]
+            shared = torch.maximum(log_scale_k, log_state)
+            phi_k = phi_k * torch.exp(log_scale_k - shared)
+            S0 = S0 * torch.exp(-shared)[..., None]
+            z0 = z0 * torch.exp(-shared)
+            log_scale_k = shared
+    out, S, z = _linear_core(phi_q, phi_k, v_f, causal=causal, eps=eps, chunk_size=chunk_size, S0=S0, z0=z0)
+    out = out.reshape(B, H, Nq, Dv).to(q.dtype)
+    if state is None:
+        return out, None
+    if log_scale_k is not None:
+        S = S * torch.exp(log_scale_k)[..., None]
+        z = z * torch.exp(log_scale_k)
+    return out, (S.expand(B, Hf, G, M, Dv).reshape(B, H, M, Dv), z.expand(B, Hf, G, M).reshape(B, H, M))
+
+
+def _state_in(state: State, B: int, H: int, Hf: int, M: int, Dv: int, cdt: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Check a carried (S [B, H, M, Dv], z [B, H, M]) and view it per kv head as [B, Hf, G, ...]."""
+    if not (isinstance(state, (tuple, list)) and len(state) == 2 and all(isinstance(t, Tensor) for t in state)):
+        raise TypeError("state must be a pair of tensors (S [B, H, M, Dv], z [B, H, M]) as returned by linear_attention")
+    S, z = state
+    if tuple(S.shape) != (B, H, M, Dv) or tuple(z.shape) != (B, H, M):
+        raise ValueError(
+            f"state shapes S {tuple(S.shape)}, z {tuple(z.shape)} do not fit this call; expected "
+            f"S [{B}, {H}, {M}, {Dv}] and z [{B}, {H}, {M}] (same feature map, heads and value dim)"
+        )
+    G = H // Hf
+    return S.to(cdt).reshape(B, Hf, G, M, Dv), z.to(cdt).reshape(B, Hf, G, M)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library op
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("attnopt::linear_attention", mutates_args=())
+def linear_attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    feature_map: str,
+    weight: Optional[Tensor],
+    causal: bool,
+    scale: float,
+    eps: float,
+    key_mask: Optional[Tensor],
+    chunk_size: int,
+) -> Tensor:
+    """The op behind `linear_attention` (no state). `weight`: FAVOR+ ω [D, M], hedgehog W [H, D, P], else None.
+    Cost as `linear_attention`."""
+    return _forward(q, k, v, feature_map, weight, causal, scale, eps, key_mask, chunk_size)[0]
+
+
+@linear_attention_op.register_fake
+def _linear_attention_fake(q, k, v, feature_map, weight, causal, scale, eps, key_mask, chunk_size):
+    _check_inputs(q, k, v, key_mask, scale, eps, chunk_size)
+    feature_map_class(feature_map)
+    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1])
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, feature_map, weight, causal, scale, eps, key_mask, chunk_size = inputs
+    ctx.save_for_backward(q, k, v, weight, key_mask)
+    ctx.options = (feature_map, causal, scale, eps, chunk_size)
+
+
+def _backward(ctx, grad_out):
+    """Recompute the chunked forward under autograd and differentiate it: exact, simple, O(forward)."""
+    q, k, v, weight, key_mask = ctx.saved_tensors
+    feature_map, causal, scale, eps, chunk_size = ctx.options
+    wants = ctx.needs_input_grad
+    with torch.enable_grad():
+        leaves = [
+            None if t is None else t.detach().requires_grad_(bool(w))
+            for t, w in ((q, wants[0]), (k, wants[1]), (v, wants[2]), (weight, wants[4]))
+        ]
+        out = _forward(leaves[0], leaves[1], leaves[2], feature_map, leaves[3], causal, scale, eps, key_mask, chunk_size)[0]
+        diff = [t for t in leaves if t is not None and t.requires_grad]
+        grads = iter(torch.autograd.grad(out, diff, grad_out, allow_unused=True)) if diff else iter(())
+    dq, dk, dv, dw = [next(grads) if t is not None and t.requires_grad else None for t in leaves]
+    return dq, dk, dv, None, dw, None, None, None, None, None
+
+
+linear_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+
+def _resolve_feature_map(feature_map: Union[str, FeatureMap], head_dim: int, heads: int) -> FeatureMap:
+    if isinstance(feature_map, FeatureMap):
+        feature_map_class(feature_map.name)  # a subclass must keep one of the op's names
+        return feature_map
+    if isinstance(feature_map, str):
+        return make_feature_map(feature_map, head_dim, heads)
+    raise TypeError(
+        f"feature_map must be a name ({', '.join(FEATURE_MAP_NAMES)}) or a module from make_feature_map, "
+        f"got {type(feature_map).__name__}"
+    )
+
+
+def linear_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    feature_map: Union[str, FeatureMap] = "elu",
+    causal: bool = False,
+    scale: Optional[float] = None,
+    eps: float = 1e-6,
+    key_mask: Optional[Tensor] = None,
+    state: Optional[State] = None,
+    chunk_size: int = 64,
+) -> Union[Tensor, tuple[Tensor, State]]:
+    """Linear attention in SDPA layout; returns out [B, H, Nq, Dv], or (out, new_state) when `state` is given.
+
+    `feature_map`: a name (elu, relu, favor, hedgehog, taylor; built with defaults: favor seed 0,
+    M = 2·D, hedgehog identity init) or a module from `make_feature_map` (use a module to keep ω/W
+    fixed or learnable). `scale` defaults to 1/√D. `key_mask` bool [B, Nk], True = keep. `state`
+    (S [B, H, M, Dv], z [B, H, M]) summarises earlier tokens placed before all of this call's keys
+    (start a sequence with zeros); for FAVOR+ it is kept in true, unstabilised feature units. The
+    stateless call is one `attnopt::linear_attention` node; the state path is plain PyTorch.
+
+    Cost per (B, H): time O((Nq + Nk)·M·Dv + N·cost(φ)), plus O(Nq·C·(M + Dv)) when causal;
+    memory O((Nq + Nk)·M + M·Dv + C²). M: elu/relu D, favor 2·D by default, hedgehog 2·D by
+    default, taylor 1 + D + D².
+    """
+    if not isinstance(q, Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be a 4-D tensor [B, H, Nq, D], got {getattr(q, 'shape', type(q).__name__)}")
+    fmap = _resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    weight = fmap.op_weight()
+    if state is None:
+        return torch.ops.attnopt.linear_attention(q, k, v, fmap.name, weight, bool(causal), scale, float(eps), key_mask, int(chunk_size))
+    return _forward(q, k, v, fmap.name, weight, bool(causal), scale, float(eps), key_mask, int(chunk_size), state)
+
+
+def linear_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    feature_map: Union[str, FeatureMap] = "elu",
+    causal: bool = False,
+    scale: Optional[float] = None,
+    eps: float = 1e-6,
+    key_mask: Optional[Tensor] = None,
+) -> Tensor:
+    """The explicit quadratic formula: A = φ(q)φ(k)ᵀ [B, H, Nq, Nk], causal-masked (bottom-right),
+    out = A v / (rowsum(A) + eps). Same φ (and FAVOR+ stabilisers) as `linear_attention`; the
+    oracle for tests and verification. Cost O(Nq·Nk·(M + Dv)) time, O(Nq·Nk) memory per (B, H).
+    """
+    if not isinstance(q, Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be a 4-D tensor [B, H, Nq, D], got {getattr(q, 'shape', type(q).__name__)}")
+    fmap = _resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    _check_inputs(q, k, v, key_mask, scale, eps, 1)
+    cdt = _compute_dtype(q.dtype)
+    weight = fmap.op_weight()
+    phi_q, phi_k, _ = query_key_features(
+        fmap.name, q.to(cdt), k.to(cdt), scale, None if weight is None else weight.to(cdt), key_mask
+    )
+    H, Nq, Nk = q.shape[1], q.shape[2], k.shape[2]
+    phi_k = phi_k.repeat_interleave(H // phi_k.shape[1], dim=1)
+    v_h = v.to(cdt).repeat_interleave(H // v.shape[1], dim=1)
+    scores = phi_q @ phi_k.transpose(-1, -2)  # [B, H, Nq, Nk]
+    if causal:
+        i = torch.arange(Nq, device=q.device)[:, None]
+        j = torch.arange(Nk, device=q.device)[None, :]
+        scores = scores * (j <= Nk - Nq + i).to(cdt)
+    return _safe_ratio(scores @ v_h, scores.sum(-1), eps).to(q.dtype)

@@ -1,0 +1,1 @@
+"""Compiler passes: capture -> canonicalize -> detect -> plan -> rewrite -> verify."""

@@ -1,0 +1,204 @@
+"""Capture a model into an ATen-level FX graph that the detector reads and the rewrite edits.
+
+Two routes, one result type:
+- `capture_export`: non-strict `torch.export` (dynamic sequence length where the model allows),
+  then `ep.module()` -- the unlifted graph whose placeholders are the flat user inputs, so calling
+  it works like the original model. Never `run_decompositions()`: that would dissolve
+  `aten.scaled_dot_product_attention` before detection sees it.
+- `capture_dynamo`: a `torch.compile` backend that keeps every Dynamo graph (graph breaks give
+  several) with its example inputs, each re-exported to ATen, because pattern matching on
+  Dynamo-level graphs misses spellings that the ATen form unifies.
+
+`record_values` runs a captured graph once and keeps the values of a chosen set of nodes; the
+detector uses it for numeric checks and the verifier can reuse it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+
+class CaptureError(RuntimeError):
+    """The model could not be traced into a graph; the message says why and what to try."""
+
+
+@dataclass
+class CapturedGraph:
+    """One ATen graph plus the example values of its placeholders, in placeholder order."""
+
+    graph_module: fx.GraphModule
+    method: str  # "export" | "dynamo"
+    dynamic: bool  # True when some input dims stayed symbolic
+    flat_inputs: list  # example values, one per placeholder
+    in_spec: Any = None  # pytree spec of (args, kwargs) for export captures
+    out_spec: Any = None
+    exported_program: Any = None
+    notes: list = field(default_factory=list)  # e.g. why dynamic export fell back to static
+    seconds: float = 0.0
+
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.graph_module.graph.nodes if n.op == "placeholder"]
+
+
+def _auto_dynamic_shapes(args: tuple, kwargs: dict) -> Any:
+    """Dim.AUTO on every dim of every tensor input: export keeps symbolic what the model allows."""
+    from torch.export import Dim
+
+    def spec_for(x):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return {i: Dim.AUTO for i in range(x.dim())}
+        return None
+
+    return (
+        tuple(pytree.tree_map(spec_for, a) for a in args),
+        {k: pytree.tree_map(spec_for, v) for k, v in kwargs.items()},
+    )
+
+
+def _export_hint(exc: BaseException) -> str:
+    return (
+        f"torch.export could not trace the model: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
+        "Check that the example inputs match forward() (positional args and keyword args), "
+        "that outputs are tensors / tuples / dicts (e.g. pass use_cache=False to Hugging Face models), "
+        "or try method='dynamo'."
+    )
+
+
+def capture_export(model: torch.nn.Module, args: tuple = (), kwargs: Optional[dict] = None,
+                   dynamic: bool = True) -> CapturedGraph:
+    """Non-strict export of `model(*args, **kwargs)` to an unlifted ATen graph module."""
+    kwargs = dict(kwargs or {})
+    args = tuple(args)
+    notes: list[str] = []
+    t0 = time.perf_counter()
+    ep = None
+    is_dynamic = False
+    if dynamic:
+        try:
+            ep = torch.export.export(model, args, kwargs, strict=False,
+                                     dynamic_shapes=_auto_dynamic_shapes(args, kwargs))
+            is_dynamic = True
+        except Exception as exc:  # fall back to static shapes, but say so
+            notes.append(f"dynamic export failed, captured static shapes instead: "
+                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    if ep is None:
+        try:
+            ep = torch.export.export(model, args, kwargs, strict=False)
+        except Exception as exc:
+            raise CaptureError(_export_hint(exc)) from exc
+    gm = ep.module()
+    flat_inputs, _ = pytree.tree_flatten((args, kwargs))
+    n_ph = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+    if len(flat_inputs) != n_ph:
+        # Non-tensor leaves (None, bools) may be dropped from the graph's inputs; keep the
+        # placeholders' own example values instead where export recorded them.
+        flat_inputs = _match_placeholders(gm, flat_inputs)
+    if is_dynamic:
+        is_dynamic = any(_has_symbolic_shape(n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder")
+    return CapturedGraph(gm, "export", is_dynamic, list(flat_inputs), in_spec=ep.call_spec.in_spec,
+                         out_spec=ep.call_spec.out_spec, exported_program=ep, notes=notes,
+                         seconds=time.perf_counter() - t0)
+
+
+def _has_symbolic_shape(val) -> bool:
+    return isinstance(val, torch.Tensor) and any(not isinstance(s, int) for s in val.shape)
+
+
+def _match_placeholders(gm: fx.GraphModule, flat_inputs: list) -> list:
+    tensors = [x for x in flat_inputs if isinstance(x, torch.Tensor)]
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(tensors) == len(phs):
+        return tensors
+    raise CaptureError(
+        f"the exported graph has {len(phs)} inputs but the example inputs flatten to {len(flat_inputs)} "
+        "values; pass only tensors (and plain Python constants) as example inputs")
+
+
+def capture_dynamo(model: torch.nn.Module, args: tuple = (), kwargs: Optional[dict] = None) -> list[CapturedGraph]:
+    """Run `torch.compile(model)` once with a backend that keeps each graph, then export each to ATen."""
+    import torch._dynamo
+
+    kwargs = dict(kwargs or {})
+    grabbed: list[tuple[fx.GraphModule, list]] = []
+
+    def grab_backend(gm: fx.GraphModule, example_inputs):
+        grabbed.append((gm, list(example_inputs)))
+        return gm.forward
+
+    t0 = time.perf_counter()
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend=grab_backend, dynamic=False, fullgraph=False)
+        with torch.no_grad():
+            compiled(*args, **kwargs)
+    except Exception as exc:
+        raise CaptureError(
+            f"torch.compile could not trace the model: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}. Check the example inputs, or try method='export'."
+        ) from exc
+    finally:
+        torch._dynamo.reset()
+    if not grabbed:
+        raise CaptureError("torch.compile produced no graph (the whole forward ran eagerly); try method='export'")
+    out = []
+    for dyn_gm, example_inputs in grabbed:
+        ex = [x for x in example_inputs]
+        try:
+            ep = torch.export.export(dyn_gm, tuple(ex), strict=False)
+        except Exception as exc:
+            raise CaptureError(_export_hint(exc)) from exc
+        gm = ep.module()
+        _copy_module_stacks(dyn_gm, gm)
+        out.append(CapturedGraph(gm, "dynamo", False, ex, in_spec=ep.call_spec.in_spec,
+                                 out_spec=ep.call_spec.out_spec, exported_program=ep,
+                                 notes=[f"dynamo graph {len(out)} of {len(grabbed)}"],
+                                 seconds=time.perf_counter() - t0))
+    return out
+
+
+def _copy_module_stacks(dyn_gm: fx.GraphModule, aten_gm: fx.GraphModule) -> None:
+    """Re-exporting a Dynamo graph loses the user's module hierarchy; recover it via `from_node`."""
+    by_name = {n.name: n for n in dyn_gm.graph.nodes}
+    for node in aten_gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        if len(stack) > 1:
+            continue
+        for src in node.meta.get("from_node", None) or []:
+            name = getattr(src, "name", None)
+            while src is not None and name not in by_name:
+                parents = getattr(src, "from_node", None) or []
+                src = parents[0] if parents else None
+                name = getattr(src, "name", None)
+            if name in by_name and by_name[name].meta.get("nn_module_stack"):
+                node.meta["nn_module_stack"] = dict(by_name[name].meta["nn_module_stack"])
+                break
+
+
+class _ValueRecorder(fx.Interpreter):
+    """Interpreter that keeps the runtime value of only the requested nodes."""
+
+    def __init__(self, gm: fx.GraphModule, wanted: set[str]):
+        super().__init__(gm, garbage_collect_values=True)
+        self.wanted = wanted
+        self.kept: dict[str, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        if n.name in self.wanted:
+            self.kept[n.name] = result
+        return result
+
+
+def record_values(captured: CapturedGraph, node_names: Iterable[str]) -> dict[str, Any]:
+    """Run the captured graph on its example inputs (no grad) and return {node name: value}."""
+    wanted = set(node_names)
+    rec = _ValueRecorder(captured.graph_module, wanted)
+    with torch.no_grad():
+        rec.run(*captured.flat_inputs)
+    return rec.kept

@@ -1,0 +1,80 @@
+"""Reading a site's runtime mask: the per-key keep pattern the cheap forms honour, and exact fallback.
+
+A mask tensor arrives in the spelling the model used (MaskInfo.keep_when says how to read it):
+  "zero"  additive float, 0 keeps and a large negative hides (HF eager, BERT's extended mask);
+  "true"  bool, True keeps (SDPA attn_mask, the condition of `torch.where(cond, scores, -inf)`);
+  "false" bool, True hides (`scores.masked_fill(mask, -inf)`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+# An additive entry below this hides the key. HF uses finfo(dtype).min, old BERT -10000.0, some
+# code -inf; anything this negative gives exp(.) that no softmax can tell from zero.
+ADDITIVE_HIDE_BELOW = -1.0e3
+
+
+def keep_mask(mask: torch.Tensor, keep_when: str) -> torch.Tensor:
+    """Bool tensor, same shape as `mask`, True where the key is visible."""
+    if keep_when == "zero":
+        if mask.dtype == torch.bool:  # HF's sdpa mask function hands bools to the same sites
+            return mask
+        return mask > ADDITIVE_HIDE_BELOW
+    if keep_when == "true":
+        return mask.to(torch.bool)
+    if keep_when == "false":
+        return ~mask.to(torch.bool)
+    raise ValueError(f"unknown mask reading {keep_when!r}; expected 'zero', 'true' or 'false'")
+
+
+def key_keep(mask: Optional[torch.Tensor], keep_when: str, batch: int, kv_len: int, rank: int = 4) -> Optional[torch.Tensor]:
+    """The padding pattern [B, Nk] (True = keep) of a mask broadcastable to the scores.
+
+    The scores are [B, H, Nq, Nk] (rank 4) or [B*H, Nq, Nk] (rank 3, where `batch` is B*H). A key
+    counts as kept when any query may see it: under a causal or banded mask every real key is seen
+    at least by the query at its own position, so this recovers the padding and nothing else.
+    """
+    if mask is None:
+        return None
+    keep = keep_mask(mask, keep_when)
+    if rank == 3 and keep.dim() == 3:
+        keep = keep.unsqueeze(1)  # [B*H, Nq, Nk] -> [B*H, 1, Nq, Nk]
+    while keep.dim() < 4:
+        keep = keep.unsqueeze(0)
+    keep = keep.any(dim=-2).any(dim=1)  # over queries, then over heads: [b, Nk], b in (1, B)
+    return keep.expand(batch, kv_len)
+
+
+def sdpa_mask(mask: Optional[torch.Tensor], keep_when: str, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The mask as F.scaled_dot_product_attention takes it (bool keep, or additive float)."""
+    if mask is None:
+        return None
+    if keep_when == "zero" and mask.dtype != torch.bool:
+        return mask.to(dtype)
+    return keep_mask(mask, keep_when)
+
+
+def exact_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    *,
+    keep_when: str,
+    is_causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    """softmax(scale·q kᵀ + mask) v with the site's own mask; GQA handled by repeating k and v."""
+    groups = q.shape[-3] // k.shape[-3] if q.dim() == 4 else 1
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=-3)
+        v = v.repeat_interleave(groups, dim=-3)
+    attn_mask = sdpa_mask(mask, keep_when, q.dtype)
+    if attn_mask is not None and is_causal:
+        # The explicit mask already carries causality when the model built it; SDPA refuses both.
+        is_causal = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)

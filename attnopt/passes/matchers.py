@@ -1,0 +1,491 @@
+"""Attention matchers: one rich rule for explicit softmax chains, one for SDPA calls.
+
+Each rule has `anchors` (the ops it starts from), `match` (walk the graph through the canonical
+view of `canonicalize`, tagging which alternative of each part matched) and leaves the numeric
+`check` to the detector, which runs the graph once for all candidates. `match` returns either a
+`Candidate` or a `NearMiss` that says, in words, what stopped it.
+
+Letters: B batch, H query heads, Hkv key/value heads, Nq/Nk query/key length, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch.fx as fx
+
+from attnopt.passes import canonicalize as cz
+from attnopt.passes.canonicalize import Factor, MaskTerm, Node, op_name, rank, shape
+from attnopt.passes.site import NearMiss
+
+
+@dataclass
+class Candidate:
+    """A structurally matched attention, before the numeric check.
+
+    `score_steps` replays, in forward order, what happens between q·kᵀ and the softmax input:
+    ("scale", Factor) | ("term", MaskTerm) | ("reshape", Node). `prob_steps` does the same between
+    the softmax output and the left operand of P·V (only reshapes matter for values).
+    """
+
+    anchor: Node  # the softmax or SDPA node
+    source: str  # "explicit" | "sdpa" | "mha"
+    query: Node
+    key: Node
+    value: Node
+    output: Node
+    rank: int
+    key_is_transposed: bool = False
+    qk_factors: list = field(default_factory=list)  # Factors on q or k before the matmul
+    score_steps: list = field(default_factory=list)
+    prob_steps: list = field(default_factory=list)
+    sdpa_scale: Optional[Union[float, Node]] = None  # SDPA's scale= (None: 1/sqrt(D))
+    sdpa_mask: Optional[Node] = None
+    is_causal: bool = False
+    groups: int = 1  # GQA repetition factor that was seen through (H = Hkv * groups)
+    enable_gqa: bool = False
+    dropout_p: float = 0.0
+    members: list = field(default_factory=list)
+    spelling: list = field(default_factory=list)
+    module_path: str = ""
+    module_type: str = ""
+
+    @property
+    def mask_terms(self) -> list[MaskTerm]:
+        return [s[1] for s in self.score_steps if s[0] == "term"]
+
+    def factors(self) -> list[Factor]:
+        return list(self.qk_factors) + [s[1] for s in self.score_steps if s[0] == "scale"]
+
+
+def module_of(node: Node) -> tuple[str, str, bool]:
+    """(dotted module path, innermost class name, inside nn.MultiheadAttention) from nn_module_stack."""
+    stack = node.meta.get("nn_module_stack") or {}
+    entries = list(stack.values())
+    if not entries:
+        return "", "", False
+    path, typ = entries[-1]
+    in_mha = any(_type_name(t) == "MultiheadAttention" for _, t in entries)
+    if in_mha:
+        for p, t in reversed(entries):
+            if _type_name(t) == "MultiheadAttention":
+                path, typ = p, t
+                break
+    return clean_module_path(path), _type_name(typ), in_mha
+
+
+def _type_name(t) -> str:
+    name = t.__name__ if isinstance(t, type) else str(t)
+    return name.rstrip("'>").split(".")[-1]
+
+
+def clean_module_path(path: str) -> str:
+    """`L['self'].encoder.layer[0]` / `getattr(L['self'].layers, '0')` -> `encoder.layer.0`."""
+    import re
+
+    p = path
+    p = re.sub(r"L\[['\"]self['\"]\]\.?", "", p)
+    p = re.sub(r"L\['fn'\]\.?", "", p)
+    # getattr(X, 'name') -> X.name (possibly nested)
+    while "getattr(" in p:
+        new = re.sub(r"getattr\(([^(),]*),\s*['\"]([^'\"]+)['\"]\)", r"\1.\2", p)
+        if new == p:
+            break
+        p = new
+    p = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", p)
+    p = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", p)
+    p = p.replace("..", ".").strip(".")
+    return p
+
+
+def _miss(node: Node, reason: str, code: str, **details) -> NearMiss:
+    path, _, _ = module_of(node)
+    return NearMiss(node=node.name, module_path=path, reason=reason, code=code, details=details)
+
+
+def _describe(node) -> str:
+    if isinstance(node, fx.Node):
+        if node.op == "output":
+            return "the graph output"
+        return f"{op_name(node) or node.op} ({node.name})"
+    return repr(node)
+
+
+# ---- explicit chains ----------------------------------------------------------------------------
+
+_SCORE_WALK_LIMIT = 64
+
+
+def reaches_qk(node: Node, depth: int = 12) -> bool:
+    """Whether `node` is q·kᵀ seen through scale factors, masks, casts and views."""
+    for _ in range(depth):
+        if not isinstance(node, fx.Node):
+            return False
+        name = op_name(node)
+        if name in cz.MATMUL_OPS or name == "baddbmm":
+            return True
+        if cz.is_value_transparent(node) or name in cz.CAST_OPS:
+            node = node.args[0]
+            continue
+        if name in ("mul", "div", "true_divide"):
+            inner = [a for a in node.args[:2] if isinstance(a, fx.Node) and cz.as_factor(node, a, "scores")]
+            if not inner:
+                return False
+            node = inner[0]
+            continue
+        if name == "add":
+            return any(reaches_qk(a, depth - 1) for a in node.args[:2] if isinstance(a, fx.Node))
+        if name == "masked_fill":
+            node = node.args[0]
+            continue
+        if name == "where":
+            return any(reaches_qk(a, depth - 1) for a in node.args[1:3] if isinstance(a, fx.Node))
+        return False
+    return False
+
+
+class ExplicitChainMatcher:
+    """softmax(scale · q kᵀ + mask) @ v spelled out with matmul / bmm / baddbmm."""
+
+    anchors = cz.SOFTMAX_OPS
+
+    def match(self, softmax: Node) -> Union[Candidate, NearMiss]:
+        r = rank(softmax)
+        dim_arg = softmax.args[1] if len(softmax.args) > 1 else softmax.kwargs.get("dim", -1)
+        if r is None or r < 2:
+            return _miss(softmax, "softmax of a tensor with fewer than 2 dims cannot be attention", "no_score_matmul")
+        if cz.softmax_dim(softmax) != r - 1:
+            return _miss(softmax, f"softmax over dim {dim_arg}, not the key axis (dim -1)", "softmax_axis",
+                         dim=dim_arg)
+        spelling: list[str] = []
+        members: list[Node] = [softmax]
+
+        # --- backward: from the softmax input down to q·kᵀ
+        steps_back: list = []
+        cur = softmax.args[0]
+        qk = None
+        baddbmm_term = None
+        for _ in range(_SCORE_WALK_LIMIT):
+            name = op_name(cur)
+            if name in cz.MATMUL_OPS:
+                qk = cur
+                break
+            if name == "baddbmm":
+                qk = cur
+                break
+            if name in cz.CAST_OPS or name in cz.COPY_OPS:
+                if name in cz.CAST_OPS:
+                    spelling.append("cast:scores")
+                members.append(cur)
+                cur = cur.args[0]
+                continue
+            if cz.is_value_transparent(cur):  # views that keep [.., Nq, Nk], eval dropout
+                members.append(cur)
+                if name in cz.RESHAPE_OPS or name == "expand":
+                    steps_back.append(("reshape", cur))
+                cur = cur.args[0]
+                continue
+            if name in ("mul", "div", "true_divide"):
+                f = None
+                for a in cur.args[:2]:
+                    if isinstance(a, fx.Node) and cz.same_shape(a, cur):
+                        f = cz.as_factor(cur, a, "scores")
+                        if f is not None:
+                            inner = a
+                            break
+                if f is None:
+                    return _miss(softmax, f"the softmax input is scaled by a tensor ({_describe(cur)}), "
+                                          "not by a scalar", "no_score_matmul")
+                spelling.append("scale:div" if f.divide else "scale:mul")
+                steps_back.append(("scale", f))
+                members.append(cur)
+                cur = inner
+                continue
+            if name == "add":
+                a, b = cur.args[0], cur.args[1]
+                alpha = cur.kwargs.get("alpha", 1)
+                if alpha != 1:
+                    return _miss(softmax, f"{_describe(cur)} adds with alpha={alpha}", "no_score_matmul")
+                if not isinstance(b, fx.Node) or not isinstance(a, fx.Node):
+                    # adding a constant shifts every logit equally: softmax does not see it
+                    members.append(cur)
+                    cur = a if isinstance(a, fx.Node) else b
+                    continue
+                if reaches_qk(a):
+                    scores_side, term = a, b
+                elif reaches_qk(b):
+                    scores_side, term = b, a
+                    spelling.append("mask:commuted")
+                else:
+                    return _miss(softmax, "neither operand of the add before the softmax is q·kᵀ "
+                                          f"({_describe(cur)})", "no_score_matmul")
+                steps_back.append(("term", MaskTerm("additive", term, cur)))
+                members.append(cur)
+                cur = scores_side
+                continue
+            if name == "masked_fill":
+                fv = cz.fill_value(cur.args[2])
+                if not cz.is_masking_value(fv):
+                    return _miss(softmax, f"masked_fill writes {fv!r} into the scores, not a masking value "
+                                          "(-inf or a large negative number)", "mask_value")
+                steps_back.append(("term", MaskTerm("masked_fill", cur.args[1], cur, fv)))
+                members.append(cur)
+                cur = cur.args[0]
+                continue
+            if name == "where":
+                cond, a, b = cur.args[0], cur.args[1], cur.args[2]
+                fa, fb = cz.fill_value(a), cz.fill_value(b)
+                if isinstance(a, fx.Node) and cz.is_masking_value(fb) and reaches_qk(a):
+                    steps_back.append(("term", MaskTerm("where_keep", cond, cur, fb)))
+                    cur = a
+                elif isinstance(b, fx.Node) and cz.is_masking_value(fa) and reaches_qk(b):
+                    steps_back.append(("term", MaskTerm("where_drop", cond, cur, fa)))
+                    cur = b
+                else:
+                    return _miss(softmax, f"{_describe(cur)} selects between the scores and something that is "
+                                          "not a masking value", "mask_value")
+                members.append(cur)
+                continue
+            if name == "tanh":
+                return _miss(softmax, "the attention logits are soft-capped with tanh before the softmax "
+                                      "(logit softcapping), which softmax(scale·q·kᵀ + mask)·v cannot express",
+                             "logit_softcap")
+            return _miss(softmax, "the softmax input is not a product q·kᵀ of two activations: it comes from "
+                                  f"{_describe(cur)}", "no_score_matmul")
+        if qk is None:
+            return _miss(softmax, "no q·kᵀ matmul found before the softmax", "no_score_matmul")
+        members.append(qk)
+        if op_name(qk) == "baddbmm":
+            beta = qk.kwargs.get("beta", 1)
+            alpha = qk.kwargs.get("alpha", 1)
+            if beta not in (0, 1):
+                return _miss(softmax, f"baddbmm with beta={beta} scales the added term", "mask_value")
+            spelling.append("qk:baddbmm")
+            if alpha != 1:
+                steps_back.append(("scale", Factor(float(alpha), False, qk.name, "scores")))
+            if beta == 1:
+                baddbmm_term = MaskTerm("additive", qk.args[0], qk)
+                steps_back.append(("term", baddbmm_term))
+        else:
+            spelling.append(f"qk:{op_name(qk)}")
+        q_op, k_op = qk.args[0], qk.args[1]
+        if op_name(qk) == "baddbmm":
+            q_op, k_op = qk.args[1], qk.args[2]
+        for operand in (q_op, k_op):
+            base, _, _ = cz.compose_layout(operand)
+            if isinstance(base, fx.Node) and base.op == "get_attr":
+                return _miss(softmax, f"the scores are x·W with a weight ({base.target}), not q·kᵀ of two "
+                                      "activations", "no_score_matmul")
+        rq, rk = rank(q_op), rank(k_op)
+        if rq not in (3, 4) or rk != rq:
+            return _miss(softmax, f"q·kᵀ operands have ranks {rq} and {rk}; attention needs both 3-D "
+                                  "[B*H, N, D] or both 4-D [B, H, N, D]", "no_score_matmul")
+
+        # --- forward: from the softmax output to P·V
+        prob_steps: list = []
+        dropout_p = 0.0
+        cur = softmax
+        pv = None
+        for _ in range(_SCORE_WALK_LIMIT):
+            users = cz.real_users(cur)
+            if len(users) != 1:
+                others = [u for u in users if not (op_name(u) in cz.MATMUL_OPS and u.args[0] is cur)]
+                if not users:
+                    return _miss(softmax, "the attention probabilities are not used", "no_value_matmul")
+                other = others[0] if others else users[1]
+                return self._weights_reused(softmax, other)
+            u = users[0]
+            if u.op == "output":
+                return self._weights_reused(softmax, u)
+            name = op_name(u)
+            if name in cz.MATMUL_OPS:
+                if u.args[0] is not cur:
+                    return _miss(softmax, f"the probabilities are the right operand of {_describe(u)}, "
+                                          "not P·V", "no_value_matmul")
+                pv = u
+                break
+            d = cz.dropout_of(u)
+            if d is not None:
+                p, train = d
+                if train and p > 0:
+                    dropout_p = p
+                    spelling.append("dropout:train")
+                members.append(u)
+                cur = u
+                continue
+            if name in cz.CAST_OPS or name in cz.COPY_OPS:
+                members.append(u)
+                cur = u
+                continue
+            if (name in cz.RESHAPE_OPS or name == "expand") and cz.keeps_last_two(u, cur):
+                prob_steps.append(("reshape", u))
+                members.append(u)
+                cur = u
+                continue
+            return _miss(softmax, f"the probabilities feed {_describe(u)}, not a matmul with the values",
+                         "no_value_matmul")
+        if pv is None:
+            return _miss(softmax, "no P·V matmul found after the softmax", "no_value_matmul")
+        members.append(pv)
+        v_op = pv.args[1]
+        if rank(v_op) != rq:
+            return _miss(softmax, f"P·V multiplies by a rank-{rank(v_op)} tensor; expected rank {rq}",
+                         "no_value_matmul")
+
+        # --- operands: q, kᵀ -> k, v, seeing through scales, transposes and GQA repeats
+        query, q_factors, q_members = cz.strip_factors(q_op, "query")
+        if q_factors:
+            spelling.append("scale:on_query")
+        key_t, k_factors, k_members = cz.strip_factors(k_op, "key")
+        members += q_members + k_members
+        got = self._key_from_transposed(softmax, query, key_t)
+        if isinstance(got, NearMiss):
+            return got
+        key, key_is_transposed, layout_members, tag = got
+        spelling.append(tag)
+        members += layout_members
+        if not key_is_transposed:
+            key, k2, k2_members = cz.strip_factors(key, "key")
+            k_factors += k2
+            members += k2_members
+        if k_factors:
+            spelling.append("scale:on_key")
+        value = v_op
+        groups = 1
+        if rq == 4 and not key_is_transposed:
+            k_src, gk, k_rep, k_tag = cz.see_through_repeat_kv(key)
+            v_src, gv, v_rep, _ = cz.see_through_repeat_kv(value)
+            if gk > 1 and gk == gv:
+                key, value, groups = k_src, v_src, gk
+                members += k_rep + v_rep
+                spelling.append(k_tag)
+        steps = list(reversed(steps_back))
+        path, mtype, in_mha = module_of(softmax)
+        return Candidate(
+            anchor=softmax, source="mha" if in_mha else "explicit", query=query, key=key, value=value,
+            output=pv, rank=rq, key_is_transposed=key_is_transposed, qk_factors=q_factors + k_factors,
+            score_steps=steps, prob_steps=prob_steps, groups=groups, dropout_p=dropout_p,
+            members=_unique(members), spelling=_unique(spelling), module_path=path, module_type=mtype,
+        )
+
+    @staticmethod
+    def _weights_reused(softmax: Node, user: Node) -> NearMiss:
+        _, _, in_mha = module_of(softmax)
+        what = "returned" if user.op == "output" else f"used by {_describe(user)}"
+        hint = " (call nn.MultiheadAttention with need_weights=False)" if in_mha else ""
+        return _miss(softmax, f"attention weights are also {what}, so the chain cannot be replaced{hint}",
+                     "weights_reused", user=user.name)
+
+    @staticmethod
+    def _key_from_transposed(softmax: Node, query: Node, key_t: Node):
+        """Prove the kᵀ operand is the key with its last two axes swapped (pytorch#195320)."""
+        base, perm, layout = cz.compose_layout(key_t)
+        r = len(perm)
+        ident = tuple(range(r))
+        if perm == cz.swap_last_two(ident):
+            return base, False, layout, "key:transpose"
+        if perm == ident:
+            name = op_name(base)
+            if name in cz.RESHAPE_OPS and isinstance(base.args[0], fx.Node):
+                src = base.args[0]
+                if not cz.keeps_last_two(base, src):
+                    return _miss(softmax, f"key is reshaped from {list(shape(src) or ())} to "
+                                          f"{list(shape(base) or ())}, not transposed", "key_permuted",
+                                 from_shape=str(shape(src)), to_shape=str(shape(base)))
+            return key_t, True, [], "key:pretransposed"
+        q_base, q_perm, _ = cz.compose_layout(query)
+        last = next((n for n in layout if cz.perm_of(n) is not None), None)
+        shown = tuple(cz.perm_of(last)) if last is not None and len(layout) == 1 else perm
+        if len(q_perm) == r and perm == cz.swap_last_two(q_perm) and _same_role_sizes(q_base, base, q_perm):
+            return key_t, True, layout, "key:permute"
+        return _miss(softmax, f"key is permuted {shown}, not transposed", "key_permuted", perm=list(perm))
+
+
+def _same_role_sizes(q_base: Node, k_base: Node, q_perm: tuple) -> bool:
+    """q and k bases agree on every axis except the token axis (q_perm[-2]) and the head axis."""
+    qs, ks = shape(q_base), shape(k_base)
+    if qs is None or ks is None or len(qs) != len(ks):
+        return False
+    token_axis, dim_axis = q_perm[-2], q_perm[-1]
+    head_axes = set(q_perm[1:-2])
+    for i, (a, b) in enumerate(zip(qs, ks)):
+        if i in (token_axis,) or i in head_axes:
+            continue
+        if i == dim_axis and not cz.same_dim(a, b):
+            return False
+        if not cz.same_dim(a, b):
+            return False
+    return True
+
+
+def _unique(xs: list) -> list:
+    seen, out = set(), []
+    for x in xs:
+        key = x.name if isinstance(x, fx.Node) else x
+        if key not in seen:
+            seen.add(key)
+            out.append(x)
+    return out
+
+
+# ---- SDPA calls ---------------------------------------------------------------------------------
+
+_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+class SdpaMatcher:
+    """`aten.scaled_dot_product_attention` (also what nn.MultiheadAttention lowers to)."""
+
+    anchors = cz.SDPA_OPS
+
+    def match(self, node: Node) -> Union[Candidate, NearMiss]:
+        if op_name(node) != "scaled_dot_product_attention":
+            return _miss(node, f"{op_name(node)} is a backend-specific SDPA variant that is not read yet",
+                         "sdpa_variant")
+        a = dict(zip(_SDPA_PARAMS, node.args))
+        a.update(node.kwargs)
+        q, k, v = a["query"], a["key"], a["value"]
+        r = rank(q)
+        if r not in (3, 4) or rank(k) != r or rank(v) != r:
+            return _miss(node, f"SDPA on rank-{r} tensors; only [B, H, N, D] or [B*H, N, D] are read",
+                         "sdpa_rank")
+        spelling = ["sdpa"]
+        members = [node]
+        groups = 1
+        enable_gqa = bool(a.get("enable_gqa", False))
+        if enable_gqa:
+            spelling.append("gqa:enable_gqa")
+        elif r == 4:
+            k_src, gk, k_rep, tag = cz.see_through_repeat_kv(k)
+            v_src, gv, v_rep, _ = cz.see_through_repeat_kv(v)
+            if gk > 1 and gk == gv:
+                k, v, groups = k_src, v_src, gk
+                members += k_rep + v_rep
+                spelling.append(tag)
+        mask = a.get("attn_mask")
+        is_causal = bool(a.get("is_causal", False))
+        if is_causal:
+            spelling.append("mask:is_causal")
+        path, mtype, in_mha = module_of(node)
+        scale = a.get("scale")
+        if scale is not None:
+            spelling.append("scale:arg")
+        return Candidate(
+            anchor=node, source="mha" if in_mha else "sdpa", query=q, key=k, value=v, output=node, rank=r,
+            sdpa_scale=scale, sdpa_mask=mask if isinstance(mask, fx.Node) else None, is_causal=is_causal,
+            groups=groups, enable_gqa=enable_gqa, dropout_p=float(a.get("dropout_p", 0.0) or 0.0),
+            members=members, spelling=spelling, module_path=path, module_type=mtype,
+        )
+
+
+class LogSoftmaxMatcher:
+    """log_softmax over q·kᵀ is never attention; it is reported so the user sees why."""
+
+    anchors = {"log_softmax", "_log_softmax"}
+
+    def match(self, node: Node) -> Optional[NearMiss]:
+        if not reaches_qk(node.args[0]):
+            return None
+        return _miss(node, "log_softmax over q·kᵀ gives log-probabilities, not attention weights",
+                     "log_softmax")

@@ -1,0 +1,386 @@
+"""The audit report: what each pass found and decided, as data, JSON, Markdown and one HTML page.
+
+A `CompileReport` holds exactly what the passes returned (sites, plans, outcomes, costs, near
+misses, end-to-end drift); totals are computed from those records, never re-derived from the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from attnopt.passes.records import Cost, Drift, OutputDrift, SiteOutcome, SitePlan
+from attnopt.passes.site import AttentionSite, MaskInfo, NearMiss, SiteNodes
+
+STATUSES = ("rewritten", "kept", "reverted", "unsupported")
+
+
+def _package_version(name: str) -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return version(name)
+    except Exception:  # PackageNotFoundError, or a broken install's metadata
+        return "unknown"
+
+
+@dataclass
+class SiteRecord:
+    """One site with its plan, verified outcome and attention cost before/after at each length multiplier."""
+
+    site: AttentionSite
+    plan: SitePlan
+    outcome: SiteOutcome
+    costs_before: list = field(default_factory=list)  # list[Cost], one per CompileReport.cost_multipliers
+    costs_after: list = field(default_factory=list)
+
+    def flops_ratio(self, i: int) -> Optional[float]:
+        """Attention FLOPs after / before at multiplier index `i` (None when not costed)."""
+        if i >= len(self.costs_before) or i >= len(self.costs_after) or not self.costs_before[i].flops:
+            return None
+        return self.costs_after[i].flops / self.costs_before[i].flops
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "site": self.site.to_dict(),
+            "plan": self.plan.to_dict(),
+            "outcome": self.outcome.to_dict(),
+            "costs_before": [c.to_dict() for c in self.costs_before],
+            "costs_after": [c.to_dict() for c in self.costs_after],
+        }
+
+
+@dataclass
+class CompileReport:
+    """Everything `attnopt.compile` did to one model, for people (Markdown/HTML) and tools (JSON)."""
+
+    model_name: str
+    policy: Any  # a Policy, its to_dict(), or the preset string
+    capture: str  # how the graph was captured, e.g. "torch.export", "dynamo"
+    sites: list = field(default_factory=list)  # list[SiteRecord], in plan order
+    near_misses: list = field(default_factory=list)  # list[NearMiss]
+    end_to_end: Optional[OutputDrift] = None
+    timings: dict = field(default_factory=dict)  # pass name -> seconds
+    notes: list = field(default_factory=list)
+    cost_multipliers: tuple = (1, 4, 16)  # the lengths (× example length) of each SiteRecord.costs_*
+    torch_version: str = field(default_factory=lambda: _package_version("torch"))
+    attnopt_version: str = field(default_factory=lambda: _package_version("attnopt"))
+
+    # ------------------------------------------------------------ totals
+
+    def count(self, status: str) -> int:
+        if status not in STATUSES:
+            raise ValueError(f"unknown status {status!r}; allowed: {', '.join(STATUSES)}")
+        return sum(1 for r in self.sites if r.outcome.status == status)
+
+    @property
+    def flops_before(self) -> list[float]:
+        """Total attention FLOPs of the original model at each multiplier."""
+        return [sum(r.costs_before[i].flops for r in self.sites if i < len(r.costs_before)) for i in range(len(self.cost_multipliers))]
+
+    @property
+    def flops_after(self) -> list[float]:
+        return [sum(r.costs_after[i].flops for r in self.sites if i < len(r.costs_after)) for i in range(len(self.cost_multipliers))]
+
+    @property
+    def bytes_before(self) -> list[float]:
+        return [sum(r.costs_before[i].bytes for r in self.sites if i < len(r.costs_before)) for i in range(len(self.cost_multipliers))]
+
+    @property
+    def bytes_after(self) -> list[float]:
+        return [sum(r.costs_after[i].bytes for r in self.sites if i < len(r.costs_after)) for i in range(len(self.cost_multipliers))]
+
+    @property
+    def flops_ratio(self) -> list[Optional[float]]:
+        """After / before at each multiplier (None where nothing was costed)."""
+        return [a / b if b else None for a, b in zip(self.flops_after, self.flops_before)]
+
+    @property
+    def totals(self) -> dict[str, Any]:
+        return {
+            "sites": len(self.sites),
+            **{s: self.count(s) for s in STATUSES},
+            "near_misses": len(self.near_misses),
+            "multipliers": list(self.cost_multipliers),
+            "flops_before": self.flops_before,
+            "flops_after": self.flops_after,
+            "flops_ratio": self.flops_ratio,
+            "bytes_before": self.bytes_before,
+            "bytes_after": self.bytes_after,
+        }
+
+    # ------------------------------------------------------------ policy text
+
+    def policy_dict(self) -> Any:
+        to_dict = getattr(self.policy, "to_dict", None)
+        return to_dict() if callable(to_dict) else self.policy
+
+    def policy_text(self) -> str:
+        if isinstance(self.policy, str):
+            return self.policy
+        if hasattr(self.policy, "describe"):
+            return self.policy.describe()
+        return json.dumps(self.policy, indent=2, default=str)
+
+    # ------------------------------------------------------------ serialisation
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name,
+            "policy": self.policy_dict(),
+            "capture": self.capture,
+            "sites": [r.to_dict() for r in self.sites],
+            "near_misses": [n.to_dict() for n in self.near_misses],
+            "end_to_end": self.end_to_end.to_dict() if self.end_to_end is not None else None,
+            "totals": self.totals,
+            "timings": dict(self.timings),
+            "notes": list(self.notes),
+            "cost_multipliers": list(self.cost_multipliers),
+            "versions": {"torch": self.torch_version, "attnopt": self.attnopt_version},
+        }
+
+    def to_json(self, path: Union[str, Path, None] = None) -> str:
+        """Strict JSON (non-finite floats written as the strings "nan", "inf", "-inf"); written to `path` if given."""
+        text = json.dumps(_finite(self.to_dict()), indent=2, default=str, allow_nan=False)
+        if path is not None:
+            Path(path).write_text(text, encoding="utf-8")
+        return text
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CompileReport":
+        """Rebuild a report from `to_dict()` / parsed `to_json()` output (totals are recomputed)."""
+        d = _unfinite(d)
+        versions = d.get("versions", {})
+        return cls(
+            model_name=d["model_name"],
+            policy=d["policy"],
+            capture=d["capture"],
+            sites=[_record_from_dict(r) for r in d.get("sites", [])],
+            near_misses=[NearMiss(**n) for n in d.get("near_misses", [])],
+            end_to_end=_output_drift_from_dict(d.get("end_to_end")),
+            timings=dict(d.get("timings", {})),
+            notes=list(d.get("notes", [])),
+            cost_multipliers=tuple(d.get("cost_multipliers", (1, 4, 16))),
+            torch_version=versions.get("torch", "unknown"),
+            attnopt_version=versions.get("attnopt", "unknown"),
+        )
+
+    # ------------------------------------------------------------ text
+
+    def to_markdown(self) -> str:
+        return _markdown(self)
+
+    def to_html(self, path: Union[str, Path, None] = None) -> str:
+        """One self-contained page (inline CSS and SVG, nothing fetched); written to `path` if given."""
+        from attnopt.report_html import render_html
+
+        text = render_html(self)
+        if path is not None:
+            Path(path).write_text(text, encoding="utf-8")
+        return text
+
+    def __str__(self) -> str:
+        t = self.totals
+        line = (
+            f"attnopt report for {self.model_name}: {t['sites']} attention sites — "
+            f"{t['rewritten']} rewritten, {t['kept']} kept, {t['reverted']} reverted, {t['unsupported']} unsupported"
+        )
+        ratios = self.flops_ratio
+        if ratios and ratios[-1] is not None:
+            line += f"; attention FLOPs at {self.cost_multipliers[-1]}× length: {ratios[-1]:.3g}× of original"
+        if self.end_to_end is not None and self.end_to_end.worst is not None:
+            line += f"; end-to-end worst rel RMS {self.end_to_end.worst.rel_rms:.3g}"
+        return line
+
+
+# ---------------------------------------------------------------- markdown
+
+
+def fmt_num(x: Optional[float], digits: int = 3) -> str:
+    """Short number for tables: '—' for None, 'nan'/'inf' kept, else `digits` significant digits."""
+    if x is None:
+        return "—"
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return f"{x:.{digits}g}"
+
+
+def fmt_flops(x: float) -> str:
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.3g} "
+
+
+def _md_cell(text: Any) -> str:
+    return str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
+def site_row(r: SiteRecord, multipliers: tuple) -> dict[str, str]:
+    """The cells of one site-table row, as plain text, shared by the Markdown and HTML tables."""
+    o, s = r.outcome, r.site
+    drift = o.drift
+    last = len(multipliers) - 1
+    return {
+        "id": s.id,
+        "module": s.module_path or "(top level)",
+        "layer": str(s.layer),
+        "mask": s.mask.kind,
+        "form": o.planned_form if o.planned_form == o.final_form else f"{o.planned_form} → {o.final_form}",
+        "status": o.status,
+        "reason": o.reason,
+        "drift": "—" if drift is None else f"{fmt_num(drift.rel_rms)} / {fmt_num(drift.cosine, 4)}",
+        "tolerance": fmt_num(o.tolerance),
+        "ratio_first": fmt_num(r.flops_ratio(0)),
+        "ratio_last": fmt_num(r.flops_ratio(last)),
+    }
+
+
+SITE_COLUMNS = (
+    ("id", "site"),
+    ("module", "module"),
+    ("layer", "layer"),
+    ("mask", "mask"),
+    ("form", "form planned → final"),
+    ("status", "status"),
+    ("reason", "reason"),
+    ("drift", "drift rel-RMS / cosine"),
+    ("tolerance", "tolerance"),
+    ("ratio_first", "FLOPs ratio @first"),
+    ("ratio_last", "FLOPs ratio @last"),
+)
+
+
+def column_titles(multipliers: tuple) -> list[str]:
+    titles = []
+    for key, title in SITE_COLUMNS:
+        if key == "ratio_first":
+            title = f"FLOPs ratio @{multipliers[0]}×"
+        elif key == "ratio_last":
+            title = f"FLOPs ratio @{multipliers[-1]}×"
+        titles.append(title)
+    return titles
+
+
+def _markdown(rep: CompileReport) -> str:
+    t = rep.totals
+    out = [f"# attnopt report: {_md_cell(rep.model_name)}", ""]
+    out.append(
+        f"Capture: {_md_cell(rep.capture)} · torch {rep.torch_version} · attnopt {rep.attnopt_version}"
+    )
+    out += ["", "## Totals", ""]
+    out.append(
+        f"- sites: {t['sites']} ({t['rewritten']} rewritten, {t['kept']} kept, {t['reverted']} reverted, "
+        f"{t['unsupported']} unsupported); near misses: {t['near_misses']}"
+    )
+    for m, b, a, ratio in zip(rep.cost_multipliers, t["flops_before"], t["flops_after"], t["flops_ratio"]):
+        out.append(f"- attention FLOPs at {m}× length: {fmt_flops(b)}FLOP → {fmt_flops(a)}FLOP (ratio {fmt_num(ratio)})")
+    out += ["", "## End-to-end drift", ""]
+    e2e = rep.end_to_end
+    if e2e is None:
+        out.append("not measured")
+    else:
+        out += ["| output | rel RMS | cosine | max abs | finite |", "|---|---|---|---|---|"]
+        for name, d in e2e.per_output.items():
+            out.append(f"| {_md_cell(name)} | {fmt_num(d.rel_rms)} | {fmt_num(d.cosine, 4)} | {fmt_num(d.max_abs)} | {d.finite} |")
+        if e2e.worst is not None:
+            out.append(f"| **worst** | {fmt_num(e2e.worst.rel_rms)} | {fmt_num(e2e.worst.cosine, 4)} | {fmt_num(e2e.worst.max_abs)} | {e2e.worst.finite} |")
+        if e2e.embedding_cosine is not None:
+            out += ["", f"Mean embedding cosine: {fmt_num(e2e.embedding_cosine, 5)}"]
+    out += ["", "## Sites", ""]
+    if rep.sites:
+        titles = column_titles(rep.cost_multipliers)
+        out.append("| " + " | ".join(titles) + " |")
+        out.append("|" + "---|" * len(titles))
+        for r in rep.sites:
+            row = site_row(r, rep.cost_multipliers)
+            out.append("| " + " | ".join(_md_cell(row[k]) for k, _ in SITE_COLUMNS) + " |")
+    else:
+        out.append("No attention sites found.")
+    out += ["", "## Near misses", ""]
+    if rep.near_misses:
+        out += ["| node | module | code | reason |", "|---|---|---|---|"]
+        for n in rep.near_misses:
+            out.append(f"| {_md_cell(n.node)} | {_md_cell(n.module_path)} | {_md_cell(n.code)} | {_md_cell(n.reason)} |")
+    else:
+        out.append("None.")
+    out += ["", "## Policy", "", "```", rep.policy_text().replace("```", "'''"), "```"]
+    if rep.timings:
+        out += ["", "## Timings", ""]
+        out += [f"- {_md_cell(k)}: {v:.3f} s" for k, v in rep.timings.items()]
+    if rep.notes:
+        out += ["", "## Notes", ""]
+        out += [f"- {_md_cell(n)}" for n in rep.notes]
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------- JSON helpers
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _unfinite(x: Any) -> Any:
+    if isinstance(x, str) and x in ("nan", "inf", "-inf"):
+        return float(x)
+    if isinstance(x, dict):
+        return {k: _unfinite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_unfinite(v) for v in x]
+    return x
+
+
+def _tuple(x: Any) -> Any:
+    return tuple(_tuple(v) for v in x) if isinstance(x, list) else x
+
+
+def _drift(d: Optional[dict]) -> Optional[Drift]:
+    return None if d is None else Drift(**d)
+
+
+def _site_from_dict(d: dict) -> AttentionSite:
+    d = dict(d)
+    mask = dict(d.pop("mask"))
+    mask.pop("kind", None)
+    mask["shape"] = _tuple(mask.get("shape"))
+    nodes = dict(d.pop("nodes"))
+    nodes["members"] = _tuple(nodes.get("members", ()))
+    d["spelling"] = _tuple(d.get("spelling", ()))
+    return AttentionSite(mask=MaskInfo(**mask), nodes=SiteNodes(**nodes), **d)
+
+
+def _record_from_dict(d: dict) -> SiteRecord:
+    plan = dict(d["plan"])
+    plan["candidates"] = tuple(tuple(c) for c in plan.get("candidates", ()))
+    out = dict(d["outcome"])
+    out["drift"] = _drift(out.get("drift"))
+    out["tried"] = tuple(
+        tuple(_drift(v) if isinstance(v, dict) and "rel_rms" in v else v for v in t) for t in out.get("tried", ())
+    )
+    return SiteRecord(
+        site=_site_from_dict(d["site"]),
+        plan=SitePlan(**plan),
+        outcome=SiteOutcome(**out),
+        costs_before=[Cost(**c) for c in d.get("costs_before", [])],
+        costs_after=[Cost(**c) for c in d.get("costs_after", [])],
+    )
+
+
+def _output_drift_from_dict(d: Optional[dict]) -> Optional[OutputDrift]:
+    if d is None:
+        return None
+    return OutputDrift(
+        per_output={k: Drift(**v) for k, v in d.get("per_output", {}).items()},
+        worst=_drift(d.get("worst")),
+        embedding_cosine=d.get("embedding_cosine"),
+    )

@@ -1,0 +1,276 @@
+"""The report as one self-contained HTML page: inline CSS, hand-drawn SVG plots, no network.
+
+Every string that came from the user or the model (names, module paths, reasons, policy text) goes
+through `esc` -- a module path is attacker-controlled as far as a shared report is concerned.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import TYPE_CHECKING, Any, Optional
+
+from attnopt.report import SITE_COLUMNS, column_titles, fmt_flops, fmt_num, site_row
+
+if TYPE_CHECKING:
+    from attnopt.report import CompileReport
+
+STATUS_COLOURS = {"rewritten": "#2f9e44", "reverted": "#e8590c", "kept": "#868e96", "unsupported": "#adb5bd"}
+BEFORE_COLOUR, AFTER_COLOUR, TOL_COLOUR = "#495057", "#1c7ed6", "#c92a2a"
+
+CSS = """
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#212529;background:#f8f9fa;margin:0}
+main{max-width:1180px;margin:0 auto;padding:24px}
+h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 10px;border-bottom:1px solid #dee2e6;padding-bottom:4px}
+.meta{color:#6c757d}
+.cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(130px,1fr));gap:10px;margin:16px 0}
+.card{background:#fff;border:1px solid #dee2e6;border-radius:8px;padding:10px 14px;min-width:110px}
+.card b{display:block;font-size:20px}.card span{color:#6c757d;font-size:12px}
+.plots{display:flex;flex-wrap:wrap;gap:16px}
+figure{background:#fff;border:1px solid #dee2e6;border-radius:8px;margin:0;padding:8px}
+figcaption{font-size:12px;color:#495057;padding:2px 6px 6px}
+table{border-collapse:collapse;background:#fff;width:100%;font-size:13px}
+th,td{border:1px solid #dee2e6;padding:4px 7px;text-align:left;vertical-align:top}
+th{background:#f1f3f5}td.num{text-align:right;font-variant-numeric:tabular-nums}
+tr.rewritten td.st{color:#2f9e44;font-weight:600}tr.reverted td.st{color:#e8590c;font-weight:600}
+tr.kept td.st,tr.unsupported td.st{color:#868e96}
+code,pre{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12px}
+pre{background:#fff;border:1px solid #dee2e6;border-radius:8px;padding:10px;overflow-x:auto}
+svg text{font-family:system-ui,sans-serif;font-size:11px;fill:#495057}
+""".strip()
+
+
+def esc(x: Any) -> str:
+    return html.escape(str(x), quote=True)
+
+
+# ---------------------------------------------------------------- plots
+
+
+def drift_svg(rep: "CompileReport", width: int = 560, height: int = 260) -> str:
+    """Bars of each site's relative RMS drift in plan order, its tolerance as a red tick, colour by status."""
+    left, right, top, bottom = 48, 12, 14, 46
+    records = rep.sites
+    values = []
+    for r in records:
+        d = r.outcome.drift
+        values.append(None if d is None else d.rel_rms)
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    tols = [r.outcome.tolerance for r in records if r.outcome.tolerance is not None and math.isfinite(r.outcome.tolerance)]
+    ymax = max(finite + tols + [1e-3]) * 1.15
+    plot_w, plot_h = width - left - right, height - top - bottom
+
+    def y(v: float) -> float:
+        return top + plot_h * (1 - min(v, ymax) / ymax)
+
+    parts = [f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" aria-label="per-site drift">']
+    for k in range(5):
+        v = ymax * k / 4
+        parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#e9ecef"/>')
+        parts.append(f'<text x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{fmt_num(v, 2)}</text>')
+    n = max(len(records), 1)
+    slot = plot_w / n
+    bar = max(min(slot * 0.7, 40), 1.0)
+    for i, (r, v) in enumerate(zip(records, values)):
+        x0 = left + i * slot + (slot - bar) / 2
+        colour = STATUS_COLOURS.get(r.outcome.status, "#868e96")
+        label = f"{r.site.id} (layer {r.site.layer}): {r.outcome.final_form}, {r.outcome.status}"
+        if v is None:
+            parts.append(f'<rect x="{x0:.1f}" y="{top + plot_h - 2}" width="{bar:.1f}" height="2" fill="{colour}"><title>{esc(label)}: no drift measured</title></rect>')
+        else:
+            shown = v if math.isfinite(v) else ymax
+            parts.append(
+                f'<rect x="{x0:.1f}" y="{y(shown):.1f}" width="{bar:.1f}" height="{top + plot_h - y(shown):.1f}" fill="{colour}">'
+                f"<title>{esc(label)}: rel RMS {fmt_num(v)}</title></rect>"
+            )
+            if not math.isfinite(v):
+                # a non-finite drift is drawn full height and labelled, never silently clipped
+                parts.append(f'<text x="{x0 + bar / 2:.1f}" y="{y(shown) + 12:.1f}" text-anchor="middle" style="fill:#fff">{fmt_num(v)}</text>')
+        tol = r.outcome.tolerance
+        if tol is not None and math.isfinite(tol):
+            parts.append(f'<line x1="{x0 - 2:.1f}" x2="{x0 + bar + 2:.1f}" y1="{y(tol):.1f}" y2="{y(tol):.1f}" stroke="{TOL_COLOUR}" stroke-width="2" stroke-dasharray="4 2"/>')
+        if len(records) <= 40:
+            parts.append(f'<text x="{x0 + bar / 2:.1f}" y="{top + plot_h + 14}" text-anchor="middle">{esc(r.site.layer)}</text>')
+    parts.append(f'<line x1="{left}" x2="{width - right}" y1="{top + plot_h}" y2="{top + plot_h}" stroke="#868e96"/>')
+    parts.append(f'<text x="{left + plot_w / 2:.1f}" y="{height - 18}" text-anchor="middle">layer (one bar per site, plan order)</text>')
+    lx = left
+    for status in ("rewritten", "reverted", "kept"):
+        parts.append(f'<rect x="{lx}" y="{height - 11}" width="10" height="10" fill="{STATUS_COLOURS[status]}"/><text x="{lx + 14}" y="{height - 2}">{status}</text>')
+        lx += 90
+    parts.append(f'<line x1="{lx}" x2="{lx + 16}" y1="{height - 6}" y2="{height - 6}" stroke="{TOL_COLOUR}" stroke-width="2" stroke-dasharray="4 2"/><text x="{lx + 20}" y="{height - 2}">tolerance</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def cost_svg(rep: "CompileReport", width: int = 520, height: int = 260) -> str:
+    """Total attention FLOPs, original vs rewritten, at each length multiplier; both axes log-scale."""
+    left, right, top, bottom = 64, 16, 14, 46
+    before, after = rep.flops_before, rep.flops_after
+    mults = list(rep.cost_multipliers)
+    lens = _lengths(rep)
+    positive = [v for v in before + after if v > 0]
+    plot_w, plot_h = width - left - right, height - top - bottom
+    parts = [f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" aria-label="attention cost vs sequence length">']
+    if not positive or not mults:
+        parts.append(f'<text x="{width / 2}" y="{height / 2}" text-anchor="middle">no attention cost recorded</text></svg>')
+        return "".join(parts)
+    lo_dec, hi_dec = math.floor(math.log10(min(positive))), math.ceil(math.log10(max(positive)))
+    if hi_dec == lo_dec:
+        hi_dec += 1
+    xs_log = [math.log10(m) for m in mults]
+    x_lo, x_hi = min(xs_log), max(xs_log)
+    x_span = (x_hi - x_lo) or 1.0
+
+    def x(i: int) -> float:
+        return left + 10 + (plot_w - 20) * (xs_log[i] - x_lo) / x_span if len(mults) > 1 else left + plot_w / 2
+
+    def y(v: float) -> float:
+        return top + plot_h * (1 - (math.log10(v) - lo_dec) / (hi_dec - lo_dec))
+
+    for dec in range(lo_dec, hi_dec + 1):
+        parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y(10 ** dec):.1f}" y2="{y(10 ** dec):.1f}" stroke="#e9ecef"/>')
+        parts.append(f'<text x="{left - 6}" y="{y(10 ** dec) + 4:.1f}" text-anchor="end">1e{dec}</text>')
+    for i, m in enumerate(mults):
+        label = f"{m}×" + (f" (N={lens[i]})" if lens else "")
+        anchor = "start" if i == 0 and len(mults) > 1 else ("end" if i == len(mults) - 1 and len(mults) > 1 else "middle")
+        parts.append(f'<text x="{x(i):.1f}" y="{top + plot_h + 14}" text-anchor="{anchor}">{esc(label)}</text>')
+    for series, colour, name in ((before, BEFORE_COLOUR, "original"), (after, AFTER_COLOUR, "rewritten")):
+        pts = [(x(i), y(v)) for i, v in enumerate(series) if v > 0]
+        if len(pts) > 1:
+            parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{" ".join(f"{a:.1f},{b:.1f}" for a, b in pts)}"/>')
+        for i, v in enumerate(series):
+            if v > 0:
+                parts.append(f'<circle cx="{x(i):.1f}" cy="{y(v):.1f}" r="4" fill="{colour}"><title>{name} at {mults[i]}×: {esc(fmt_flops(v))}FLOP</title></circle>')
+    parts.append(f'<line x1="{left}" x2="{left}" y1="{top}" y2="{top + plot_h}" stroke="#868e96"/>')
+    parts.append(f'<line x1="{left}" x2="{width - right}" y1="{top + plot_h}" y2="{top + plot_h}" stroke="#868e96"/>')
+    parts.append(f'<text x="{left + plot_w / 2:.1f}" y="{height - 18}" text-anchor="middle">sequence length (× example input)</text>')
+    parts.append(f'<rect x="{left}" y="{height - 11}" width="10" height="10" fill="{BEFORE_COLOUR}"/><text x="{left + 14}" y="{height - 2}">original</text>')
+    parts.append(f'<rect x="{left + 90}" y="{height - 11}" width="10" height="10" fill="{AFTER_COLOUR}"/><text x="{left + 104}" y="{height - 2}">rewritten</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _lengths(rep: "CompileReport") -> Optional[list]:
+    """The query lengths behind each multiplier when every site agrees on them, else None."""
+    seen = {tuple(c.seq_len for c in r.costs_before) for r in rep.sites if r.costs_before}
+    if len(seen) == 1:
+        lens = list(next(iter(seen)))
+        if len(lens) == len(rep.cost_multipliers):
+            return lens
+    return None
+
+
+# ---------------------------------------------------------------- page
+
+
+def _card(value: Any, label: str) -> str:
+    return f'<div class="card"><b>{esc(value)}</b><span>{esc(label)}</span></div>'
+
+
+def _site_table(rep: "CompileReport") -> str:
+    if not rep.sites:
+        return "<p>No attention sites found.</p>"
+    numeric = {"layer", "drift", "tolerance", "ratio_first", "ratio_last"}
+    head = "".join(f"<th>{esc(t)}</th>" for t in column_titles(rep.cost_multipliers))
+    rows = []
+    for r in rep.sites:
+        row = site_row(r, rep.cost_multipliers)
+        cells = []
+        for key, _ in SITE_COLUMNS:
+            cls = "num" if key in numeric else ("st" if key == "status" else "")
+            text = f"<code>{esc(row[key])}</code>" if key in ("id", "module") else esc(row[key])
+            cells.append(f'<td class="{cls}">{text}</td>' if cls else f"<td>{text}</td>")
+        rows.append(f'<tr class="{esc(r.outcome.status)}">{"".join(cells)}</tr>')
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def _near_miss_table(rep: "CompileReport") -> str:
+    if not rep.near_misses:
+        return "<p>None.</p>"
+    rows = "".join(
+        f"<tr><td><code>{esc(n.node)}</code></td><td><code>{esc(n.module_path)}</code></td><td>{esc(n.code)}</td><td>{esc(n.reason)}</td></tr>"
+        for n in rep.near_misses
+    )
+    return f"<table><thead><tr><th>node</th><th>module</th><th>code</th><th>reason</th></tr></thead><tbody>{rows}</tbody></table>"
+
+
+def _e2e_table(rep: "CompileReport") -> str:
+    e2e = rep.end_to_end
+    if e2e is None:
+        return "<p>Not measured.</p>"
+    rows = []
+    items = list(e2e.per_output.items()) + ([("worst", e2e.worst)] if e2e.worst is not None else [])
+    for name, d in items:
+        rows.append(
+            f'<tr><td><code>{esc(name)}</code></td><td class="num">{fmt_num(d.rel_rms)}</td><td class="num">{fmt_num(d.cosine, 4)}</td>'
+            f'<td class="num">{fmt_num(d.max_abs)}</td><td>{esc(d.finite)}</td></tr>'
+        )
+    table = f"<table><thead><tr><th>output</th><th>rel RMS</th><th>cosine</th><th>max abs</th><th>finite</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
+    if e2e.embedding_cosine is not None:
+        table += f"<p>Mean embedding cosine: <b>{fmt_num(e2e.embedding_cosine, 5)}</b></p>"
+    return table
+
+
+def _totals_table(rep: "CompileReport") -> str:
+    t = rep.totals
+    rows = "".join(
+        f'<tr><td>{esc(m)}×</td><td class="num">{esc(fmt_flops(b))}FLOP</td><td class="num">{esc(fmt_flops(a))}FLOP</td>'
+        f'<td class="num">{fmt_num(ratio)}</td><td class="num">{esc(fmt_flops(bb))}B</td><td class="num">{esc(fmt_flops(ba))}B</td></tr>'
+        for m, b, a, ratio, bb, ba in zip(rep.cost_multipliers, t["flops_before"], t["flops_after"], t["flops_ratio"], t["bytes_before"], t["bytes_after"])
+    )
+    return (
+        "<table><thead><tr><th>length</th><th>attention FLOPs before</th><th>after</th><th>ratio</th>"
+        f"<th>bytes before</th><th>after</th></tr></thead><tbody>{rows}</tbody></table>"
+    )
+
+
+def render_html(rep: "CompileReport") -> str:
+    t = rep.totals
+    ratio = t["flops_ratio"][-1] if t["flops_ratio"] else None
+    worst = rep.end_to_end.worst.rel_rms if rep.end_to_end is not None and rep.end_to_end.worst is not None else None
+    cards = "".join(
+        [
+            _card(t["sites"], "attention sites"),
+            _card(t["rewritten"], "rewritten"),
+            _card(t["kept"], "kept exact"),
+            _card(t["reverted"], "reverted"),
+            _card(t["unsupported"], "unsupported"),
+            _card(t["near_misses"], "near misses"),
+            _card(fmt_num(ratio), f"FLOPs ratio @{rep.cost_multipliers[-1]}×" if rep.cost_multipliers else "FLOPs ratio"),
+            _card(fmt_num(worst), "end-to-end worst rel RMS"),
+        ]
+    )
+    timings = ""
+    if rep.timings:
+        items = "".join(f'<tr><td>{esc(k)}</td><td class="num">{v:.3f} s</td></tr>' for k, v in rep.timings.items())
+        timings = f"<h2>Timings</h2><table><thead><tr><th>pass</th><th>time</th></tr></thead><tbody>{items}</tbody></table>"
+    notes = ""
+    if rep.notes:
+        notes = "<h2>Notes</h2><ul>" + "".join(f"<li>{esc(n)}</li>" for n in rep.notes) + "</ul>"
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>attnopt report: {esc(rep.model_name)}</title>
+<style>{CSS}</style></head>
+<body><main>
+<h1>attnopt report: {esc(rep.model_name)}</h1>
+<div class="meta">capture: {esc(rep.capture)} · torch {esc(rep.torch_version)} · attnopt {esc(rep.attnopt_version)}</div>
+<div class="cards">{cards}</div>
+<h2>Drift and cost</h2>
+<div class="plots">
+<figure>{drift_svg(rep)}<figcaption>Relative RMS drift of each site's output given the original inputs; red ticks: tolerance.</figcaption></figure>
+<figure>{cost_svg(rep)}<figcaption>Total attention FLOPs (log scale) at 1× and longer inputs, original vs rewritten.</figcaption></figure>
+</div>
+<h2>Totals</h2>
+{_totals_table(rep)}
+<h2>End-to-end drift</h2>
+{_e2e_table(rep)}
+<h2>Sites</h2>
+{_site_table(rep)}
+<h2>Near misses</h2>
+{_near_miss_table(rep)}
+<h2>Policy</h2>
+<pre>{esc(rep.policy_text())}</pre>
+{timings}
+{notes}
+</main></body></html>
+"""

@@ -1,0 +1,309 @@
+"""CPU benchmark of attnopt's attention ops against F.scaled_dot_product_attention, same run, same inputs.
+
+Every (op, causal, N) is measured in a fresh subprocess, so its peak-RSS delta (ru_maxrss after the runs
+minus after building the inputs) is that op's own working memory, not a high-water mark left behind by
+an earlier op; torch's CPU allocations are invisible to tracemalloc, so RSS is the honest measure.
+Time is the median of `repeats` calls after one warm-up call; the ratio is SDPA seconds / op seconds,
+both measured by this invocation. An N² op (SDPA, reuse) whose time extrapolated from the largest N
+already measured exceeds --max-seconds is not run; its time and ratio are then marked "estimated".
+
+    python benchmarks/ops_cpu.py --sizes 1024,4096 --repeats 3 --out benchmarks/results/ops_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_SIZES = (1024, 4096, 16384, 32768)
+B, H, D = 1, 8, 64  # fixed shape of the study: one sequence, 8 heads of 64, fp32
+REUSE_RANK = 8
+SEED = 0
+
+
+@dataclass(frozen=True)
+class OpCase:
+    """One benchmarked call: which op, causal or not, and how its cost grows with N (for estimates)."""
+
+    name: str  # "sdpa", "linear", "window", "decay", "reuse"
+    causal: bool
+    module: str  # import path; a missing module skips the case with a note
+    exponent: int  # time ∝ N**exponent, used only to extrapolate skipped sizes
+    params: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}/{'causal' if self.causal else 'full'}"
+
+
+CASES = (
+    OpCase("sdpa", False, "torch.nn.functional", 2),
+    OpCase("sdpa", True, "torch.nn.functional", 2),
+    OpCase("linear", False, "attnopt.kernels.linear", 1, {"feature_map": "elu"}),
+    OpCase("linear", True, "attnopt.kernels.linear", 1, {"feature_map": "elu"}),
+    OpCase("window", True, "attnopt.kernels.window", 1, {"window": 256, "sinks": 4}),
+    OpCase("decay", True, "attnopt.kernels.decay", 1, {"decay": "retnet"}),
+    OpCase("reuse", False, "attnopt.kernels.reuse", 2, {"rank": REUSE_RANK}),
+    OpCase("reuse", True, "attnopt.kernels.reuse", 2, {"rank": REUSE_RANK}),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# worker: one (op, causal, N) in its own process
+# ---------------------------------------------------------------------------------------------
+
+
+def _build_call(case: OpCase, N: int):
+    """Inputs (seeded) and a zero-argument callable running the op once; imports only this op's module."""
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(SEED)
+    q, k, v = (torch.randn(B, H, N, D, generator=g) for _ in range(3))
+    scale = D**-0.5
+    if case.name == "sdpa":
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, scale=scale)
+    mod = importlib.import_module(case.module)
+    if case.name == "linear":
+        fn = mod.linear_attention
+        return lambda: fn(q, k, v, feature_map=case.params["feature_map"], causal=case.causal, scale=scale)
+    if case.name == "window":
+        fn = mod.window_attention
+        return lambda: fn(q, k, v, window=case.params["window"], causal=case.causal, sinks=case.params["sinks"], scale=scale)
+    if case.name == "decay":
+        fn = mod.decay_attention
+        # Its author may spell the decay option differently; pass only what the signature accepts.
+        accepted = inspect.signature(fn).parameters
+        kw = {name: val for name, val in (("decay", case.params["decay"]), ("causal", case.causal)) if name in accepted}
+        return lambda: fn(q, k, v, **kw)
+    if case.name == "reuse":
+        C, r = H * D, case.params["rank"]
+        x = torch.randn(B, N, C, generator=g)
+        A = torch.randn(H, C + 1, r, generator=g) * C**-0.5
+        B_ = torch.randn(H, C + 1, r, generator=g) * C**-0.5
+        return lambda: mod.reuse_attention(q, k, v, x, A, B_, scale=scale, causal=case.causal)
+    raise ValueError(f"unknown op case {case.name!r}")
+
+
+def _maxrss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
+
+
+def _worker(spec: dict) -> dict:
+    import torch
+
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    case = OpCase(**spec["case"])
+    try:
+        call = _build_call(case, spec["N"])
+    except (ImportError, AttributeError) as err:
+        return {"status": "missing", "note": f"{case.module}: {type(err).__name__}: {err}"}
+    rss_inputs = _maxrss_mb()
+    times = []
+    with torch.no_grad():
+        call()  # warm-up: first-call dispatch, op registration, allocator growth
+        for _ in range(spec["repeats"]):
+            t0 = time.perf_counter()
+            out = call()
+            times.append(time.perf_counter() - t0)
+            del out
+    return {
+        "status": "measured",
+        "seconds": statistics.median(times),
+        "seconds_all": times,
+        "peak_rss_delta_mb": max(0.0, _maxrss_mb() - rss_inputs),
+        "threads": torch.get_num_threads(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# driver
+# ---------------------------------------------------------------------------------------------
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _hardware(threads: Optional[int]) -> dict:
+    import torch
+
+    return {
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "affinity_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch_threads": threads or torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def _repeats_for(N: int, repeats: int) -> int:
+    """Fewer repeats where one call takes long: up to 3 at 16k, up to 2 at 32k and beyond."""
+    if N >= 32768:
+        return max(1, min(repeats, 2))
+    if N >= 16384:
+        return max(1, min(repeats, 3))
+    return max(1, repeats)
+
+
+def _run_worker(case: OpCase, N: int, repeats: int, threads: Optional[int], timeout: float) -> dict:
+    spec = {"case": asdict(case), "N": N, "repeats": repeats, "threads": threads}
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO_ROOT)
+    except subprocess.TimeoutExpired:
+        return {"status": "error", "note": f"timed out after {timeout:g} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"status": "error", "note": f"worker exit {proc.returncode}: " + " | ".join(tail)}
+    return json.loads(lines[-1])
+
+
+def _estimate(history: dict, case: OpCase, N: int) -> Optional[tuple[float, int]]:
+    """Seconds at N extrapolated from the largest smaller N measured for this case (t ∝ N^exponent)."""
+    measured = [(n, r["seconds"]) for n, r in history.get(case.key, {}).items() if r["status"] == "measured" and n < N]
+    if not measured:
+        return None
+    n0, t0 = max(measured)
+    return t0 * (N / n0) ** case.exponent, n0
+
+
+def run(sizes, repeats, threads, max_seconds, timeout, only) -> dict:
+    history: dict[str, dict[int, dict]] = {}
+    missing: dict[str, str] = {}
+    results = []
+    cases = [c for c in CASES if not only or c.name in only]
+    if only and "sdpa" not in only:
+        cases = [c for c in CASES if c.name == "sdpa"] + cases  # the ratio needs the baseline
+    for N in sizes:
+        reps = _repeats_for(N, repeats)
+        for case in cases:
+            if case.name in missing:
+                continue
+            est = _estimate(history, case, N)
+            if est is not None and est[0] > max_seconds:
+                rec = {"status": "estimated", "seconds": est[0], "peak_rss_delta_mb": None,
+                       "note": f"not run: ~{est[0]:.0f} s per call extrapolated as N^{case.exponent} from N={est[1]}"}
+            else:
+                print(f"  running {case.key:14s} N={N:6d} repeats={reps}", file=sys.stderr, flush=True)
+                rec = _run_worker(case, N, reps, threads, timeout)
+            if rec["status"] == "missing":
+                missing[case.name] = rec["note"]
+                continue
+            history.setdefault(case.key, {})[N] = rec
+            results.append({"op": case.name, "causal": case.causal, "N": N, "params": case.params, **rec})
+    by_key = {(r["op"], r["causal"], r["N"]): r for r in results}
+    for r in results:
+        base = by_key.get(("sdpa", r["causal"], r["N"]))
+        ok = base is not None and base.get("seconds") and r.get("seconds")
+        r["sdpa_seconds"] = base.get("seconds") if base else None
+        r["ratio_sdpa_over_op"] = base["seconds"] / r["seconds"] if ok else None
+        r["ratio_estimated"] = bool(ok) and (base["status"] == "estimated" or r["status"] == "estimated")
+    return {
+        "benchmark": "attnopt ops vs F.scaled_dot_product_attention, CPU",
+        "hardware": _hardware(threads),
+        "config": {
+            "B": B, "H": H, "D": D, "dtype": "float32", "sizes": list(sizes), "repeats": repeats,
+            "repeats_rule": "median of min(repeats, 3) at N>=16384 and min(repeats, 2) at N>=32768, after one warm-up",
+            "max_seconds": max_seconds, "reuse_rank": REUSE_RANK, "seed": SEED,
+            "ratio": "sdpa_seconds / op_seconds, both from this run, same causal flag and N",
+            "memory": "peak RSS (ru_maxrss) after the runs minus after building inputs, fresh process per row",
+        },
+        "skipped_ops": [{"op": k, "note": v} for k, v in missing.items()],
+        "results": results,
+    }
+
+
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(report: dict) -> None:
+    hw = report["hardware"]
+    print(f"\n{hw['cpu_model']} · {hw['torch_threads']} threads · torch {hw['torch_version']}")
+    print(f"{'N':>6}  {'op':<8} {'mask':<6} {'seconds':>10} {'sdpa s':>10} {'sdpa/op':>8} {'peak MB':>9}  note")
+    for r in sorted(report["results"], key=lambda r: (r["N"], r["causal"], r["op"] != "sdpa", r["op"])):
+        est = " (est)" if r.get("ratio_estimated") else ""
+        note = r.get("note", "") if r["status"] != "measured" else ""
+        print(
+            f"{r['N']:>6}  {r['op']:<8} {'causal' if r['causal'] else 'full':<6} {_fmt(r.get('seconds'), '10.4f')} "
+            f"{_fmt(r.get('sdpa_seconds'), '10.4f')} {_fmt(r.get('ratio_sdpa_over_op'), '8.2f')}{est:<6}"
+            f"{_fmt(r.get('peak_rss_delta_mb'), '9.1f')}  {note}"
+        )
+    for s in report["skipped_ops"]:
+        print(f"skipped {s['op']}: {s['note']}")
+
+
+def _parse_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise SystemExit(f"--sizes must be comma-separated integers like 1024,4096; got {text!r}")
+    if not sizes or any(n < 1 for n in sizes):
+        raise SystemExit(f"--sizes needs at least one positive integer; got {text!r}")
+    return sorted(set(sizes))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="comma-separated N (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per row after one warm-up (fewer at 16k/32k)")
+    p.add_argument("--out", default="benchmarks/results/ops_cpu.json", help="JSON report path")
+    p.add_argument("--quick", action="store_true", help="sizes 1024,2048 and 1 repeat: a smoke run")
+    p.add_argument("--threads", type=int, default=None, help="torch threads in each worker (default: torch's)")
+    p.add_argument("--max-seconds", type=float, default=120.0,
+                   help="skip (and estimate) a row whose extrapolated seconds per call exceed this (default %(default)s)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="kill a worker after this many seconds")
+    p.add_argument("--ops", default="", help="comma-separated subset of: sdpa,linear,window,decay,reuse")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.worker is not None:
+        print(json.dumps(_worker(json.loads(args.worker))))
+        return 0
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+    only = {s.strip() for s in args.ops.split(",") if s.strip()}
+    unknown = only - {c.name for c in CASES}
+    if unknown:
+        raise SystemExit(f"--ops: unknown {sorted(unknown)}; choose from sdpa,linear,window,decay,reuse")
+    sizes = [1024, 2048] if args.quick else _parse_sizes(args.sizes)
+    repeats = 1 if args.quick else args.repeats
+    report = run(sizes, repeats, args.threads, args.max_seconds, args.timeout, only)
+    out = Path(args.out)
+    if not out.is_absolute():
+        out = REPO_ROOT / out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print_table(report)
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

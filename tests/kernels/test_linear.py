@@ -1,0 +1,338 @@
+"""Linear attention: chunked op == explicit quadratic formula, state, gradients, op/export, feature maps.
+
+Letters: B batch, H query heads, Hkv kv heads, Nq/Nk lengths, D head dim, Dv value dim, M features.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnopt.kernels.feature_maps import (
+    FEATURE_MAP_NAMES,
+    FavorFeatureMap,
+    favor_projection,
+    make_feature_map,
+    query_key_features,
+)
+from attnopt.kernels.linear import linear_attention, linear_attention_reference
+
+F64 = torch.float64
+
+
+def _qkv(B, H, Hkv, Nq, Nk, D, Dv, seed=0, dtype=F64, spread=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Nq, D, generator=gen, dtype=F64) * spread
+    k = torch.randn(B, Hkv, Nk, D, generator=gen, dtype=F64) * spread
+    v = torch.randn(B, Hkv, Nk, Dv, generator=gen, dtype=F64)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _fmap(name, D, H, dtype=F64, seed=0):
+    fm = make_feature_map(name, D, H, seed=seed).to(dtype)
+    if name == "hedgehog":  # move W off the identity so per-head weights really differ
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(seed + 1)
+            fm.weight_HDP.add_(0.3 * torch.randn(fm.weight_HDP.shape, generator=gen, dtype=F64).to(dtype))
+    return fm
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+# ------------------------------------------------------------------ chunked == quadratic formula
+
+SHAPES = [  # B, H, Hkv, Nq, Nk, D, Dv, chunk
+    pytest.param(2, 6, 3, 37, 37, 8, 5, 16, id="gqa-N37"),
+    pytest.param(2, 6, 6, 70, 70, 8, 5, 16, id="mha-N70"),
+    pytest.param(2, 6, 3, 1, 1, 8, 5, 16, id="N1"),
+    pytest.param(2, 6, 3, 13, 37, 8, 5, 4, id="Nq<Nk"),
+    pytest.param(3, 4, 2, 1, 29, 7, 3, 16, id="decode-Nq1"),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", FEATURE_MAP_NAMES)
+@pytest.mark.parametrize("B,H,Hkv,Nq,Nk,D,Dv,chunk", SHAPES)
+def test_chunked_equals_quadratic_formula(name, causal, B, H, Hkv, Nq, Nk, D, Dv, chunk):
+    q, k, v = _qkv(B, H, Hkv, Nq, Nk, D, Dv)
+    fm = _fmap(name, D, H)
+    out = linear_attention(q, k, v, feature_map=fm, causal=causal, chunk_size=chunk)
+    ref = linear_attention_reference(q, k, v, feature_map=fm, causal=causal)
+    assert out.shape == (B, H, Nq, Dv) and out.dtype == F64
+    assert _rel(out, ref) <= 1e-10
+
+
+def test_reference_is_softmax_free_formula_written_out():
+    """The oracle itself: one output row by hand, causal bottom-right, elu map, GQA head 3 -> kv head 1."""
+    q, k, v = _qkv(1, 4, 2, 3, 7, 5, 2, seed=3)
+    ref = linear_attention_reference(q, k, v, feature_map="elu", causal=True, eps=0.0)
+    phi = lambda x: torch.nn.functional.elu(x) + 1
+    i, h = 1, 3  # query 1 sits at absolute position 7 - 3 + 1 = 5: keys 0..5
+    w = phi(k[0, 1, :6]) @ phi(q[0, h, i])
+    assert _rel(ref[0, h, i], (w @ v[0, 1, :6]) / w.sum()) <= 1e-12
+
+
+def test_queries_before_first_key_get_zero_rows():
+    q, k, v = _qkv(1, 2, 1, 6, 4, 3, 2)  # causal, Nq > Nk: queries 0, 1 sit before key 0
+    out = linear_attention(q, k, v, feature_map="elu", causal=True, chunk_size=3)
+    ref = linear_attention_reference(q, k, v, feature_map="elu", causal=True)
+    assert torch.all(out[:, :, :2] == 0) and out[:, :, 2:].abs().min() > 0
+    assert _rel(out, ref) <= 1e-10
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    B=st.integers(1, 2),
+    Hkv=st.integers(1, 3),
+    G=st.integers(1, 3),
+    Nq=st.integers(1, 30),
+    extra=st.integers(0, 12),
+    D=st.integers(1, 6),
+    Dv=st.integers(1, 4),
+    chunk=st.integers(1, 9),
+    causal=st.booleans(),
+    name=st.sampled_from(FEATURE_MAP_NAMES),
+    masked=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_chunked_equals_reference(B, Hkv, G, Nq, extra, D, Dv, chunk, causal, name, masked, seed):
+    H, Nk = Hkv * G, Nq + extra
+    q, k, v = _qkv(B, H, Hkv, Nq, Nk, D, Dv, seed=seed)
+    key_mask = None
+    if masked:
+        key_mask = torch.rand(B, Nk, generator=torch.Generator().manual_seed(seed)) > 0.3
+        key_mask[:, 0] = False  # at least one padded key
+    fm = _fmap(name, D, H, seed=seed)
+    out = linear_attention(q, k, v, feature_map=fm, causal=causal, chunk_size=chunk, key_mask=key_mask)
+    ref = linear_attention_reference(q, k, v, feature_map=fm, causal=causal, key_mask=key_mask)
+    assert _rel(out, ref) <= 1e-10
+    if masked:  # a masked key must not matter: changing its k and v leaves the output unchanged
+        k2, v2 = k.clone(), v.clone()
+        k2[~key_mask[:, None, :].expand(B, Hkv, Nk)] = 7.0
+        v2[~key_mask[:, None, :].expand(B, Hkv, Nk)] = -5.0
+        out2 = linear_attention(q, k2, v2, feature_map=fm, causal=causal, chunk_size=chunk, key_mask=key_mask)
+        assert _rel(out2, out) <= 1e-12
+
+
+# ------------------------------------------------------------------ FAVOR+
+
+def test_favor_projection_is_seeded_orthogonal_blocks():
+    w1, w2, w3 = favor_projection(6, 15, 4, F64), favor_projection(6, 15, 4, F64), favor_projection(6, 15, 5, F64)
+    assert w1.shape == (6, 15) and torch.equal(w1, w2) and not torch.equal(w1, w3)
+    block = w1[:, :6]
+    unit = block / block.norm(dim=0)
+    assert torch.allclose(unit.T @ unit, torch.eye(6, dtype=F64), atol=1e-12)  # exactly orthogonal
+    assert not torch.allclose(w1.norm(dim=0), w1.norm(dim=0)[0].expand(15))  # chi-distributed norms
+
+
+def test_favor_converges_to_softmax_kernel():
+    """E[φ(q)ᵀφ(k)] = exp(s·qᵀk): the seed-averaged estimate's error shrinks with seeds and with M."""
+    D, s = 4, 0.5
+    q, k, _ = _qkv(1, 1, 1, 5, 6, D, 1, seed=11, spread=0.5)
+    exact = torch.exp(s * q[0, 0] @ k[0, 0].T)
+
+    def err(num_features, seeds):
+        est = sum(
+            FavorFeatureMap.features(q, s, w)[0, 0] @ FavorFeatureMap.features(k, s, w)[0, 0].T
+            for w in (favor_projection(D, num_features, seed, F64) for seed in range(seeds))
+        ) / seeds
+        return ((est - exact).abs() / exact).mean().item()
+
+    by_seeds = [err(8, n) for n in (4, 64, 1024)]
+    by_features = [err(m, 16) for m in (4, 64, 1024)]
+    assert by_seeds[0] > by_seeds[1] > by_seeds[2] and by_seeds[2] < 0.03  # measured 0.20, 0.053, 0.013
+    assert by_features[0] > by_features[1] > by_features[2] and by_features[2] < 0.03  # 0.085, 0.031, 0.016
+
+
+def test_favor_stabilisers_cancel_and_prevent_overflow():
+    q, k, v = _qkv(2, 2, 1, 9, 9, 4, 3, seed=5, spread=1.5)
+    fm = make_feature_map("favor", 4, 2, num_features=12, seed=2).double()
+    phi_q, phi_k = fm(q, 0.5), fm(k, 0.5)  # raw, unstabilised features: the textbook formula
+    raw = (phi_q @ phi_k.transpose(-1, -2)) @ v / (phi_q @ phi_k.sum(2, keepdim=True).transpose(-1, -2))
+    out = linear_attention(q, k, v, feature_map=fm, scale=0.5, eps=0.0)
+    assert _rel(out, raw) <= 1e-12
+    # Large inputs: raw fp32 features of some query underflow to all-zero (the textbook ratio is 0/0);
+    # the stabilised kernel stays finite and close to the fp64 result.
+    qb, kb, vb = (t * 6 for t in (q, k, v))
+    assert (fm.float()(qb.float(), 0.5) == 0).all(-1).any()
+    out32 = linear_attention(qb.float(), kb.float(), vb.float(), feature_map=fm.float(), scale=0.5, causal=True)
+    out64 = linear_attention(qb, kb, vb, feature_map=fm.double(), scale=0.5, causal=True)
+    assert torch.isfinite(out32).all() and _rel(out32.double(), out64) < 1e-4
+
+
+# ------------------------------------------------------------------ carried state
+
+@pytest.mark.parametrize("name", FEATURE_MAP_NAMES)
+def test_state_two_calls_equal_one_call(name):
+    B, H, Hkv, N, D, Dv, cut = 2, 4, 2, 23, 5, 3, 9
+    q, k, v = _qkv(B, H, Hkv, N, N, D, Dv, seed=7)
+    fm = _fmap(name, D, H)
+    M = fm.num_features(D)
+    eps = 0.0 if name == "favor" else 1e-6  # FAVOR+'s eps acts in per-call stabilised units
+    whole, (S_all, z_all) = linear_attention(
+        q, k, v, feature_map=fm, causal=True, chunk_size=4, eps=eps,
+        state=(torch.zeros(B, H, M, Dv, dtype=F64), torch.zeros(B, H, M, dtype=F64)),
+    )
+    assert _rel(whole, linear_attention(q, k, v, feature_map=fm, causal=True, eps=eps)) <= 1e-10
+    state = (torch.zeros(B, H, M, Dv, dtype=F64), torch.zeros(B, H, M, dtype=F64))
+    first, state = linear_attention(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], feature_map=fm, causal=True, eps=eps, state=state)
+    pieces = [first]
+    for t in range(cut, N):  # then decode token by token
+        o, state = linear_attention(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], feature_map=fm, causal=True, eps=eps, state=state)
+        pieces.append(o)
+    assert _rel(torch.cat(pieces, dim=2), whole) <= 1e-10
+    assert _rel(state[0], S_all) <= 1e-10 and _rel(state[1], z_all) <= 1e-10
+    if name != "hedgehog":  # shared φ: the GQA state is the same for the query heads of one kv head
+        assert torch.equal(state[1][:, 0], state[1][:, 1])
+
+
+def test_favor_state_is_in_true_feature_units():
+    q, k, v = _qkv(1, 2, 2, 6, 6, 3, 2, seed=9)
+    fm = make_feature_map("favor", 3, 2, seed=1).double()
+    M = fm.num_features(3)
+    _, (S, z) = linear_attention(q, k, v, feature_map=fm, state=(torch.zeros(1, 2, M, 2, dtype=F64), torch.zeros(1, 2, M, dtype=F64)))
+    raw_k = fm(k, 1 / math.sqrt(3))
+    assert _rel(z, raw_k.sum(2)) <= 1e-12 and _rel(S, raw_k.transpose(-1, -2) @ v) <= 1e-12
+
+
+# ------------------------------------------------------------------ autograd, opcheck, export
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", FEATURE_MAP_NAMES)
+def test_gradcheck_through_op(name, causal):
+    q, k, v = _qkv(1, 2, 1, 5, 5, 3, 2, seed=13)
+    fm = _fmap(name, 3, 2)
+    inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    w = fm.op_weight()
+    if w is not None:
+        inputs.append(w.detach().clone().requires_grad_(True))
+
+    def f(q, k, v, *w):
+        return torch.ops.attnopt.linear_attention(q, k, v, name, w[0] if w else None, causal, 0.6, 1e-6, None, 2)
+
+    assert torch.autograd.gradcheck(f, tuple(inputs), eps=1e-6, atol=1e-7)
+
+
+def test_gradient_reaches_hedgehog_module_weight():
+    q, k, v = _qkv(1, 2, 1, 6, 6, 3, 2, seed=2)
+    fm = _fmap("hedgehog", 3, 2)
+    linear_attention(q, k, v, feature_map=fm, causal=True).square().sum().backward()
+    assert fm.weight_HDP.grad is not None and fm.weight_HDP.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name,causal,masked", [("elu", True, True), ("hedgehog", False, False), ("favor", True, False)])
+def test_opcheck(name, causal, masked):
+    q, k, v = _qkv(1, 4, 2, 5, 7, 3, 2, seed=1, dtype=torch.float32)
+    w = make_feature_map(name, 3, 4).op_weight()
+    w = None if w is None else w.detach().clone().requires_grad_(True)
+    mask = torch.tensor([[True, False, True, True, True, False, True]]) if masked else None
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), name, w, causal, 0.5, 1e-6, mask, 3)
+    torch.library.opcheck(torch.ops.attnopt.linear_attention.default, args)
+
+
+class _TinyLinearAttention(torch.nn.Module):
+    def __init__(self, fmap):
+        super().__init__()
+        self.fmap = fmap
+
+    def forward(self, q, k, v):
+        return linear_attention(q, k, v, feature_map=self.fmap, causal=True, chunk_size=4) * 2.0
+
+
+@pytest.mark.parametrize("name", ["elu", "hedgehog"])
+def test_export_keeps_one_op_node(name):
+    q, k, v = _qkv(1, 4, 2, 9, 9, 3, 2, dtype=torch.float32)
+    mod = _TinyLinearAttention(make_feature_map(name, 3, 4))
+    ep = torch.export.export(mod, (q, k, v))
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.attnopt.linear_attention.default) == 1
+    assert len(targets) == 2  # the op and the multiply, nothing traced through it
+    assert _rel(ep.module()(q, k, v).double(), mod(q, k, v).double()) == 0.0
+
+
+def test_half_precision_inputs_compute_in_fp32():
+    q, k, v = _qkv(1, 2, 1, 40, 40, 8, 4, seed=4)
+    ref = linear_attention(q, k, v, feature_map="favor", causal=True)
+    for dtype in (torch.float16, torch.bfloat16):
+        out = linear_attention(q.to(dtype), k.to(dtype), v.to(dtype), feature_map="favor", causal=True)
+        assert out.dtype == dtype and _rel(out.double(), ref) < 2e-2
+
+
+# ------------------------------------------------------------------ feature maps: positivity, errors
+
+@pytest.mark.parametrize("name", FEATURE_MAP_NAMES)
+def test_denominators_positive(name):
+    q, k, _ = _qkv(2, 4, 2, 50, 50, 6, 1, seed=21, spread=2.0)
+    fm = _fmap(name, 6, 4)
+    w = fm.op_weight()
+    phi_q, phi_k, _ = query_key_features(name, q, k, 1 / math.sqrt(6), None if w is None else w.double())
+    assert phi_q.shape[-1] == fm.num_features(6) == phi_k.shape[-1]
+    kernel = phi_q.reshape(2, phi_k.shape[1], -1, 50, phi_q.shape[-1]) @ phi_k[:, :, None].transpose(-1, -2)
+    if name == "relu":
+        assert kernel.min() >= 0 and (kernel == 0).any()  # may vanish; eps guards the ratio
+    elif name == "taylor":
+        assert kernel.min() >= 0.5 - 1e-12  # 1 + t + t²/2 >= 1/2
+    else:
+        assert kernel.min() > 0
+    den = kernel.sum(-1)
+    assert den.min() >= 0 if name == "relu" else den.min() > 0
+
+
+def test_relu_zero_denominator_gives_zero_row_not_nan():
+    q = -torch.ones(1, 1, 2, 3, dtype=F64)  # ReLU(q) = 0: every kernel value is 0
+    k, v = torch.ones(1, 1, 4, 3, dtype=F64), torch.randn(1, 1, 4, 2, dtype=F64)
+    for eps in (1e-6, 0.0):
+        out = linear_attention(q, k, v, feature_map="relu", eps=eps)
+        assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_taylor_kernel_is_second_order_exp():
+    x, y = torch.randn(1, 1, 1, 5, dtype=F64), torch.randn(1, 1, 1, 5, dtype=F64)
+    fm, s = make_feature_map("taylor", 5, 1), 0.3
+    t = s * (x * y).sum()
+    assert fm.num_features(5) == 31
+    assert abs((fm(x, s) * fm(y, s)).sum() - (1 + t + t * t / 2)).item() < 1e-12
+
+
+def test_bad_feature_map_name():
+    q, k, v = _qkv(1, 2, 1, 3, 3, 4, 2)
+    with pytest.raises(ValueError, match="allowed: elu, relu, favor, hedgehog, taylor"):
+        linear_attention(q, k, v, feature_map="softmax")
+    with pytest.raises(ValueError, match="allowed"):
+        make_feature_map("cosformer", 4, 2)
+    with pytest.raises(TypeError, match="feature_map must be a name"):
+        linear_attention(q, k, v, feature_map=3)
+
+
+@pytest.mark.parametrize(
+    "shapes,match",
+    [
+        (((1, 6, 3, 4), (1, 4, 3, 4), (1, 4, 3, 2)), "multiple of key/value heads"),
+        (((1, 2, 3, 4), (1, 1, 3, 5), (1, 1, 3, 2)), "head dims differ"),
+        (((1, 2, 3, 4), (1, 1, 3, 4), (1, 1, 4, 2)), "must agree on"),
+        (((2, 2, 3, 4), (1, 1, 3, 4), (1, 1, 3, 2)), "batch sizes differ"),
+        (((2, 3, 4), (1, 1, 3, 4), (1, 1, 3, 2)), "4-D"),
+    ],
+)
+def test_bad_shapes(shapes, match):
+    q, k, v = (torch.randn(*s) for s in shapes)
+    with pytest.raises(ValueError, match=match):
+        linear_attention(q, k, v)
+
+
+def test_bad_mask_state_and_weight():
+    q, k, v = _qkv(1, 4, 2, 3, 3, 4, 2)
+    with pytest.raises(ValueError, match="key_mask must be a bool tensor"):
+        linear_attention(q, k, v, key_mask=torch.ones(1, 3))
+    with pytest.raises(ValueError, match="state shapes"):
+        linear_attention(q, k, v, state=(torch.zeros(1, 4, 5, 2, dtype=F64), torch.zeros(1, 4, 5, dtype=F64)))
+    with pytest.raises(ValueError, match="hedgehog weight has 2 heads"):
+        linear_attention(q, k, v, feature_map=make_feature_map("hedgehog", 4, heads=2))
+    with pytest.raises(ValueError, match="needs its weight"):
+        torch.ops.attnopt.linear_attention(q, k, v, "favor", None, False, 0.5, 1e-6, None, 4)
