@@ -16,7 +16,6 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from attnopt.passes.forms import form_spec
 from attnopt.passes.plan import find_anchor, plan_sites
 from attnopt.passes.records import Drift, SiteOutcome
 from attnopt.passes.rewrite import RewrittenSite, rewrite_graph
@@ -66,14 +65,11 @@ class CompiledModule(nn.Module):
             raise
 
 
-def _tolerance(plan_params: dict, form: str, tolerance: Optional[float], policy) -> float:
-    if plan_params.get("tolerance") is not None:
-        return float(plan_params["tolerance"])
-    if tolerance is not None:
+def _tolerance(params: dict, form: str, tolerance: Optional[float], policy) -> float:
+    """A rule's own tolerance, else compile(tolerance=...), else the policy's, else the form's default."""
+    if tolerance is not None and params.get("tolerance") is None:
         return float(tolerance)
-    if getattr(policy, "tolerance", None) is not None:
-        return float(policy.tolerance)
-    return form_spec(form).default_tolerance
+    return float(policy.tolerance_for(form, params))
 
 
 def decide(sites, plans, calls: dict, policy, tolerance, adapt_site=lambda s: s):
@@ -88,7 +84,7 @@ def decide(sites, plans, calls: dict, policy, tolerance, adapt_site=lambda s: s)
             outcomes.append(SiteOutcome(site.id, plan.reason.split(" chose ")[-1].split(",")[0], "exact", plan.params, "unsupported", plan.reason))
             continue
         options = list(plan.candidates) if plan.rule == "auto" else [(plan.form, plan.params)]
-        if not options or options[0][0] == "exact":
+        if not options or options[0][0] == "exact":  # planned exact, or auto with nothing cheaper
             outcomes.append(SiteOutcome(site.id, "exact", "exact", plan.params, "kept", plan.reason))
             continue
         if not calls.get(site.id):
@@ -294,13 +290,32 @@ def compile(
         result, sites, near, plans, outcomes, e2e, cap = _compile_fx(model_copy, batches, policy, tolerance, timings, notes, name)
     timings["total"] = time.perf_counter() - t0
 
-    from attnopt.reporting import build_report
-
-    result.attnopt_report = build_report(
+    result.attnopt_report = _build_report(
         model_name=name, policy=policy, method=cap, sites=sites, near_misses=near, plans=plans,
         outcomes=outcomes, end_to_end=e2e, timings=timings, notes=notes, example_len=_example_len(sites),
     )
     return result
+
+
+def _build_report(*, model_name, policy, method, sites, near_misses, plans, outcomes, end_to_end, timings, notes, example_len):
+    """The report is assembled from exactly what the passes returned; only costs are computed here."""
+    from attnopt.passes.cost import cost_curve
+    from attnopt.report import CompileReport, SiteRecord
+
+    records = []
+    for site, plan, outcome in zip(sites, plans, outcomes):
+        n = site.q_len if isinstance(site.q_len, int) else example_len
+        try:
+            before = cost_curve(site, "exact", {}, example_len=n)
+            after = cost_curve(site, outcome.final_form, outcome.params, example_len=n)
+        except (ValueError, KeyError) as exc:
+            before, after = [], []
+            notes.append(f"site {site.id}: cost not computed ({exc})")
+        records.append(SiteRecord(site=site, plan=plan, outcome=outcome, costs_before=before, costs_after=after))
+    return CompileReport(
+        model_name=model_name, policy=policy, capture=method, sites=records, near_misses=near_misses,
+        end_to_end=end_to_end, timings=timings, notes=notes,
+    )
 
 
 def _example_len(sites) -> Optional[int]:

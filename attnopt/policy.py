@@ -39,6 +39,8 @@ SOURCES = ("sdpa", "explicit", "mha")
 RULE_KEYS = ("layers", "module", "source", "seq_len", "form", "params")
 POLICY_KEYS = ("name", "tolerance", "auto", "rules")
 POLICY_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
+AUTO_TOLERANCE = 0.3  # default max relative RMS drift per site for "auto"
+
 PRESETS = ("exact", "keep", "linear", "window", "ssm", "reuse", "hybrid", "auto")
 
 # The positional argument of a preset string, per form ("window:64" sets window=64).
@@ -184,9 +186,9 @@ class Rule:
         object.__setattr__(self, "params", params)
         if self.layers is not None:
             object.__setattr__(self, "layers", _parse_layers(self.layers, "rule"))
-        if self.source is not None and not isinstance(self.source, frozenset):
-            object.__setattr__(self, "source", _parse_source(self.source, "rule"))
-        if self.seq_len is not None and not isinstance(self.seq_len, tuple):
+        if self.source is not None:
+            object.__setattr__(self, "source", _parse_source(sorted(self.source) if isinstance(self.source, (set, frozenset)) else self.source, "rule"))
+        if self.seq_len is not None:
             object.__setattr__(self, "seq_len", _parse_seq_len(self.seq_len, "rule"))
         if self.module is not None and not isinstance(self.module, str):
             raise PolicyError(f"rule: field 'module' got {self.module!r}; expected a glob string like '*.self_attn'")
@@ -487,7 +489,11 @@ class Policy:
             if unknown:
                 raise PolicyError(f"preset {raw!r}: unknown key {sorted(unknown)[0]!r}; allowed: tolerance")
             tol = params.get("tolerance")
-            return hybrid_policy(tolerance=tol) if form == "hybrid" else cls(name=raw, auto=True, tolerance=tol)
+            if form == "hybrid":
+                return hybrid_policy(tolerance=tol)
+            # "auto" picks forms for the user, so it holds them to a tighter bar than the per-form
+            # defaults an explicit choice gets (those only catch catastrophic drift).
+            return cls(name=raw, auto=True, tolerance=AUTO_TOLERANCE if tol is None else tol)
         try:
             spec = form_spec(form)
         except PolicyError:

@@ -7,6 +7,8 @@ from dataclasses import replace
 
 import pytest
 
+from attnopt.passes.forms import form_spec
+
 from attnopt.passes.forms import PolicyError
 from attnopt.passes.site import AttentionSite, MaskInfo, SiteNodes
 from attnopt.policy import Policy, Rule, hybrid_policy
@@ -97,7 +99,8 @@ def test_tolerance_resolution_order():
     p = Policy.parse({"tolerance": 0.1, "rules": [{"form": "linear", "tolerance": 0.5}]})
     assert p.tolerance_for("linear", p.rules[0].params) == 0.5
     assert p.tolerance_for("window", {}) == 0.1
-    assert Policy.parse("linear").tolerance_for("linear", {}) == 0.35
+    assert Policy.parse("linear").tolerance_for("linear", {}) == form_spec("linear").default_tolerance
+    assert Policy.parse("auto").tolerance == 0.3  # auto picks for the user: a tighter default bar
 
 
 # ---------------------------------------------------------------- matching

@@ -33,7 +33,8 @@ def make_site(layer, module, q_len=128, arbitrary=False):
 def record(layer, module, planned, final, status, reason, drift=None, tolerance=None, params=None, arbitrary=False):
     site = make_site(layer, module, arbitrary=arbitrary)
     params = params or {}
-    plan = SitePlan(site_id=site.id, form=planned, params=params, rule=f"rule for {module}", reason=f"plan: {reason}")
+    plan = SitePlan(site_id=site.id, form=planned, params=params, rule=f"rule for {module}", reason=f"plan: {reason}",
+                    candidates=((planned, params), ("exact", {})))
     outcome = SiteOutcome(
         site_id=site.id, planned_form=planned, final_form=final, params=params, status=status,
         reason=reason, tolerance=tolerance, drift=drift,
@@ -89,6 +90,7 @@ def test_json_round_trips(report, tmp_path):
     assert data["sites"][2]["site"]["module_path"] == EVIL
     again = CompileReport.from_dict(data)
     assert again.sites[1].outcome == report.sites[1].outcome
+    assert again.sites[1].plan == report.sites[1].plan
     assert again.sites[2].site == report.sites[2].site
     assert math.isnan(again.sites[4].outcome.drift.rel_rms)
     assert again.totals["flops_after"] == report.totals["flops_after"]

@@ -76,17 +76,16 @@ def _feature(x: Tensor, feature_map: str) -> Tensor:
 
 
 def _decay_tensor(decay, H: int, device) -> Tensor:
-    """None / float / H floats / tensor [H] -> float64 tensor [H], checked to lie in (0, 1]."""
-    if decay is None:
+    """None or "retnet" / float / H floats / tensor [H] -> float64 tensor [H], checked in (0, 1]."""
+    if decay is None or (isinstance(decay, str) and decay == "retnet"):
         gamma = retnet_decay(H)
     elif isinstance(decay, bool):
         raise TypeError(f"decay_attention: decay must be a float in (0, 1] or {H} floats, got {decay!r}")
     elif isinstance(decay, (int, float)):
+        _check_gamma_values([float(decay)])
         gamma = torch.full((H,), float(decay), dtype=torch.float64)
     elif isinstance(decay, Tensor):
-        gamma = decay.reshape(-1) if decay.dim() == 0 else decay
-        if gamma.dim() == 0 or gamma.numel() == 1:
-            gamma = gamma.reshape(1).expand(H)
+        gamma = decay.reshape(1).expand(H) if decay.numel() == 1 else decay
         if tuple(gamma.shape) != (H,):
             raise ValueError(f"decay_attention: decay tensor must have shape [H] = [{H}], got {tuple(decay.shape)}")
         if not gamma.is_floating_point():
@@ -95,22 +94,24 @@ def _decay_tensor(decay, H: int, device) -> Tensor:
         if len(decay) != H:
             raise ValueError(f"decay_attention: got {len(decay)} decays for H={H} query heads; give one per head or one float")
         try:
-            gamma = torch.tensor([float(g) for g in decay], dtype=torch.float64)
+            values = [float(g) for g in decay]
         except (TypeError, ValueError) as e:
             raise TypeError(f"decay_attention: decay values must be floats, got {decay!r}") from e
+        _check_gamma_values(values)
+        gamma = torch.tensor(values, dtype=torch.float64)
     else:
         raise TypeError(
-            f"decay_attention: decay must be None (RetNet schedule), a float, {H} floats or a tensor [H]; "
+            f"decay_attention: decay must be None or 'retnet' (RetNet schedule), a float, {H} floats or a tensor [H]; "
             f"got {type(decay).__name__}"
         )
-    gamma = gamma.to(device=device, dtype=torch.float64)
-    if not _is_fake(gamma):
-        bad = ~((gamma > 0) & (gamma <= 1))
-        if bool(bad.any()):
-            raise ValueError(
-                f"decay_attention: every decay γ must lie in (0, 1] (1 = no decay); got {gamma.tolist()}"
-            )
-    return gamma
+    if isinstance(decay, Tensor) and not _is_fake(gamma):  # values of a traced tensor are unknown
+        _check_gamma_values(gamma.detach().to("cpu", torch.float64).tolist())
+    return gamma.to(device=device, dtype=torch.float64)
+
+
+def _check_gamma_values(values: list) -> None:
+    if not all(0.0 < g <= 1.0 for g in values):  # also rejects NaN
+        raise ValueError(f"decay_attention: every decay γ must lie in (0, 1] (1 = no decay); got {values}")
 
 
 def _is_fake(t: Tensor) -> bool:
@@ -171,6 +172,32 @@ def _expand_kv(x_BHkvND: Tensor, H: int) -> Tensor:
     return x_BHkvND if Hkv == H else x_BHkvND.repeat_interleave(H // Hkv, dim=1)
 
 
+def _scan_chunk_states(U: Tensor, S0: Tensor, log_step_H: Tensor, group: int = 64):
+    """States before each chunk: S_before[c] = γ^C S_before[c-1] + U[c-1], S_before[0] = S0.
+
+    The same chunked trick one level up: a group of `group` chunks is one masked decay matmul, and
+    only the state between groups is carried by a Python loop (nc / group steps, not nc tiny ops).
+    U [B, H, nc, Dk, Dv'], S0 [B, H, Dk, Dv'], log_step_H = C·log γ [H]. Returns (S_before, S_end).
+    """
+    B, H, nc, Dk, Dv = U.shape
+    U_f = U.reshape(B, H, nc, Dk * Dv)
+    S = S0.reshape(B, H, 1, Dk * Dv)
+    lg = log_step_H.view(H, 1, 1)
+    befores = []
+    for a in range(0, nc, group):
+        n = min(nc, a + group) - a
+        idx = torch.arange(n, device=U.device)
+        diff = (idx[:, None] - 1 - idx[None, :]).to(lg.dtype) * lg
+        # Strictly lower triangle γ^(C(i-1-j)); the rest masked to -inf before the exp.
+        M_H_n_n = torch.exp(torch.where(idx[:, None] > idx[None, :], diff, torch.full_like(diff, float("-inf"))))
+        carry_H_n = torch.exp(idx.to(lg.dtype) * log_step_H[:, None])  # γ^(C i) on the carried state
+        S_b = torch.matmul(M_H_n_n, U_f[:, :, a : a + n]) + carry_H_n[None, :, :, None] * S
+        befores.append(S_b)
+        S = torch.exp(log_step_H).view(1, H, 1, 1) * S_b[:, :, n - 1 : n] + U_f[:, :, a + n - 1 : a + n]
+    S_before = torch.cat(befores, dim=2) if len(befores) > 1 else befores[0]
+    return S_before.view(B, H, nc, Dk, Dv), S.view(B, H, Dk, Dv)
+
+
 def _chunk_pass(q_c: Tensor, k_c: Tensor, v_c: Tensor, S0: Tensor, log_gamma_H: Tensor):
     """Chunks of equal length C: q_c/k_c [B, H, nc, C, Dk], v_c [B, H, nc, C, Dv'], S0 [B, H, Dk, Dv'].
 
@@ -186,19 +213,11 @@ def _chunk_pass(q_c: Tensor, k_c: Tensor, v_c: Tensor, S0: Tensor, log_gamma_H: 
     decay_H_C_C = torch.exp(expo)  # γ^(i-j) for j <= i, else 0
     q_decay_H_C = torch.exp((idx + 1).to(lg.dtype) * log_gamma_H[:, None])  # γ^(i+1): from previous chunk end
     k_decay_H_C = torch.exp((C - 1 - idx).to(lg.dtype) * log_gamma_H[:, None])  # γ^(C-1-j): to this chunk end
-    chunk_decay_H = torch.exp(C * log_gamma_H)  # γ^C
 
     intra = torch.matmul(torch.matmul(q_c, k_c.transpose(-1, -2)) * decay_H_C_C[None, :, None], v_c)
     U = torch.matmul((k_c * k_decay_H_C[None, :, None, :, None]).transpose(-1, -2), v_c)  # [B,H,nc,Dk,Dv']
 
-    # Sequential scan over chunks only (nc steps of [B, H, Dk, Dv'] work).
-    before = []
-    S = S0
-    g = chunk_decay_H.view(1, -1, 1, 1)
-    for c in range(nc):
-        before.append(S)
-        S = g * S + U[:, :, c]
-    S_before = torch.stack(before, dim=2)  # [B, H, nc, Dk, Dv']
+    S_before, S = _scan_chunk_states(U, S0, C * log_gamma_H)
     inter = torch.matmul(q_c * q_decay_H_C[None, :, None, :, None], S_before)
     return intra + inter, S
 
@@ -366,7 +385,8 @@ def decay_attention(
 
     o_t = s·φ(q_t)ᵀS_t with S_t = γ_h S_{t-1} + φ(k_t)v_tᵀ (normalize=False, s = scale, default
     1/sqrt(D)), or φ(q_t)ᵀS_t / (φ(q_t)ᵀz_t + eps) with z_t = γ_h z_{t-1} + φ(k_t) (normalize=True,
-    no scale). decay: None = RetNet γ_h = 1 - 2^(-5-h); a float; or H floats / tensor [H] in (0, 1].
+    no scale). decay: None or "retnet" = RetNet γ_h = 1 - 2^(-5-h); a float; or H floats / a
+    tensor [H], all in (0, 1].
     Returns [B, H, Nq, Dv] in q's dtype; with `state` (S, z-or-None) given, continues from it and
     returns (out, new_state). Stateless calls run as the custom op `torch.ops.attnopt.decay_attention`.
     """

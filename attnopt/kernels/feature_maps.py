@@ -166,7 +166,9 @@ class HedgehogFeatureMap(FeatureMap):
     name = "hedgehog"
     per_head = True
 
-    def __init__(self, head_dim: int, heads: int, num_features: int = 0, seed: int = 0, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, head_dim: int, heads: int, num_features: int = 0, seed: int = 0, dtype: torch.dtype = torch.float32
+    ):
         super().__init__()
         if heads < 1:
             raise ValueError(f"hedgehog feature map needs heads >= 1 (one W per query head), got {heads}")
@@ -253,7 +255,8 @@ def _check_weight(name: str, weight: Optional[Tensor], head_dim: int) -> None:
         want_dim = 2 if name == "favor" else 3
         if weight.dim() != want_dim or weight.shape[-2] != head_dim:
             raise ValueError(
-                f"feature map {name!r} weight has shape {tuple(weight.shape)}; expected {needs[name]} with D = {head_dim}"
+                f"feature map {name!r} weight has shape {tuple(weight.shape)}; "
+                f"expected {needs[name]} with D = {head_dim}"
             )
     elif weight is not None:
         raise ValueError(f"feature map {name!r} takes no weight, got a tensor of shape {tuple(weight.shape)}")

@@ -48,7 +48,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], scale: float, eps: float, chunk_size: int) -> None:
+def _check_inputs(
+    q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], scale: float, eps: float, chunk_size: int
+) -> None:
     """SDPA layout checks with messages that say what to change."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
@@ -71,7 +73,8 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], s
     hkv = k.shape[1]
     if hkv < 1 or H % hkv != 0:
         raise ValueError(
-            f"query heads H={H} must be a multiple of key/value heads Hkv={hkv} (GQA: head h reads kv head h // (H // Hkv))"
+            f"query heads H={H} must be a multiple of key/value heads Hkv={hkv} "
+            f"(GQA: head h reads kv head h // (H // Hkv))"
         )
     if key_mask is not None:
         if key_mask.dtype != torch.bool or tuple(key_mask.shape) != (B, k.shape[2]):
@@ -169,9 +172,8 @@ def _forward(
     feature_map_class(feature_map)
     cdt = _compute_dtype(q.dtype)
     B, H, Nq, _ = q.shape
-    phi_q, phi_k, log_scale_k = query_key_features(
-        feature_map, q.to(cdt), k.to(cdt), scale, None if weight is None else weight.to(cdt), key_mask
-    )
+    weight = None if weight is None else weight.to(device=q.device, dtype=cdt)
+    phi_q, phi_k, log_scale_k = query_key_features(feature_map, q.to(cdt), k.to(cdt), scale, weight, key_mask)
     phi_q, v_f, G = _grouped(phi_q, phi_k, v.to(cdt))
     Hf, M, Dv = phi_k.shape[1], phi_k.shape[-1], v.shape[-1]
     S0 = z0 = None
@@ -180,7 +182,8 @@ def _forward(
         if log_scale_k is not None:
             # The state is kept in true feature units; rescale it and the new keys to one shared
             # constant that covers both, so neither overflows and the constant still cancels.
-            log_state = torch.log(z0.amax(dim=(2, 3), keepdim=True))  # [B, Hf, 1, 1]
+            # (clamped: an all-zero start state must not put log(0) and a NaN gradient in the graph)
+            log_state = torch.log(z0.amax(dim=(2, 3), keepdim=True).clamp_min(torch.finfo(cdt).tiny))
             shared = torch.maximum(log_scale_k, log_state)
             phi_k = phi_k * torch.exp(log_scale_k - shared)
             S0 = S0 * torch.exp(-shared)[..., None]
@@ -199,7 +202,9 @@ def _forward(
 def _state_in(state: State, B: int, H: int, Hf: int, M: int, Dv: int, cdt: torch.dtype) -> tuple[Tensor, Tensor]:
     """Check a carried (S [B, H, M, Dv], z [B, H, M]) and view it per kv head as [B, Hf, G, ...]."""
     if not (isinstance(state, (tuple, list)) and len(state) == 2 and all(isinstance(t, Tensor) for t in state)):
-        raise TypeError("state must be a pair of tensors (S [B, H, M, Dv], z [B, H, M]) as returned by linear_attention")
+        raise TypeError(
+            "state must be a pair of tensors (S [B, H, M, Dv], z [B, H, M]) as returned by linear_attention"
+        )
     S, z = state
     if tuple(S.shape) != (B, H, M, Dv) or tuple(z.shape) != (B, H, M):
         raise ValueError(
@@ -256,7 +261,8 @@ def _backward(ctx, grad_out):
             None if t is None else t.detach().requires_grad_(bool(w))
             for t, w in ((q, wants[0]), (k, wants[1]), (v, wants[2]), (weight, wants[4]))
         ]
-        out = _forward(leaves[0], leaves[1], leaves[2], feature_map, leaves[3], causal, scale, eps, key_mask, chunk_size)[0]
+        q_, k_, v_, w_ = leaves
+        out = _forward(q_, k_, v_, feature_map, w_, causal, scale, eps, key_mask, chunk_size)[0]
         diff = [t for t in leaves if t is not None and t.requires_grad]
         grads = iter(torch.autograd.grad(out, diff, grad_out, allow_unused=True)) if diff else iter(())
     dq, dk, dv, dw = [next(grads) if t is not None and t.requires_grad else None for t in leaves]
@@ -315,7 +321,9 @@ def linear_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     weight = fmap.op_weight()
     if state is None:
-        return torch.ops.attnopt.linear_attention(q, k, v, fmap.name, weight, bool(causal), scale, float(eps), key_mask, int(chunk_size))
+        return torch.ops.attnopt.linear_attention(
+            q, k, v, fmap.name, weight, bool(causal), scale, float(eps), key_mask, int(chunk_size)
+        )
     return _forward(q, k, v, fmap.name, weight, bool(causal), scale, float(eps), key_mask, int(chunk_size), state)
 
 
@@ -341,9 +349,8 @@ def linear_attention_reference(
     _check_inputs(q, k, v, key_mask, scale, eps, 1)
     cdt = _compute_dtype(q.dtype)
     weight = fmap.op_weight()
-    phi_q, phi_k, _ = query_key_features(
-        fmap.name, q.to(cdt), k.to(cdt), scale, None if weight is None else weight.to(cdt), key_mask
-    )
+    weight = None if weight is None else weight.to(device=q.device, dtype=cdt)
+    phi_q, phi_k, _ = query_key_features(fmap.name, q.to(cdt), k.to(cdt), scale, weight, key_mask)
     H, Nq, Nk = q.shape[1], q.shape[2], k.shape[2]
     phi_k = phi_k.repeat_interleave(H // phi_k.shape[1], dim=1)
     v_h = v.to(cdt).repeat_interleave(H // v.shape[1], dim=1)

@@ -368,7 +368,7 @@ def fill_value(x: Any) -> Optional[float]:
             v = x.args[1] if op_name(x) == "full" else x.args[0]
             if isinstance(v, (int, float)):
                 return float(v)
-        if op_name(x) in ("lift_fresh_copy", "clone", "detach", "_to_copy", "to") and x.args:
+        if op_name(x) in ("lift_fresh_copy", "clone", "detach", "detach_", "alias", "_to_copy", "to") and x.args:
             return fill_value(x.args[0])
         if x.op == "get_attr":
             gm = x.graph.owning_module
@@ -383,3 +383,37 @@ def fill_value(x: Any) -> Optional[float]:
 
 def is_masking_value(v: Optional[float]) -> bool:
     return v is not None and (math.isinf(v) and v < 0 or v <= MASKING_VALUE)
+
+
+# ---- einsum -------------------------------------------------------------------------------------
+
+def einsum_roles(node: Node, role: str) -> tuple[bool, str]:
+    """Read an einsum as q·kᵀ (role "qk") or P·V (role "pv"): (True, layout) or (False, reason).
+
+    For "qk" the layout is "plain" when the key operand is [.., Nk, D], "transposed" when [.., D, Nk].
+    """
+    eq = node.args[0].replace(" ", "")
+    ops = node.args[1]
+    if "..." in eq or "->" not in eq or len(ops) != 2:
+        return False, f"einsum '{eq}' is not a two-operand product with explicit axes"
+    lhs, out = eq.split("->")
+    x, y = lhs.split(",")
+    if not (len(x) == len(y) == len(out)) or len(x) not in (3, 4):
+        return False, f"einsum '{eq}' does not keep the rank of its operands"
+    batch = out[:-2]
+    if x[:-2] != batch or y[:-2] != batch:
+        return False, f"einsum '{eq}' does not keep the batch/head axes in front"
+    if role == "qk":
+        qi, d = x[-2], x[-1]
+        ki = out[-1]
+        if out[-2] != qi or d in out or ki == qi:
+            return False, f"einsum '{eq}' is not q·kᵀ over the last (head-dim) axis"
+        if y[-2:] == ki + d:
+            return True, "plain"
+        if y[-2:] == d + ki:
+            return True, "transposed"
+        return False, f"einsum '{eq}' pairs the key axes in an unexpected order"
+    qi, ki = x[-2], x[-1]
+    if y[-2] != ki or out[-2] != qi or out[-1] != y[-1] or ki in out:
+        return False, f"einsum '{eq}' does not contract the probabilities' key axis with the values' token axis"
+    return True, "pv"

@@ -46,8 +46,11 @@ class CapturedGraph:
         return [n for n in self.graph_module.graph.nodes if n.op == "placeholder"]
 
 
-def _auto_dynamic_shapes(args: tuple, kwargs: dict) -> Any:
-    """Dim.AUTO on every dim of every tensor input: export keeps symbolic what the model allows."""
+def _auto_dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    """Dim.AUTO on every dim of every tensor input, keyed like forward()'s parameters, so export
+    keeps symbolic whatever the model allows (usually batch and sequence length)."""
+    import inspect as pyinspect
+
     from torch.export import Dim
 
     def spec_for(x):
@@ -55,10 +58,19 @@ def _auto_dynamic_shapes(args: tuple, kwargs: dict) -> Any:
             return {i: Dim.AUTO for i in range(x.dim())}
         return None
 
-    return (
-        tuple(pytree.tree_map(spec_for, a) for a in args),
-        {k: pytree.tree_map(spec_for, v) for k, v in kwargs.items()},
-    )
+    if not kwargs:
+        return tuple(pytree.tree_map(spec_for, a) for a in args)
+    bound = pyinspect.signature(model.forward).bind(*args, **kwargs)
+    specs = {}
+    for name, value in bound.arguments.items():
+        kind = bound.signature.parameters[name].kind
+        if kind == pyinspect.Parameter.VAR_POSITIONAL:
+            specs[name] = tuple(pytree.tree_map(spec_for, a) for a in value)
+        elif kind == pyinspect.Parameter.VAR_KEYWORD:
+            specs[name] = {k: pytree.tree_map(spec_for, v) for k, v in value.items()}
+        else:
+            specs[name] = pytree.tree_map(spec_for, value)
+    return specs
 
 
 def _export_hint(exc: BaseException) -> str:
@@ -82,7 +94,7 @@ def capture_export(model: torch.nn.Module, args: tuple = (), kwargs: Optional[di
     if dynamic:
         try:
             ep = torch.export.export(model, args, kwargs, strict=False,
-                                     dynamic_shapes=_auto_dynamic_shapes(args, kwargs))
+                                     dynamic_shapes=_auto_dynamic_shapes(model, args, kwargs))
             is_dynamic = True
         except Exception as exc:  # fall back to static shapes, but say so
             notes.append(f"dynamic export failed, captured static shapes instead: "

@@ -123,9 +123,9 @@ def reaches_qk(node: Node, depth: int = 12) -> bool:
         if not isinstance(node, fx.Node):
             return False
         name = op_name(node)
-        if name in cz.MATMUL_OPS or name == "baddbmm":
+        if name in cz.MATMUL_OPS or name == "baddbmm" or name == "einsum":
             return True
-        if cz.is_value_transparent(node) or name in cz.CAST_OPS:
+        if cz.is_value_transparent(node) or name in cz.CAST_OPS or name == "tanh":
             node = node.args[0]
             continue
         if name in ("mul", "div", "true_divide"):
@@ -171,7 +171,7 @@ class ExplicitChainMatcher:
             if name in cz.MATMUL_OPS:
                 qk = cur
                 break
-            if name == "baddbmm":
+            if name in ("baddbmm", "einsum"):
                 qk = cur
                 break
             if name in cz.CAST_OPS or name in cz.COPY_OPS:
@@ -269,9 +269,17 @@ class ExplicitChainMatcher:
                 steps_back.append(("term", baddbmm_term))
         else:
             spelling.append(f"qk:{op_name(qk)}")
-        q_op, k_op = qk.args[0], qk.args[1]
-        if op_name(qk) == "baddbmm":
+        key_layout = "transposed"  # the second operand holds kᵀ [.., D, Nk]
+        if op_name(qk) == "einsum":
+            ok, got = cz.einsum_roles(qk, "qk")
+            if not ok:
+                return _miss(softmax, got, "no_score_matmul")
+            q_op, k_op = qk.args[1][0], qk.args[1][1]
+            key_layout = got
+        elif op_name(qk) == "baddbmm":
             q_op, k_op = qk.args[1], qk.args[2]
+        else:
+            q_op, k_op = qk.args[0], qk.args[1]
         for operand in (q_op, k_op):
             base, _, _ = cz.compose_layout(operand)
             if isinstance(base, fx.Node) and base.op == "get_attr":
@@ -305,6 +313,13 @@ class ExplicitChainMatcher:
                                           "not P·V", "no_value_matmul")
                 pv = u
                 break
+            if name == "einsum":
+                ok, got = cz.einsum_roles(u, "pv")
+                if not ok or u.args[1][0] is not cur:
+                    return _miss(softmax, got if not ok else
+                                 f"the probabilities are the second operand of {_describe(u)}", "no_value_matmul")
+                pv = u
+                break
             d = cz.dropout_of(u)
             if d is not None:
                 p, train = d
@@ -328,7 +343,7 @@ class ExplicitChainMatcher:
         if pv is None:
             return _miss(softmax, "no P·V matmul found after the softmax", "no_value_matmul")
         members.append(pv)
-        v_op = pv.args[1]
+        v_op = pv.args[1][1] if op_name(pv) == "einsum" else pv.args[1]
         if rank(v_op) != rq:
             return _miss(softmax, f"P·V multiplies by a rank-{rank(v_op)} tensor; expected rank {rq}",
                          "no_value_matmul")
@@ -339,7 +354,10 @@ class ExplicitChainMatcher:
             spelling.append("scale:on_query")
         key_t, k_factors, k_members = cz.strip_factors(k_op, "key")
         members += q_members + k_members
-        got = self._key_from_transposed(softmax, query, key_t)
+        if key_layout == "plain":  # einsum contracted k [.., Nk, D] directly
+            got = (key_t, False, [], "qk:einsum")
+        else:
+            got = self._key_from_transposed(softmax, query, key_t)
         if isinstance(got, NearMiss):
             return got
         key, key_is_transposed, layout_members, tag = got

@@ -70,17 +70,19 @@ def plan_sites(sites: list[AttentionSite], policy, tolerance: Optional[float] = 
     n = num_layers(sites)
     plans = []
     for site in sites:
-        if getattr(policy, "auto", False):
-            cands = []
-            for form, params in policy.candidates(site, n):
-                if why_not(site, form, params, sites) is None:
-                    cands.append((form, dict(params)))
-            first = cands[0] if cands else ("exact", form_spec("exact").validate({}))
-            plans.append(
-                SitePlan(site.id, first[0], first[1], "auto", "auto: try forms cheapest-first, keep the first within tolerance", tuple(cands))
-            )
-            continue
         rule, index = policy.choose(site, n)
+        if rule is None and getattr(policy, "auto", False):
+            cands = [
+                (form, dict(params))
+                for form, params in policy.candidates(site, n)
+                if form != "exact" and why_not(site, form, params, sites) is None
+            ]
+            reason = "auto: try forms cheapest-first, keep the first within tolerance"
+            if not cands:
+                reason = "auto: no cheaper form applies to this site: kept exact"
+            first = cands[0] if cands else ("exact", {})
+            plans.append(SitePlan(site.id, first[0], first[1], "auto", reason, tuple(cands)))
+            continue
         if rule is None:
             plans.append(SitePlan(site.id, "exact", {}, None, "no rule matched: kept exact"))
             continue

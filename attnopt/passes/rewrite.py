@@ -161,7 +161,9 @@ class RewrittenSite(nn.Module):
 
     def _exact(self, q, k, v, mask):
         g = self.geometry
-        return exact_attention(q, k, v, mask, keep_when=g.keep_when, is_causal=g.mask_form == "is_causal", scale=g.scale)
+        # No mask tensor on a causal site: causality came as a flag (SDPA is_causal, or HF skipping
+        # a mask it could prove unneeded).
+        return exact_attention(q, k, v, mask, keep_when=g.keep_when, is_causal=mask is None and g.causal, scale=g.scale)
 
 
 def rewrite_graph(graph_module: torch.fx.GraphModule, sites: list, modules: dict) -> torch.fx.GraphModule:

@@ -29,7 +29,10 @@ from zoo_models import (
     assert_site_matches,
     hidden_states,
     reference_output,
+    site_output_error,
 )
+
+TOLERANCE = 1e-4  # float32 graph values against a float64 rebuild
 
 BY_NAME = {s.name: s for s in SPELLINGS}
 
@@ -56,6 +59,7 @@ def test_spelling_is_one_exact_site(spelling):
     assert site.module_type == spelling.module_cls.__name__
     assert site.layer == 0
     assert site.id.endswith("#0"), site.id
+    assert site_output_error(inspection, site) < TOLERANCE
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import pytest
 
 from attnopt.inspection import inspect
 from zoo_hf import B, D, FACTORIES, H
+from zoo_models import site_output_error
 
 MODEL_NAMES = list(FACTORIES)
 
@@ -45,6 +46,14 @@ def test_sites_match_the_config(inspected):
             assert site.layer == want.layer, where
         assert site.dropout_p == 0.0, where
         assert site.dtype == "float32", where
+
+
+def test_sites_rebuild_their_outputs(inspected):
+    """softmax(scale q kᵀ + mask) v from each site's own nodes reproduces the site's output."""
+    zoo, inspection = inspected
+    for site in inspection.sites:
+        error = site_output_error(inspection, site)
+        assert error < 1e-4, f"{zoo.name} {site.id}: off by {error:.3g}"
 
 
 def test_no_near_misses_in_plain_models(inspected):

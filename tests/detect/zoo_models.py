@@ -464,28 +464,108 @@ def reference_output(spelling: Spelling, module: nn.Module, inputs: tuple) -> to
 
 
 def assert_site_matches(site, truth: Truth, batch: int = B) -> None:
-    """Assert every attribute of an AttentionSite (captured with static shapes) equals `truth`."""
-    where = f"site {site.id}"
-    assert site.source == truth.source, where
+    """Assert every attribute of an AttentionSite (captured with static shapes) equals `truth`.
+
+    The message lists each differing attribute as (got, want).
+    """
+    got = {
+        "source": site.source,
+        "rank": site.nodes.rank,
+        "lengths": (site.q_len, site.kv_len),
+        "head_dims": (site.head_dim, site.v_head_dim),
+        "causal": (site.causal, site.mask.causal),
+        "window": (site.window, site.mask.window),
+        "padding": site.mask.padding,
+        "arbitrary": site.mask.arbitrary,
+        "dropout_p": site.dropout_p,
+        "dtype": site.dtype,
+    }
+    want = {
+        "source": truth.source,
+        "rank": truth.rank,
+        "lengths": (truth.q_len, truth.kv_len),
+        "head_dims": (truth.head_dim, truth.v_head_dim),
+        "causal": (truth.causal, truth.causal),
+        "window": (truth.window, truth.window),
+        "padding": truth.padding,
+        "arbitrary": truth.arbitrary,
+        "dropout_p": 0.0,
+        "dtype": truth.dtype,
+    }
     if truth.rank == 3:
         # [B*H, N, D]: the split of the leading axis into batch and heads need not be recoverable
-        assert site.nodes.rank == 3, where
-        assert site.batch * site.heads == batch * truth.heads, where
-        assert site.heads % site.kv_heads == 0, where
+        got["batch*heads"] = site.batch * site.heads
+        want["batch*heads"] = batch * truth.heads
+        got["groups_divide"] = site.heads % site.kv_heads == 0
+        want["groups_divide"] = True
     else:
-        assert site.nodes.rank == 4, where
-        assert (site.batch, site.heads, site.kv_heads) == (batch, truth.heads, truth.kv_heads), where
-    assert (site.q_len, site.kv_len) == (truth.q_len, truth.kv_len), where
-    assert (site.head_dim, site.v_head_dim) == (truth.head_dim, truth.v_head_dim), where
-    assert math.isclose(site.scale, truth.scale, rel_tol=1e-5), f"{where}: scale {site.scale} != {truth.scale}"
-    assert site.causal is truth.causal and site.mask.causal is truth.causal, where
-    assert site.window == truth.window and site.mask.window == truth.window, where
-    assert site.mask.padding is truth.padding, where
-    assert site.mask.arbitrary is truth.arbitrary, where
+        got["batch_heads_kv"] = (site.batch, site.heads, site.kv_heads)
+        want["batch_heads_kv"] = (batch, truth.heads, truth.kv_heads)
     if truth.mask_form is not None:
-        assert site.mask.form == truth.mask_form, where
-    assert site.dropout_p == 0.0, where
-    assert site.dtype == truth.dtype, where
+        got["mask_form"], want["mask_form"] = site.mask.form, truth.mask_form
+    diffs = {key: (got[key], want[key]) for key in want if got[key] != want[key]}
+    if not math.isclose(site.scale, truth.scale, rel_tol=1e-5):
+        diffs["scale"] = (site.scale, truth.scale)
+    assert not diffs, f"site {site.id}: (got, want) {diffs}"
+
+
+class _Recorder(torch.fx.Interpreter):
+    """Runs a graph and keeps the values of the named nodes."""
+
+    def __init__(self, gm: torch.fx.GraphModule, wanted: set):
+        super().__init__(gm)
+        self.wanted = wanted
+        self.kept: dict = {}
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        if n.name in self.wanted:
+            self.kept[n.name] = out
+        return out
+
+
+def site_output_error(inspection, site) -> float:
+    """Max abs difference between the site's output node and softmax(scale q kᵀ + mask) v rebuilt
+    from the site's own nodes and attributes, on the captured example inputs.
+
+    This is what a rewrite will compute from the site, so a wrong scale, causality, window, GQA
+    grouping or key orientation shows up as a large error here.
+    """
+    captured = inspection.captured
+    nodes = site.nodes
+    wanted = {nodes.query, nodes.key, nodes.value, nodes.output} | ({site.mask.node} if site.mask.node else set())
+    recorder = _Recorder(captured.graph_module, wanted)
+    with torch.no_grad():
+        recorder.run(*captured.flat_inputs)
+    values = recorder.kept
+    q = values[nodes.query].double()
+    k = values[nodes.key].double()
+    k_t = k if nodes.key_is_transposed else k.transpose(-2, -1)
+    v = values[nodes.value].double()
+    head_axis = 1 if q.dim() == 4 else 0
+    groups = q.shape[head_axis] // k_t.shape[head_axis]
+    k_t = k_t.repeat_interleave(groups, dim=head_axis)
+    v = v.repeat_interleave(groups, dim=head_axis)
+    scores = (q @ k_t) * site.scale
+    nq, nk = scores.shape[-2], scores.shape[-1]
+    i = torch.arange(nq)[:, None] + (nk - nq)
+    j = torch.arange(nk)[None, :]
+    keep = torch.ones(nq, nk, dtype=torch.bool)
+    if site.causal:
+        keep &= j <= i
+    if site.window is not None:
+        keep &= (j > i - site.window) if site.causal else ((i - j).abs() < site.window)
+    scores = scores.masked_fill(~keep, NEG_INF)
+    if site.mask.node:
+        mask = values[site.mask.node]
+        if site.mask.keep_when == "zero":
+            scores = scores + mask.double()
+        elif site.mask.keep_when == "true":
+            scores = scores.masked_fill(~mask.bool(), NEG_INF)
+        else:
+            scores = scores.masked_fill(mask.bool(), NEG_INF)
+    rebuilt = scores.softmax(-1) @ v
+    return (rebuilt - values[nodes.output].double().reshape(rebuilt.shape)).abs().max().item()
 
 
 # ---------------------------------------------------------------------------------------------

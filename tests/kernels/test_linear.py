@@ -68,7 +68,7 @@ def test_chunked_equals_quadratic_formula(name, causal, B, H, Hkv, Nq, Nk, D, Dv
     assert _rel(out, ref) <= 1e-10
 
 
-def test_reference_is_softmax_free_formula_written_out():
+def test_reference_matches_formula_by_hand():
     """The oracle itself: one output row by hand, causal bottom-right, elu map, GQA head 3 -> kv head 1."""
     q, k, v = _qkv(1, 4, 2, 3, 7, 5, 2, seed=3)
     ref = linear_attention_reference(q, k, v, feature_map="elu", causal=True, eps=0.0)
@@ -86,7 +86,7 @@ def test_queries_before_first_key_get_zero_rows():
     assert _rel(out, ref) <= 1e-10
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(
     B=st.integers(1, 2),
     Hkv=st.integers(1, 3),
@@ -144,9 +144,9 @@ def test_favor_converges_to_softmax_kernel():
         ) / seeds
         return ((est - exact).abs() / exact).mean().item()
 
-    by_seeds = [err(8, n) for n in (4, 64, 1024)]
+    by_seeds = [err(8, n) for n in (4, 64, 256)]
     by_features = [err(m, 16) for m in (4, 64, 1024)]
-    assert by_seeds[0] > by_seeds[1] > by_seeds[2] and by_seeds[2] < 0.03  # measured 0.20, 0.053, 0.013
+    assert by_seeds[0] > by_seeds[1] > by_seeds[2] and by_seeds[2] < 0.05  # measured 0.20, 0.053, 0.037
     assert by_features[0] > by_features[1] > by_features[2] and by_features[2] < 0.03  # 0.085, 0.031, 0.016
 
 
@@ -181,10 +181,11 @@ def test_state_two_calls_equal_one_call(name):
     )
     assert _rel(whole, linear_attention(q, k, v, feature_map=fm, causal=True, eps=eps)) <= 1e-10
     state = (torch.zeros(B, H, M, Dv, dtype=F64), torch.zeros(B, H, M, dtype=F64))
-    first, state = linear_attention(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], feature_map=fm, causal=True, eps=eps, state=state)
-    pieces = [first]
-    for t in range(cut, N):  # then decode token by token
-        o, state = linear_attention(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], feature_map=fm, causal=True, eps=eps, state=state)
+    pieces = []
+    for a, b in [(0, cut)] + [(t, t + 1) for t in range(cut, N)]:  # a prefill, then token-by-token decode
+        o, state = linear_attention(
+            q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], feature_map=fm, causal=True, eps=eps, state=state
+        )
         pieces.append(o)
     assert _rel(torch.cat(pieces, dim=2), whole) <= 1e-10
     assert _rel(state[0], S_all) <= 1e-10 and _rel(state[1], z_all) <= 1e-10
@@ -192,11 +193,35 @@ def test_state_two_calls_equal_one_call(name):
         assert torch.equal(state[1][:, 0], state[1][:, 1])
 
 
+@pytest.mark.parametrize("name", ["favor", "hedgehog"])
+def test_state_path_gradients_match_op(name):
+    """Chunked prefill through the plain-PyTorch state path differentiates like the one-node op."""
+    q, k, v = _qkv(1, 4, 2, 10, 10, 3, 2, seed=8)
+    fm = _fmap(name, 3, 4)
+    M = fm.num_features(3)
+
+    def grads(split):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        if split:
+            state = (torch.zeros(1, 4, M, 2, dtype=F64), torch.zeros(1, 4, M, dtype=F64))
+            kw = dict(feature_map=fm, causal=True, eps=0.0)
+            o1, state = linear_attention(*(t[:, :, :4] for t in leaves), state=state, **kw)
+            o2, _ = linear_attention(*(t[:, :, 4:] for t in leaves), state=state, **kw)
+            out = torch.cat([o1, o2], dim=2)
+        else:
+            out = linear_attention(*leaves, feature_map=fm, causal=True, eps=0.0)
+        return torch.autograd.grad(out.sin().sum(), leaves)
+
+    for g_split, g_whole in zip(grads(True), grads(False)):
+        assert torch.isfinite(g_split).all() and _rel(g_split, g_whole) <= 1e-10
+
+
 def test_favor_state_is_in_true_feature_units():
     q, k, v = _qkv(1, 2, 2, 6, 6, 3, 2, seed=9)
     fm = make_feature_map("favor", 3, 2, seed=1).double()
     M = fm.num_features(3)
-    _, (S, z) = linear_attention(q, k, v, feature_map=fm, state=(torch.zeros(1, 2, M, 2, dtype=F64), torch.zeros(1, 2, M, dtype=F64)))
+    zeros = (torch.zeros(1, 2, M, 2, dtype=F64), torch.zeros(1, 2, M, dtype=F64))
+    _, (S, z) = linear_attention(q, k, v, feature_map=fm, state=zeros)
     raw_k = fm(k, 1 / math.sqrt(3))
     assert _rel(z, raw_k.sum(2)) <= 1e-12 and _rel(S, raw_k.transpose(-1, -2) @ v) <= 1e-12
 
@@ -206,8 +231,8 @@ def test_favor_state_is_in_true_feature_units():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("name", FEATURE_MAP_NAMES)
 def test_gradcheck_through_op(name, causal):
-    q, k, v = _qkv(1, 2, 1, 5, 5, 3, 2, seed=13)
-    fm = _fmap(name, 3, 2)
+    q, k, v = _qkv(1, 2, 1, 4, 4, 2, 2, seed=13)
+    fm = _fmap(name, 2, 2)
     inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
     w = fm.op_weight()
     if w is not None:
@@ -226,14 +251,25 @@ def test_gradient_reaches_hedgehog_module_weight():
     assert fm.weight_HDP.grad is not None and fm.weight_HDP.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("name,causal,masked", [("elu", True, True), ("hedgehog", False, False), ("favor", True, False)])
-def test_opcheck(name, causal, masked):
+# The full opcheck (with its slow AOT-dispatch trace) runs once, on the case with the most inputs:
+# a weight that needs a gradient, a key mask and causal chunks; the others check schema and fakes.
+@pytest.mark.parametrize(
+    "name,causal,masked,utils",
+    [
+        ("hedgehog", True, True, None),
+        ("elu", False, False, ("test_schema", "test_autograd_registration", "test_faketensor")),
+        ("favor", True, False, ("test_schema", "test_autograd_registration", "test_faketensor")),
+    ],
+)
+def test_opcheck(name, causal, masked, utils):
     q, k, v = _qkv(1, 4, 2, 5, 7, 3, 2, seed=1, dtype=torch.float32)
     w = make_feature_map(name, 3, 4).op_weight()
     w = None if w is None else w.detach().clone().requires_grad_(True)
     mask = torch.tensor([[True, False, True, True, True, False, True]]) if masked else None
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), name, w, causal, 0.5, 1e-6, mask, 3)
-    torch.library.opcheck(torch.ops.attnopt.linear_attention.default, args)
+    kwargs = {} if utils is None else {"test_utils": utils}
+    result = torch.library.opcheck(torch.ops.attnopt.linear_attention.default, args, **kwargs)
+    assert set(result.values()) == {"SUCCESS"}
 
 
 class _TinyLinearAttention(torch.nn.Module):

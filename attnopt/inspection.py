@@ -1,0 +1,119 @@
+"""`attnopt.inspect(model, *args, **kwargs)`: capture, detect, and report attention sites.
+
+The result is plain data: `sites` (AttentionSite), `near_misses` (NearMiss with reasons), `counts`
+and the captured graph(s) the sites' node names refer to. `str()` is a readable table;
+`to_dict()` is JSON-able.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from attnopt.passes.capture import CapturedGraph, CaptureError, capture_dynamo, capture_export
+from attnopt.passes.detect import detect
+from attnopt.passes.site import AttentionSite, NearMiss
+
+
+@dataclass
+class Inspection:
+    """Everything `inspect` found. `captures` holds one graph (export) or one per Dynamo graph."""
+
+    sites: list[AttentionSite]
+    near_misses: list[NearMiss]
+    counts: dict[str, Any] = field(default_factory=dict)
+    captures: list[CapturedGraph] = field(default_factory=list)
+
+    @property
+    def captured(self) -> Optional[CapturedGraph]:
+        """The captured graph the sites refer to (the first one when Dynamo split the model)."""
+        return self.captures[0] if self.captures else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sites": [_jsonable(s.to_dict()) for s in self.sites],
+            "near_misses": [_jsonable(m.to_dict()) for m in self.near_misses],
+            "counts": _jsonable(self.counts),
+        }
+
+    def __str__(self) -> str:
+        return format_table(self)
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(x)  # SymInts, dtypes, anything else printable
+
+
+_COLUMNS = ("id", "layer", "source", "B", "H", "Hkv", "Nq", "Nk", "D", "scale", "mask", "causal", "window")
+
+
+def _row(s: AttentionSite) -> list[str]:
+    return [s.id, str(s.layer), s.source, str(s.batch), str(s.heads), str(s.kv_heads), str(s.q_len),
+            str(s.kv_len), str(s.head_dim), f"{s.scale:.6g}", s.mask.kind, "yes" if s.causal else "no",
+            "-" if s.window is None else str(s.window)]
+
+
+def format_table(ins: Inspection) -> str:
+    rows = [list(_COLUMNS)] + [_row(s) for s in ins.sites]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    lines = [f"{len(ins.sites)} attention site(s), {len(ins.near_misses)} near miss(es)"
+             f" [capture: {ins.counts.get('method', '?')}, dynamic={ins.counts.get('dynamic', '?')}]"]
+    if ins.sites:
+        for i, r in enumerate(rows):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+    if ins.near_misses:
+        lines.append("")
+        lines.append("near misses:")
+        for m in ins.near_misses:
+            where = m.module_path or "graph"
+            lines.append(f"  {where} ({m.node}) [{m.code}]: {m.reason}")
+    return "\n".join(lines)
+
+
+def inspect(model: torch.nn.Module, *args, method: str = "export", dynamic: bool = True, **kwargs) -> Inspection:
+    """Capture `model(*args, **kwargs)` and report its attention sites and near misses."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"inspect() needs a torch.nn.Module, got {type(model).__name__}; "
+                        "pass the model first, then its example inputs")
+    if method not in ("export", "dynamo"):
+        raise ValueError(f"method must be 'export' or 'dynamo', got {method!r}")
+    t0 = time.perf_counter()
+    if method == "export":
+        captures = [capture_export(model, args, kwargs, dynamic=dynamic)]
+    else:
+        captures = capture_dynamo(model, args, kwargs)
+    t_capture = time.perf_counter()
+    sites: list[AttentionSite] = []
+    misses: list[NearMiss] = []
+    counts: dict[str, Any] = {"softmax": 0, "sdpa": 0, "log_softmax": 0}
+    for cap in captures:
+        result = detect(cap)
+        sites += result.sites
+        misses += result.near_misses
+        for key in ("softmax", "sdpa", "log_softmax"):
+            counts[key] += result.counts.get(key, 0)
+    counts.update(
+        sites=len(sites),
+        near_misses=len(misses),
+        method=method,
+        dynamic=any(c.dynamic for c in captures),
+        graphs=len(captures),
+        notes=[n for c in captures for n in c.notes],
+        seconds_capture=round(t_capture - t0, 3),
+        seconds_detect=round(time.perf_counter() - t_capture, 3),
+    )
+    return Inspection(sites, misses, counts, captures)
+
+
+__all__ = ["Inspection", "inspect", "CaptureError"]

@@ -1,0 +1,422 @@
+"""Detect attention sites in a captured graph: match structurally, check numerically, describe.
+
+    detect(captured) -> DetectionResult(sites, near_misses, counts)
+
+Every softmax / SDPA node is an anchor. A structural match (matchers.py) becomes a site only
+after the graph has been run once on the example inputs and the matched pieces, pushed through
+softmax(scale · q kᵀ + mask) v, reproduce the recorded output. Anything that fails is a NearMiss
+with a reason.
+
+Letters: B batch, H query heads, Hkv key/value heads, Nq/Nk query/key length, D/Dv head dims.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+import torch.fx as fx
+
+from attnopt.passes import canonicalize as cz
+from attnopt.passes.capture import CapturedGraph, record_values
+from attnopt.passes.mask_proof import KeepPattern, StructureOracle, classify_bias, classify_keep
+from attnopt.passes.matchers import (
+    Candidate,
+    ExplicitChainMatcher,
+    LogSoftmaxMatcher,
+    SdpaMatcher,
+    module_of,
+)
+from attnopt.passes.order import site_layers
+from attnopt.passes.site import AttentionSite, Dim, MaskInfo, NearMiss, SiteNodes
+
+_TOLERANCE = {  # (rtol, atol relative to the output's magnitude) per dtype
+    torch.float32: (1e-4, 1e-4),
+    torch.float64: (1e-7, 1e-7),
+    torch.float16: (2e-2, 2e-2),
+    torch.bfloat16: (5e-2, 5e-2),
+}
+
+
+@dataclass
+class DetectionResult:
+    sites: list[AttentionSite]
+    near_misses: list[NearMiss]
+    counts: dict[str, Any] = field(default_factory=dict)
+
+
+def detect(captured: CapturedGraph) -> DetectionResult:
+    """Find every attention site of `captured.graph_module`; report the rest as near misses."""
+    t0 = time.perf_counter()
+    gm = captured.graph_module
+    explicit, sdpa, logsm = ExplicitChainMatcher(), SdpaMatcher(), LogSoftmaxMatcher()
+    candidates: list[Candidate] = []
+    misses: list[NearMiss] = []
+    counts = {"softmax": 0, "sdpa": 0, "log_softmax": 0}
+    for node in gm.graph.nodes:
+        name = cz.op_name(node)
+        if name is None:
+            continue
+        if name in explicit.anchors:
+            counts["softmax"] += 1
+            got = explicit.match(node)
+        elif name in sdpa.anchors:
+            counts["sdpa"] += 1
+            got = sdpa.match(node)
+        elif name in logsm.anchors:
+            counts["log_softmax"] += 1
+            got = logsm.match(node)
+        else:
+            continue
+        if isinstance(got, Candidate):
+            candidates.append(got)
+        elif got is not None:
+            misses.append(got)
+    t_match = time.perf_counter()
+
+    checked: list[tuple[Candidate, dict]] = []
+    if candidates:
+        try:
+            values = record_values(captured, _wanted(candidates))
+        except Exception as exc:  # the numeric check is mandatory: no run, no site
+            msg = f"could not run the captured graph on the example inputs to check it: {type(exc).__name__}: {exc}"
+            misses += [_candidate_miss(c, msg, "numeric") for c in candidates]
+            values = None
+        if values is not None:
+            oracle = StructureOracle(gm.graph)
+            for c in candidates:
+                got = _check(c, values, oracle)
+                if isinstance(got, NearMiss):
+                    misses.append(got)
+                else:
+                    checked.append((c, got))
+    t_check = time.perf_counter()
+
+    sites = _build_sites(gm, checked)
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    misses.sort(key=lambda m: order.get(m.node, 0))
+    counts.update(
+        sites=len(sites),
+        near_misses=len(misses),
+        seconds_match=round(t_match - t0, 4),
+        seconds_check=round(t_check - t_match, 4),
+        seconds_total=round(time.perf_counter() - t0, 4),
+    )
+    return DetectionResult(sites, misses, counts)
+
+
+# ---- numeric check ------------------------------------------------------------------------------
+
+def _wanted(candidates: list[Candidate]) -> set[str]:
+    names: set[str] = set()
+    for c in candidates:
+        names.update(n.name for n in (c.query, c.key, c.value, c.output))
+        if c.sdpa_mask is not None:
+            names.add(c.sdpa_mask.name)
+        if isinstance(c.sdpa_scale, fx.Node):
+            names.add(c.sdpa_scale.name)
+        for f in c.factors():
+            if isinstance(f.value, fx.Node):
+                names.add(f.value.name)
+        for kind, x in c.score_steps + c.prob_steps:
+            if kind == "reshape":
+                names.add(x.name)
+            elif kind == "term":
+                names.add(x.node.name)
+    return names
+
+
+def _candidate_miss(c: Candidate, reason: str, code: str, **details) -> NearMiss:
+    return NearMiss(node=c.anchor.name, module_path=c.module_path, reason=reason, code=code, details=details)
+
+
+def _check(c: Candidate, values: dict, oracle: StructureOracle) -> Union[NearMiss, dict]:
+    q, k, v, out = (values[n.name] for n in (c.query, c.key, c.value, c.output))
+    if c.key_is_transposed:
+        k = k.transpose(-2, -1)
+    shapes = _check_shapes(c, q, k, v, out)
+    if isinstance(shapes, str):
+        return _candidate_miss(c, shapes, "shape")
+    heads, kv_heads = shapes
+    try:
+        scale = _scale(c, values, q.shape[-1])
+    except (TypeError, ValueError, KeyError) as exc:
+        return _candidate_miss(c, f"the scale could not be read as a number: {exc}", "scale")
+    work = torch.promote_types(q.dtype, torch.float32)  # fp32 reference is exact enough for the tolerances
+    qf, kf, vf = q.to(work), k.to(work), v.to(work)
+    if c.rank == 4 and kv_heads != heads:
+        kf = kf.repeat_interleave(heads // kv_heads, dim=1)
+        vf = vf.repeat_interleave(heads // kv_heads, dim=1)
+    if _is_sdpa(c):
+        ref = _replay_sdpa(c, values, qf, kf, vf, scale)
+    else:
+        ref = _replay_explicit(c, values, qf, kf, vf)
+    if c.dropout_p == 0.0:
+        bad = _mismatch(out, ref)
+        if bad is not None:
+            return _candidate_miss(c, "the matched chain does not compute softmax(scale·q·kᵀ + mask)·v on the "
+                                      f"example inputs ({bad}); not rewriting it", "numeric")
+    mask = _mask_info(c, values, oracle, qf.shape, kf.shape)
+    if isinstance(mask, NearMiss):
+        return mask
+    return {"scale": scale, "heads": heads, "kv_heads": kv_heads, "mask": mask}
+
+
+def _is_sdpa(c: Candidate) -> bool:
+    return cz.op_name(c.anchor) == "scaled_dot_product_attention"
+
+
+def _check_shapes(c: Candidate, q, k, v, out) -> Union[str, tuple[int, int]]:
+    if c.rank == 4:
+        b, h, nq, d = q.shape
+        bk, hkv, nk, dk = k.shape
+        if bk != b or dk != d or tuple(v.shape[:3]) != (bk, hkv, nk):
+            return (f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not line up as "
+                    "[B, H, Nq, D], [B, Hkv, Nk, D], [B, Hkv, Nk, Dv]")
+        if h % hkv != 0 or (hkv != h and c.groups == 1 and not c.enable_gqa):
+            return f"{h} query heads cannot share {hkv} key/value heads"
+        if c.groups > 1 and hkv * c.groups != h:
+            return f"{hkv} key/value heads repeated {c.groups}x do not give {h} query heads"
+        if tuple(out.shape) != (b, h, nq, v.shape[-1]):
+            return f"output {list(out.shape)} is not [B, H, Nq, Dv] = {[b, h, nq, v.shape[-1]]}"
+        return h, hkv
+    g, nq, d = q.shape
+    if tuple(k.shape[:1]) != (g,) or k.shape[-1] != d or tuple(v.shape[:2]) != (g, k.shape[1]):
+        return f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not line up as [B*H, N, D]"
+    return 1, 1
+
+
+def _scale(c: Candidate, values: dict, head_dim: int) -> float:
+    if _is_sdpa(c):
+        s = c.sdpa_scale
+        if s is None:
+            return 1.0 / math.sqrt(head_dim)
+        if isinstance(s, fx.Node):
+            got = values[s.name]
+            return float(got.item() if isinstance(got, torch.Tensor) else got)
+        return float(s)
+    scale = 1.0
+    for f in c.factors():
+        scale *= f.resolve(values)
+    return scale
+
+
+def _replay_explicit(c: Candidate, values: dict, qf, kf, vf, zero_scores: bool = False):
+    s = qf @ kf.transpose(-2, -1)
+    for f in c.qk_factors:
+        s = s * f.resolve(values)
+    if zero_scores:
+        s = torch.zeros_like(s)
+    s = _apply_steps(c.score_steps, values, s)
+    if zero_scores:
+        return s
+    p = torch.softmax(s, dim=-1)
+    for _, node in c.prob_steps:
+        p = p.reshape(values[node.name].shape)
+    return p @ vf
+
+
+def _apply_steps(steps: list, values: dict, s):
+    for kind, x in steps:
+        if kind == "scale":
+            s = s * x.resolve(values)
+        elif kind == "reshape":
+            s = s.reshape(values[x.name].shape)
+        else:
+            t = values[x.node.name]
+            if x.kind == "additive":
+                s = s + (t.to(s.dtype) if t.dtype != torch.bool else t)
+            elif x.kind == "masked_fill":
+                s = s.masked_fill(t.bool(), x.fill)
+            elif x.kind == "where_keep":
+                s = torch.where(t.bool(), s, torch.tensor(x.fill, dtype=s.dtype))
+            else:
+                s = torch.where(t.bool(), torch.tensor(x.fill, dtype=s.dtype), s)
+    return s
+
+
+def _replay_sdpa(c: Candidate, values: dict, qf, kf, vf, scale: float):
+    s = (qf @ kf.transpose(-2, -1)) * scale
+    if c.sdpa_mask is not None:
+        m = values[c.sdpa_mask.name]
+        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.to(s.dtype)
+    if c.is_causal:  # SDPA's is_causal is top-left aligned
+        nq, nk = s.shape[-2:]
+        keep = torch.ones(nq, nk, dtype=torch.bool).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return torch.softmax(s, dim=-1) @ vf
+
+
+def _mismatch(out: torch.Tensor, ref: torch.Tensor) -> Optional[str]:
+    if tuple(out.shape) != tuple(ref.shape):
+        return f"shape {list(out.shape)} vs {list(ref.shape)}"
+    rtol, atol = _TOLERANCE.get(out.dtype, (1e-3, 1e-3))
+    o = out.to(ref.dtype)
+    mag = float(ref[ref.isfinite()].abs().max()) if bool(ref.isfinite().any()) else 1.0
+    if torch.allclose(o, ref, rtol=rtol, atol=atol * max(1.0, mag), equal_nan=True):
+        return None
+    diff = (o - ref).abs().nan_to_num(nan=float("inf"))
+    return f"max abs difference {float(diff.max()):.3g}"
+
+
+# ---- masks --------------------------------------------------------------------------------------
+
+def _dims_of(node: fx.Node) -> Optional[tuple]:
+    s = cz.shape(node)
+    return None if s is None else tuple(d if isinstance(d, int) else str(d) for d in s)
+
+
+def _mask_info(c: Candidate, values: dict, oracle: StructureOracle, q_shape, k_shape) -> Union[MaskInfo, NearMiss]:
+    if c.is_causal:
+        return MaskInfo(form="is_causal", causal=True)
+    if _is_sdpa(c):
+        if c.sdpa_mask is None:
+            return MaskInfo()
+        m = values[c.sdpa_mask.name]
+        frame = tuple(q_shape[:-1]) + (k_shape[-2],)
+        m_full = m.expand(frame) if m.dim() <= len(frame) else m
+        if m.dtype == torch.bool:
+            pattern = classify_keep(_as_bhqk(m_full))
+            form, keep_when = "bool", "true"
+        else:
+            pattern = classify_bias(_as_bhqk(m_full.double()))
+            form, keep_when = "additive", "zero"
+        return _finish_mask(pattern, [c.sdpa_mask], form, keep_when, oracle)
+    terms = c.mask_terms
+    if not terms:
+        return MaskInfo()
+    bias = _replay_explicit(c, values, torch.zeros(q_shape, dtype=torch.float64),
+                            torch.zeros(k_shape, dtype=torch.float64), None, zero_scores=True)
+    pattern = classify_bias(_as_bhqk(bias))
+    effective = [t for t in terms if not _no_effect(t, values)]
+    if len(effective) > 1:
+        return _finish_mask(KeepPattern(arbitrary=True), [t.node for t in effective],
+                            "+".join(t.form for t in effective), "zero", oracle, node=None)
+    term = effective[0] if effective else terms[0]
+    return _finish_mask(pattern, [term.node], term.form, term.keep_when, oracle)
+
+
+def _as_bhqk(x: torch.Tensor) -> torch.Tensor:
+    """Softmax-frame tensors to [B, H, Nq, Nk] ([B*H, Nq, Nk] becomes [B*H, 1, Nq, Nk])."""
+    if x.dim() == 3:
+        return x.unsqueeze(1)
+    if x.dim() == 2:
+        return x[None, None]
+    return x
+
+
+def _no_effect(term, values: dict) -> bool:
+    t = values[term.node.name]
+    if term.kind == "additive":
+        return t.dtype != torch.bool and bool((t == 0).all())
+    if term.kind == "masked_fill" or term.kind == "where_drop":
+        return not bool(t.bool().any())
+    return bool(t.bool().all())
+
+
+def _finish_mask(pattern: KeepPattern, nodes: list, form: str, keep_when: str, oracle: StructureOracle,
+                 node: Any = "first") -> MaskInfo:
+    from_positions, from_inputs = False, False
+    for n in nodes:
+        p, i = oracle.sources(n.name)
+        from_positions |= p
+        from_inputs |= i
+    if (pattern.causal or pattern.window is not None) and not from_positions:
+        # causal-looking on this example only: an input could carry anything next call
+        pattern = KeepPattern(arbitrary=True)
+    padding = pattern.padding
+    if from_inputs and not pattern.arbitrary and not padding:
+        # an input-driven mask that keeps everything today may pad tomorrow
+        padding = True
+    mask_node = nodes[0] if node == "first" else node
+    return MaskInfo(
+        form=form,
+        causal=pattern.causal,
+        window=pattern.window,
+        padding=padding,
+        arbitrary=pattern.arbitrary,
+        node=mask_node.name if isinstance(mask_node, fx.Node) else None,
+        keep_when=keep_when,
+        shape=_dims_of(mask_node) if isinstance(mask_node, fx.Node) else None,
+    )
+
+
+# ---- sites --------------------------------------------------------------------------------------
+
+def _dim(x) -> Dim:
+    return x if isinstance(x, int) else str(x)
+
+
+def _split_batch_heads(c: Candidate) -> tuple[Dim, int]:
+    """[B*H, N, D] operands: find the [B, H, ...] tensor they were flattened from, if any."""
+    g = cz.shape(c.query)[0]
+    for start, walk_back in ((c.query, True), (c.output, False)):
+        cur = start
+        for _ in range(6):
+            if walk_back:
+                if cz.op_name(cur) not in cz.RESHAPE_OPS and cz.op_name(cur) not in cz.COPY_OPS:
+                    break
+                cur = cur.args[0]
+            else:
+                users = cz.real_users(cur)
+                if len(users) != 1 or cz.op_name(users[0]) not in cz.RESHAPE_OPS | cz.COPY_OPS:
+                    break
+                cur = users[0]
+            s = cz.shape(cur)
+            if s is not None and len(s) == 4 and isinstance(s[1], int) and cz.same_dim(s[0] * s[1], g):
+                return _dim(s[0]), int(s[1])
+    return _dim(g), 1
+
+
+def _build_sites(gm: fx.GraphModule, checked: list[tuple[Candidate, dict]]) -> list[AttentionSite]:
+    if not checked:
+        return []
+    outputs = [c.output.name for c, _ in checked]
+    inputs = [[c.query.name, c.key.name, c.value.name] + ([info["mask"].node] if info["mask"].node else [])
+              for c, info in checked]
+    layers = site_layers(gm.graph, outputs, inputs)
+    per_module: dict[str, int] = defaultdict(int)
+    sites = []
+    for (c, info), layer in zip(checked, layers):
+        qs, ks, vs = cz.shape(c.query), cz.shape(c.key), cz.shape(c.value)
+        kd = (ks[-2], ks[-1]) if c.key_is_transposed else (ks[-1], ks[-2])  # (D, Nk)
+        if c.rank == 4:
+            batch, heads, kv_heads = _dim(qs[0]), int(info["heads"]), int(info["kv_heads"])
+            heads = int(qs[1]) if isinstance(qs[1], int) else heads
+        else:
+            batch, heads = _split_batch_heads(c)
+            kv_heads = heads
+        k = per_module[c.module_path]
+        per_module[c.module_path] += 1
+        site_id = f"{c.module_path or 'graph'}#{k}"
+        mask: MaskInfo = info["mask"]
+        members = tuple(n.name for n in c.members)
+        sites.append(AttentionSite(
+            id=site_id,
+            module_path=c.module_path,
+            module_type=c.module_type,
+            layer=layer,
+            source=c.source,
+            batch=batch,
+            heads=heads,
+            kv_heads=kv_heads,
+            q_len=_dim(qs[-2]),
+            kv_len=_dim(kd[1]),
+            head_dim=int(qs[-1]) if isinstance(qs[-1], int) else _dim(qs[-1]),
+            v_head_dim=int(vs[-1]) if isinstance(vs[-1], int) else _dim(vs[-1]),
+            scale=float(info["scale"]),
+            causal=mask.causal,
+            mask=mask,
+            window=mask.window,
+            dropout_p=float(c.dropout_p),
+            dtype=str(cz.val(c.query).dtype).replace("torch.", ""),
+            nodes=SiteNodes(query=c.query.name, key=c.key.name, value=c.value.name, output=c.output.name,
+                            key_is_transposed=c.key_is_transposed, mask=mask.node, members=members,
+                            rank=c.rank),
+            spelling=tuple(c.spelling) + (("mask:" + mask.form,) if mask.form != "none" else ()),
+        ))
+    return sites

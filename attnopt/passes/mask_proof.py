@@ -1,0 +1,113 @@
+"""Read what a site's mask means: numerically on the example inputs, then structurally.
+
+The numeric read classifies the keep pattern (causal, sliding window, padding, bias); the
+structural read requires causal / window claims to come from positions the graph itself builds
+(arange, tril, triu, a constant buffer) -- a mask that is merely an input which happens to look
+causal on this example is not called causal (TRT-LLM assumed that and was wrong).
+
+Letters: B batch, H heads, Nq query length, Nk key length. Patterns are bottom-right aligned:
+query i sits at key position i + (Nk - Nq).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import networkx as nx
+import torch
+
+# In the replayed bias a value at or below this hides the key (exp underflows to 0 even in fp64).
+HIDDEN_BELOW = -1e3
+
+# Ops whose presence among a mask's ancestors shows the mask is built from positions.
+POSITION_SOURCES = {"arange", "tril", "triu", "tril_indices", "triu_indices"}
+
+
+_SHAPE_ONLY = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+@dataclass(frozen=True)
+class KeepPattern:
+    causal: bool = False
+    window: Optional[int] = None
+    padding: bool = False
+    arbitrary: bool = False
+    all_keep: bool = False
+
+
+def classify_bias(bias: torch.Tensor) -> KeepPattern:
+    """Classify an additive bias in the softmax frame ([B, H, Nq, Nk], [G, Nq, Nk] or [Nq, Nk])."""
+    finite_nonzero = (bias > HIDDEN_BELOW) & (bias != 0)
+    pattern = classify_keep(bias > HIDDEN_BELOW)
+    if bool(finite_nonzero.any()):
+        return KeepPattern(arbitrary=True)
+    return pattern
+
+
+def classify_keep(keep: torch.Tensor) -> KeepPattern:
+    """Causal / window / padding / arbitrary for a bool keep tensor."""
+    while keep.dim() < 4:
+        keep = keep.unsqueeze(0)
+    if keep.dim() > 4:
+        keep = keep.reshape(-1, 1, *keep.shape[-2:])
+    b, h, nq, nk = keep.shape
+    if bool(keep.all()):
+        return KeepPattern(all_keep=True)
+    offset = nk - nq
+    i = torch.arange(nq)[:, None]
+    j = torch.arange(nk)[None, :]
+    pad_BNk = keep.any(dim=2).any(dim=1)  # a key anyone sees
+    pad_full = pad_BNk[:, None, None, :].expand(b, h, nq, nk)
+    causal_band = j <= i + offset
+    union = keep.any(dim=0).any(dim=0)
+    if bool((union & ~causal_band).any()):
+        if torch.equal(keep, pad_full):
+            return KeepPattern(padding=True)
+        return KeepPattern(arbitrary=True)
+    visible = (union & causal_band).sum(-1)
+    w = int(visible.max())
+    band = causal_band & (j > i + offset - w)
+    if not torch.equal(union, band):
+        return KeepPattern(arbitrary=True)
+    if not torch.equal(keep, band & pad_full):
+        return KeepPattern(arbitrary=True)
+    full_rows = int((i + offset + 1).clamp(max=nk).max())
+    window = w if w < full_rows else None
+    return KeepPattern(causal=True, window=window, padding=not bool(pad_BNk.all()))
+
+
+class StructureOracle:
+    """Answers "does this mask come from positions / from inputs" on the fx graph, cached."""
+
+    def __init__(self, graph):
+        self.dag = nx.DiGraph()
+        for node in graph.nodes:
+            self.dag.add_node(node.name)
+            for inp in node.all_input_nodes:
+                if isinstance(inp.meta.get("val"), _SHAPE_ONLY):
+                    continue  # a size read from a tensor carries no mask values
+                self.dag.add_edge(inp.name, node.name)
+        self.nodes = {n.name: n for n in graph.nodes}
+        self._cache: dict[str, tuple[bool, bool]] = {}
+
+    def sources(self, name: str) -> tuple[bool, bool]:
+        """(built from positions or constants, depends on a graph input) for node `name`."""
+        if name not in self._cache:
+            from attnopt.passes.canonicalize import op_name
+
+            anc = nx.ancestors(self.dag, name) | {name}
+            from_positions = False
+            from_inputs = False
+            for a in anc:
+                n = self.nodes[a]
+                if n.op == "placeholder":
+                    from_inputs = True
+                elif n.op == "get_attr":
+                    from_positions = True  # a constant buffer: the same on every call
+                elif op_name(n) in POSITION_SOURCES:
+                    from_positions = True
+            if not from_inputs:
+                from_positions = True  # built from constants only
+            self._cache[name] = (from_positions, from_inputs)
+        return self._cache[name]

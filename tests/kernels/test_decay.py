@@ -1,0 +1,314 @@
+"""decay_attention (retention / SSM form) against the explicit decayed sum and the recurrence, fp64.
+
+Letters: B batch, H query heads, Hkv kv heads, N length, D head dim, Dv value dim, C chunk.
+"""
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from attnopt.kernels.decay import (
+    decay_attention,
+    decay_attention_reference,
+    decay_attention_step,
+    init_decay_state,
+    retnet_decay,
+)
+
+F64 = torch.float64
+
+
+def _inputs(B, H, Hkv, Nq, Nk, D, Dv, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Nq, D, dtype=F64, generator=g)
+    k = torch.randn(B, Hkv, Nk, D, dtype=F64, generator=g)
+    v = torch.randn(B, Hkv, Nk, Dv, dtype=F64, generator=g)
+    return q, k, v
+
+
+def _phi(x, name):
+    return {"identity": lambda t: t, "elu": lambda t: F.elu(t) + 1, "relu": F.relu}[name](x)
+
+
+def _recurrence(q, k, v, gammas, feature_map, normalize, key_mask=None, eps=1e-6):
+    """The textbook recurrence, one token at a time (independent oracle)."""
+    B, H, Nq, D = q.shape
+    Nk, Dv = k.shape[2], v.shape[3]
+    G = H // k.shape[1]
+    out = torch.zeros(B, H, Nq, Dv, dtype=F64)
+    for b in range(B):
+        for h in range(H):
+            S = torch.zeros(D, Dv, dtype=F64)
+            z = torch.zeros(D, dtype=F64)
+            for t in range(Nk):
+                kt = _phi(k[b, h // G, t], feature_map)
+                if key_mask is not None and not key_mask[b, t]:
+                    kt = torch.zeros_like(kt)
+                S = gammas[h] * S + torch.outer(kt, v[b, h // G, t])
+                z = gammas[h] * z + kt
+                i = t - (Nk - Nq)
+                if i >= 0:
+                    qt = _phi(q[b, h, i], feature_map)
+                    out[b, h, i] = qt @ S / (qt @ z + eps) if normalize else (qt @ S) / math.sqrt(D)
+    return out
+
+
+def _rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+
+SHAPES = [
+    # (B, H, Hkv, Nq, Nk, D, Dv, chunk, padded)
+    (1, 2, 2, 1, 1, 3, 2, 64, False),  # N = 1
+    (2, 3, 3, 13, 13, 4, 5, 4, False),  # N not a multiple of the chunk
+    (2, 4, 2, 11, 11, 3, 6, 3, False),  # GQA
+    (2, 4, 1, 5, 13, 4, 3, 4, False),  # Nq < Nk (bottom-right), MQA
+    (3, 2, 2, 12, 12, 4, 5, 5, True),  # padding
+]
+DECAYS = [None, 0.8, "per_head", "tensor"]
+
+
+def _decay_arg(kind, H):
+    if kind == "per_head":
+        return [0.3 + 0.7 * (h + 1) / H for h in range(H)]  # includes γ = 1 for the last head
+    if kind == "tensor":
+        return torch.linspace(0.5, 0.95, H, dtype=F64)
+    return kind
+
+
+def _gammas(kind, H):
+    d = _decay_arg(kind, H)
+    if d is None:
+        return retnet_decay(H).tolist()
+    if isinstance(d, float):
+        return [d] * H
+    return [float(x) for x in d]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}H{}Hkv{}Nq{}Nk{}C{}pad{}".format(*s[:5], s[7], s[8]))
+def test_matches_explicit_sum(shape):
+    B, H, Hkv, Nq, Nk, D, Dv, C, padded = shape
+    q, k, v = _inputs(B, H, Hkv, Nq, Nk, D, Dv, seed=Nq * 17 + Nk)
+    key_mask = None
+    if padded:
+        key_mask = torch.rand(B, Nk, generator=torch.Generator().manual_seed(3)) > 0.35
+    for normalize, fmap, dk in itertools.product([False, True], ["identity", "elu", "relu"], DECAYS):
+        if normalize and fmap == "identity":
+            continue  # φ(q)ᵀz can cross zero: the ratio is ill-conditioned, compared below with elu/relu
+        kw = dict(decay=_decay_arg(dk, H), feature_map=fmap, normalize=normalize, key_mask=key_mask)
+        out = decay_attention(q, k, v, chunk_size=C, **kw)
+        assert out.shape == (B, H, Nq, Dv) and out.dtype == F64
+        ref = decay_attention_reference(q, k, v, **kw)
+        assert _rel_err(out, ref) <= 1e-10, (normalize, fmap, dk)
+
+
+@pytest.mark.parametrize("normalize, fmap", [(False, "identity"), (True, "elu"), (False, "relu")])
+def test_matches_token_recurrence(normalize, fmap):
+    q, k, v = _inputs(2, 4, 2, 7, 10, 3, 2, seed=21)
+    km = torch.tensor([[True] * 10, [False, True, True, False] + [True] * 6])
+    out = decay_attention(q, k, v, decay=[0.9, 0.5, 1.0, 0.7], feature_map=fmap, normalize=normalize, key_mask=km, chunk_size=3)
+    ref = _recurrence(q, k, v, [0.9, 0.5, 1.0, 0.7], fmap, normalize, key_mask=km)
+    assert _rel_err(out, ref) <= 1e-10
+
+
+def test_identity_normalized_matches_reference():
+    q, k, v = _inputs(1, 2, 2, 9, 9, 3, 3, seed=5)
+    q, k = q.abs(), k.abs()  # keep φ(q)ᵀz away from zero
+    out = decay_attention(q, k, v, decay=0.9, normalize=True, chunk_size=4)
+    ref = decay_attention_reference(q, k, v, decay=0.9, normalize=True)
+    assert _rel_err(out, ref) <= 1e-10
+
+
+def test_retnet_schedule_and_default_scale():
+    g = retnet_decay(4)
+    assert g.tolist() == [1 - 2**-5, 1 - 2**-6, 1 - 2**-7, 1 - 2**-8]
+    q, k, v = _inputs(1, 4, 4, 6, 6, 4, 2, seed=2)
+    a = decay_attention(q, k, v)
+    assert torch.equal(a, decay_attention(q, k, v, decay="retnet"))
+    assert _rel_err(a, decay_attention(q, k, v, decay=g)) <= 1e-14
+    assert _rel_err(a, decay_attention(q, k, v, scale=0.5) * (1 / math.sqrt(4)) / 0.5) <= 1e-12
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    dims=st.permutations([1, 2, 3, 4]),  # pairwise-distinct B, H, N, D
+    extraN=st.sampled_from([0, 5, 9]),
+    gamma=st.floats(0.05, 1.0),
+    fmap=st.sampled_from(["identity", "elu", "relu"]),
+    normalize=st.booleans(),
+    C=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_property_matches_reference(dims, extraN, gamma, fmap, normalize, C, seed):
+    B, H, N, D = dims
+    N += extraN
+    if normalize and fmap == "identity":
+        fmap = "elu"
+    q, k, v = _inputs(B, H, H, N, N, D, D + 1, seed)
+    kw = dict(decay=gamma, feature_map=fmap, normalize=normalize)
+    out = decay_attention(q, k, v, chunk_size=C, **kw)
+    assert _rel_err(out, decay_attention_reference(q, k, v, **kw)) <= 1e-10
+
+
+@pytest.mark.parametrize("normalize, fmap", [(False, "identity"), (True, "elu")])
+def test_prefill_then_steps_equals_full_prefill(normalize, fmap):
+    B, H, Hkv, N, D, Dv, T = 2, 4, 2, 19, 3, 5, 8
+    q, k, v = _inputs(B, H, Hkv, N, N, D, Dv, seed=31)
+    kw = dict(decay=[0.9, 0.6, 0.99, 1.0], feature_map=fmap, normalize=normalize)
+    full = decay_attention(q, k, v, chunk_size=3, **kw)
+    state = init_decay_state(B, H, D, Dv, normalize=normalize, dtype=F64)
+    out, state = decay_attention(q[:, :, :T], k[:, :, :T], v[:, :, :T], state=state, chunk_size=3, **kw)
+    outs = [out]
+    for t in range(T, N):
+        o, state = decay_attention_step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state, **kw)
+        outs.append(o)
+    assert _rel_err(torch.cat(outs, dim=2), full) <= 1e-10
+    # stepping from scratch (state=None) is the same recurrence too
+    state, outs = None, []
+    for t in range(N):
+        o, state = decay_attention_step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state, **kw)
+        outs.append(o)
+    assert _rel_err(torch.cat(outs, dim=2), full) <= 1e-10
+    S, z = state
+    assert S.shape == (B, H, D, Dv) and (z is not None) == normalize
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_two_calls_with_state_equal_one_call(normalize):
+    B, H, N, D, Dv = 2, 3, 23, 4, 2
+    q, k, v = _inputs(B, H, H, N, N, D, Dv, seed=41)
+    km = torch.rand(B, N, generator=torch.Generator().manual_seed(1)) > 0.2
+    kw = dict(decay=0.85, feature_map="elu", normalize=normalize)
+    s0 = init_decay_state(B, H, D, Dv, normalize=normalize, dtype=F64)
+    full, (S_full, z_full) = decay_attention(q, k, v, key_mask=km, state=s0, chunk_size=5, **kw)
+    a, st1 = decay_attention(q[:, :, :10], k[:, :, :10], v[:, :, :10], key_mask=km[:, :10], state=s0, chunk_size=4, **kw)
+    b, (S2, z2) = decay_attention(q[:, :, 10:], k[:, :, 10:], v[:, :, 10:], key_mask=km[:, 10:], state=st1, chunk_size=4, **kw)
+    assert _rel_err(torch.cat([a, b], dim=2), full) <= 1e-10
+    assert _rel_err(S2, S_full) <= 1e-10
+    if normalize:
+        assert _rel_err(z2, z_full) <= 1e-10
+    assert _rel_err(full, decay_attention(q, k, v, key_mask=km, **kw)) <= 1e-10
+
+
+@pytest.mark.parametrize("gamma, C", [(0.5, 64), (0.5, 4), (1 - 1e-9, 64), (1e-3, 16), (1.0, 7)])
+def test_long_sequences_stay_finite_and_exact(gamma, C):
+    # γ = 0.5 with C = 64: γ^(i-j) for j > i would be 2^63 and inf for smaller γ; masking in log
+    # space before the exp keeps those out. C = 4 gives 75 chunks (more than one scan group).
+    q, k, v = _inputs(1, 2, 2, 300, 300, 4, 3, seed=51)
+    for normalize, fmap in [(False, "identity"), (True, "elu")]:
+        kw = dict(decay=gamma, feature_map=fmap, normalize=normalize)
+        out = decay_attention(q, k, v, chunk_size=C, **kw)
+        assert torch.isfinite(out).all()
+        assert _rel_err(out, decay_attention_reference(q, k, v, **kw)) <= 1e-10
+    out32 = decay_attention(q.float(), k.float(), v.float(), decay=gamma, chunk_size=C)
+    assert out32.dtype == torch.float32 and torch.isfinite(out32).all()
+
+
+def test_half_precision_keeps_dtype():
+    q, k, v = _inputs(1, 2, 2, 20, 20, 8, 8, seed=8)
+    out = decay_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), feature_map="elu", normalize=True, chunk_size=8)
+    assert out.dtype == torch.bfloat16
+    ref = decay_attention_reference(q, k, v, feature_map="elu", normalize=True)
+    assert (out.double() - ref).abs().max().item() < 5e-2
+
+
+class _MaxNumel(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.max_numel = max(self.max_numel, t.numel())
+        return out
+
+
+def test_never_materialises_n_by_n_or_per_position_state():
+    B, H, N, D, C = 1, 2, 1024, 8, 32
+    q, k, v = _inputs(B, H, H, N, N, D, D, seed=9)
+    with _MaxNumel() as probe:
+        decay_attention(q, k, v, feature_map="elu", normalize=True, chunk_size=C)
+    per_position_state = B * H * N * D * D  # what a naive scan would build
+    n_by_n = B * H * N * N
+    assert probe.max_numel <= B * H * N * (D + 1)  # inputs, v with the z column, outputs
+    assert probe.max_numel < per_position_state // 4 and probe.max_numel < n_by_n // 64
+
+
+def test_gradcheck_through_custom_op():
+    q, k, v = _inputs(2, 4, 2, 6, 6, 3, 2, seed=10)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    km = torch.tensor([[True] * 6, [False, True, True, False, True, True]])
+    for normalize, fmap in [(False, "identity"), (True, "elu")]:
+        fn = lambda a, b, c: decay_attention(a, b, c, decay=0.7, feature_map=fmap, normalize=normalize, key_mask=km, chunk_size=4)
+        assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_opcheck():
+    q, k, v = _inputs(2, 4, 2, 5, 5, 3, 2, seed=11)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    km = torch.rand(2, 5, generator=torch.Generator().manual_seed(0)) > 0.3
+    args = (q, k, v, retnet_decay(4), km, "elu", True, 0.5, 1e-6, 8)
+    result = torch.library.opcheck(torch.ops.attnopt.decay_attention.default, args)
+    assert set(result) >= {"test_schema", "test_faketensor", "test_aot_dispatch_dynamic"}
+    assert all(r == "SUCCESS" for r in result.values()), result
+
+
+def test_export_keeps_one_op_node():
+    class Mod(torch.nn.Module):
+        def forward(self, q, k, v):
+            return decay_attention(q, k, v, decay=0.9, feature_map="elu", normalize=True) + 1.0
+
+    q, k, v = _inputs(1, 2, 2, 8, 8, 4, 4, seed=12)
+    ep = torch.export.export(Mod(), (q, k, v))
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.attnopt.decay_attention.default) == 1
+    assert torch.allclose(ep.module()(q, k, v), Mod()(q, k, v))
+
+
+@pytest.mark.parametrize(
+    "decay, exc, words",
+    [
+        (0.0, ValueError, r"\(0, 1\]"),
+        (1.5, ValueError, r"\(0, 1\]"),
+        (-0.2, ValueError, r"\(0, 1\]"),
+        (float("nan"), ValueError, r"\(0, 1\]"),
+        ([0.5, 1.2], ValueError, r"\(0, 1\]"),
+        (torch.tensor([0.5, 0.0]), ValueError, r"\(0, 1\]"),
+        ([0.5, 0.5, 0.5], ValueError, "one per head"),
+        (torch.ones(3), ValueError, r"shape \[H\]"),
+        (True, TypeError, "decay must be"),
+        ("linear", TypeError, "decay must be"),
+    ],
+)
+def test_bad_decay_values_raise_clear_errors(decay, exc, words):
+    q, k, v = _inputs(1, 2, 2, 4, 4, 3, 3, seed=0)
+    with pytest.raises(exc, match=words):
+        decay_attention(q, k, v, decay=decay)
+
+
+def test_bad_arguments_raise_clear_errors():
+    q, k, v = _inputs(1, 2, 2, 4, 4, 3, 3, seed=0)
+    with pytest.raises(ValueError, match="feature_map"):
+        decay_attention(q, k, v, feature_map="favor")
+    with pytest.raises(ValueError, match="chunk_size"):
+        decay_attention(q, k, v, chunk_size=0)
+    with pytest.raises(ValueError, match="Nq <= Nk"):
+        decay_attention(q, k[:, :, :2], v[:, :, :2])
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        decay_attention(q[:, :1].expand(1, 3, 4, 3), k, v)
+    with pytest.raises(ValueError, match="needs state z"):
+        decay_attention(q, k, v, normalize=True, feature_map="elu", state=init_decay_state(1, 2, 3, 3, dtype=F64))
+    with pytest.raises(ValueError, match=r"state S must have shape"):
+        decay_attention(q, k, v, state=init_decay_state(1, 2, 3, 4, dtype=F64))
+    with pytest.raises(ValueError, match="one token"):
+        decay_attention_step(q, k, v, None)
+    with pytest.raises(ValueError, match="positive int"):
+        retnet_decay(0)
