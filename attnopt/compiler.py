@@ -19,7 +19,7 @@ from torch import nn
 from attnopt.passes.plan import find_anchor, plan_sites
 from attnopt.passes.records import Drift, SiteOutcome
 from attnopt.passes.rewrite import RewrittenSite, rewrite_graph
-from attnopt.passes.verify import SiteCall, judge, output_drift, site_drift
+from attnopt.passes.verify import NodeRecorder, SiteCall, judge, output_drift, site_drift
 
 Batch = tuple  # (args: tuple, kwargs: dict)
 
@@ -193,7 +193,7 @@ def _compile_hf(model_copy, batches, policy, tolerance, timings, notes):
 
 
 def _compile_fx(model_copy, batches, policy, tolerance, timings, notes, name):
-    from attnopt.passes.capture import capture_export, record_values
+    from attnopt.passes.capture import capture_export
     from attnopt.passes.detect import detect
 
     t = time.perf_counter()
@@ -212,7 +212,7 @@ def _compile_fx(model_copy, batches, policy, tolerance, timings, notes, name):
     calls: dict = {s.id: [] for s in sites}
     ref_outs = []
     for b_args, b_kwargs in batches:
-        values, out = record_values(captured, sorted(names), b_args, b_kwargs)
+        values, out = _record_batch(captured, names, b_args, b_kwargs)
         ref_outs.append(out)
         for s in sites:
             k = values[s.nodes.key]
@@ -235,6 +235,22 @@ def _compile_fx(model_copy, batches, policy, tolerance, timings, notes, name):
     e2e = output_drift(outs, ref_outs, [_attention_mask_of(b) for b in batches])
     timings["rewrite+verify_end_to_end"] = time.perf_counter() - t
     return compiled, sites, near_misses, plans, outcomes, e2e, captured.method
+
+
+def _record_batch(captured, names: set, args: tuple, kwargs: dict):
+    """Run the captured graph on one batch; return ({node name: value} for `names`, the outputs)."""
+    from torch.export._tree_utils import reorder_kwargs
+
+    gm = captured.graph_module
+    if kwargs and captured.in_spec is not None:
+        kwargs = reorder_kwargs(kwargs, captured.in_spec)
+    flat = gm.graph._codegen.process_inputs(tuple(args), kwargs)
+    recorder = NodeRecorder(gm, set(names))
+    with torch.no_grad():
+        out = recorder.run(*flat)
+    if isinstance(out, list):
+        out = gm.graph._codegen.process_outputs(out)
+    return recorder.kept, out
 
 
 def compile(

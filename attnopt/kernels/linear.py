@@ -308,8 +308,11 @@ def linear_attention(
     M = 2·D, hedgehog identity init) or a module from `make_feature_map` (use a module to keep ω/W
     fixed or learnable). `scale` defaults to 1/√D. `key_mask` bool [B, Nk], True = keep. `state`
     (S [B, H, M, Dv], z [B, H, M]) summarises earlier tokens placed before all of this call's keys
-    (start a sequence with zeros); for FAVOR+ it is kept in true, unstabilised feature units. The
-    stateless call is one `attnopt::linear_attention` node; the state path is plain PyTorch.
+    (start a sequence with zeros); it comes back in the compute dtype (fp32 for fp16/bf16 inputs), and
+    for FAVOR+ in true, unstabilised feature units (the per-call key stabiliser is folded in and out,
+    so ε acts in per-call units: split and whole runs agree exactly only at ε = 0). The stateless
+    call is one `attnopt::linear_attention` node; the state path is plain PyTorch. Under
+    torch.export pass favor/hedgehog as a module: a name rebuilds ω/W inside the traced call.
 
     Cost per (B, H): time O((Nq + Nk)·M·Dv + N·cost(φ)), plus O(Nq·C·(M + Dv)) when causal;
     memory O((Nq + Nk)·M + M·Dv + C²). M: elu/relu D, favor 2·D by default, hedgehog 2·D by

@@ -23,9 +23,10 @@ query i sits at absolute position Nk - Nq + i, in both causal and non-causal mod
 A query that sees no key at all (only possible through `key_mask`, or queries placed before key 0)
 gets an all-zero output row instead of SDPA's NaN / undefined row.
 
-Cost: O(N * (W + sinks)) time and memory. Queries are split into blocks of Bq; each block gathers
-the band of keys its queries can see (length L = Bq + W - 1 causal, Bq + 2W - 2 otherwise) with a
-strided view, and a masked softmax runs within the band (jointly with the sink keys).
+Cost: O(N * (W + sinks)) time and memory, never Nq x Nk. Queries are split into blocks of Bq; each
+block takes the band of keys its queries can see (a slice of length L = Bq + W - 1 causal,
+Bq + 2W - 2 otherwise) and runs a masked softmax within the band, jointly with the sink keys that
+lie outside it (sinks inside the band are read once, through the band).
 
 Letters: B batch, H query heads, Hkv key/value heads, G = H // Hkv query heads per kv head, Nq/Nk
 query/key length, D head dim of q and k, Dv head dim of v, W window, S sinks, nb query blocks,
@@ -145,6 +146,7 @@ def _window_forward(
     r = torch.arange(Bq, device=device)
     rel = torch.arange(L, device=device)[None, :] - r[:, None]
     band_Bq_L = (rel >= 0) & (rel <= lo + hi)  # row r of a block sees band columns r .. r+lo+hi
+    hidden_Bq_1_L = ~band_Bq_L[:, None, :]  # interior blocks without key_mask reuse this as is
 
     outs = []
     for i0 in range(0, Nq, Bq):
@@ -156,17 +158,21 @@ def _window_forward(
         parts = []  # (scores [B, Hkv, rows, G, Li], values [B, Hkv, Li, Dv])
         if jhi > jlo:
             s = torch.matmul(q_blk, k[:, :, jlo:jhi].transpose(-1, -2)).view(B, Hkv, rows, G, jhi - jlo)
-            vis = band_Bq_L[:rows, jlo - j0 : jhi - j0]
-            if S > jlo:  # sinks inside the band: visible by the band rule OR the sink rule
-                jj = torch.arange(jlo, jhi, device=device)
-                sink_vis = (jj < S)[None, :]
-                if causal:
-                    sink_vis = sink_vis & (jj[None, :] <= (p0 + r[:rows])[:, None])
-                vis = vis | sink_vis
-            vis = vis[:, None, :]  # [rows, 1, Li]
-            if key_mask_BN is not None:
-                vis = vis & key_mask_BN[:, None, None, None, jlo:jhi]
-            s.masked_fill_(~vis, float("-inf"))
+            if S <= jlo and key_mask_BN is None:
+                hidden = hidden_Bq_1_L[:rows, :, jlo - j0 : jhi - j0]
+            else:
+                vis = band_Bq_L[:rows, jlo - j0 : jhi - j0]
+                if S > jlo:  # sinks inside the band: visible by the band rule OR the sink rule
+                    jj = torch.arange(jlo, jhi, device=device)
+                    sink_vis = (jj < S)[None, :]
+                    if causal:
+                        sink_vis = sink_vis & (jj[None, :] <= (p0 + r[:rows])[:, None])
+                    vis = vis | sink_vis
+                vis = vis[:, None, :]  # [rows, 1, Li]
+                if key_mask_BN is not None:
+                    vis = vis & key_mask_BN[:, None, None, None, jlo:jhi]
+                hidden = ~vis
+            s.masked_fill_(hidden, float("-inf"))
             parts.append((s, v[:, :, jlo:jhi]))
         # Sinks left of the band are causally visible to every row of the block (j < jlo <= p);
         # sinks right of it exist only without causality and are then visible to every row too.
@@ -188,8 +194,8 @@ def _window_forward(
             row_max = parts[0][0].amax(dim=-1)
             for s, _ in parts[1:]:
                 row_max = torch.maximum(row_max, s.amax(dim=-1))
-            # A row that sees nothing has max -inf; shifting by 0 makes all its exps 0, its output 0.
-            row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+            # A row that sees nothing has max -inf; a finite shift keeps all its exps 0, its output 0.
+            row_max.clamp_(min=torch.finfo(cdt).min)
         denom = None
         num = None
         for s, vs in parts:
@@ -198,7 +204,9 @@ def _window_forward(
             pv = torch.matmul(pr.view(B, Hkv, rows * G, pr.shape[-1]), vs)
             denom = ps if denom is None else denom + ps
             num = pv if num is None else num + pv
-        denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+        # A row that sees a key has denom >= 1 (its max term is exp(0)); one that sees none has
+        # num = denom = 0, so clamping to 1 leaves seen rows exact and gives 0 for the rest.
+        denom = denom.clamp(min=1.0)
         outs.append(num.view(B, Hkv, rows, G, Dv) / denom[..., None])
 
     out = torch.cat(outs, dim=2)  # [B, Hkv, Nq, G, Dv]

@@ -166,7 +166,7 @@ def capture_dynamo(model: torch.nn.Module, args: tuple = (), kwargs: Optional[di
         except Exception as exc:
             raise CaptureError(_export_hint(exc)) from exc
         gm = ep.module()
-        _copy_module_stacks(dyn_gm, gm)
+        _copy_module_stacks(dyn_gm, gm, type(model))
         out.append(CapturedGraph(gm, "dynamo", False, ex, in_spec=ep.call_spec.in_spec,
                                  out_spec=ep.call_spec.out_spec, exported_program=ep,
                                  notes=[f"dynamo graph {len(out)} of {len(grabbed)}"],
@@ -174,13 +174,13 @@ def capture_dynamo(model: torch.nn.Module, args: tuple = (), kwargs: Optional[di
     return out
 
 
-def _copy_module_stacks(dyn_gm: fx.GraphModule, aten_gm: fx.GraphModule) -> None:
+def _copy_module_stacks(dyn_gm: fx.GraphModule, aten_gm: fx.GraphModule, root_type: type) -> None:
     """Re-exporting a Dynamo graph loses the user's module hierarchy; recover it via `from_node`."""
     by_name = {n.name: n for n in dyn_gm.graph.nodes}
     for node in aten_gm.graph.nodes:
-        stack = node.meta.get("nn_module_stack") or {}
-        if len(stack) > 1:
+        if node.op != "call_function":
             continue
+        stack = {"": ("", root_type)}
         for src in node.meta.get("from_node", None) or []:
             name = getattr(src, "name", None)
             while src is not None and name not in by_name:
@@ -188,8 +188,9 @@ def _copy_module_stacks(dyn_gm: fx.GraphModule, aten_gm: fx.GraphModule) -> None
                 src = parents[0] if parents else None
                 name = getattr(src, "name", None)
             if name in by_name and by_name[name].meta.get("nn_module_stack"):
-                node.meta["nn_module_stack"] = dict(by_name[name].meta["nn_module_stack"])
+                stack.update(by_name[name].meta["nn_module_stack"])
                 break
+        node.meta["nn_module_stack"] = stack
 
 
 class _ValueRecorder(fx.Interpreter):
@@ -204,13 +205,24 @@ class _ValueRecorder(fx.Interpreter):
         result = super().run_node(n)
         if n.name in self.wanted:
             self.kept[n.name] = result
+            if len(self.kept) == len(self.wanted):
+                raise _AllRecorded()  # nothing after this node is needed
         return result
+
+
+class _AllRecorded(Exception):
+    pass
 
 
 def record_values(captured: CapturedGraph, node_names: Iterable[str]) -> dict[str, Any]:
     """Run the captured graph on its example inputs (no grad) and return {node name: value}."""
     wanted = set(node_names)
     rec = _ValueRecorder(captured.graph_module, wanted)
+    if not wanted:
+        return {}
     with torch.no_grad():
-        rec.run(*captured.flat_inputs)
+        try:
+            rec.run(*captured.flat_inputs)
+        except _AllRecorded:
+            pass
     return rec.kept

@@ -163,7 +163,10 @@ def _check(c: Candidate, values: dict, oracle: StructureOracle) -> Union[NearMis
     mask = _mask_info(c, values, oracle, qf.shape, kf.shape)
     if isinstance(mask, NearMiss):
         return mask
-    return {"scale": scale, "heads": heads, "kv_heads": kv_heads, "mask": mask}
+    # heads and head dims are model constants: report the example's value even where export kept
+    # the dim symbolic (Dim.AUTO on an input tensor the model never reshapes)
+    return {"scale": scale, "heads": heads, "kv_heads": kv_heads, "mask": mask,
+            "head_dim": int(q.shape[-1]), "v_head_dim": int(v.shape[-1])}
 
 
 def _is_sdpa(c: Candidate) -> bool:
@@ -386,7 +389,6 @@ def _build_sites(gm: fx.GraphModule, checked: list[tuple[Candidate, dict]]) -> l
         kd = (ks[-2], ks[-1]) if c.key_is_transposed else (ks[-1], ks[-2])  # (D, Nk)
         if c.rank == 4:
             batch, heads, kv_heads = _dim(qs[0]), int(info["heads"]), int(info["kv_heads"])
-            heads = int(qs[1]) if isinstance(qs[1], int) else heads
         else:
             batch, heads = _split_batch_heads(c)
             kv_heads = heads
@@ -406,8 +408,8 @@ def _build_sites(gm: fx.GraphModule, checked: list[tuple[Candidate, dict]]) -> l
             kv_heads=kv_heads,
             q_len=_dim(qs[-2]),
             kv_len=_dim(kd[1]),
-            head_dim=int(qs[-1]) if isinstance(qs[-1], int) else _dim(qs[-1]),
-            v_head_dim=int(vs[-1]) if isinstance(vs[-1], int) else _dim(vs[-1]),
+            head_dim=info["head_dim"],
+            v_head_dim=info["v_head_dim"],
             scale=float(info["scale"]),
             causal=mask.causal,
             mask=mask,

@@ -85,8 +85,7 @@ def clean_module_path(path: str) -> str:
     import re
 
     p = path
-    p = re.sub(r"L\[['\"]self['\"]\]\.?", "", p)
-    p = re.sub(r"L\['fn'\]\.?", "", p)
+    p = re.sub(r"^L\[['\"][^'\"]*['\"]\]\.?", "", p)  # Dynamo's root: L['self'], L['fn'], ...
     # getattr(X, 'name') -> X.name (possibly nested)
     while "getattr(" in p:
         new = re.sub(r"getattr\(([^(),]*),\s*['\"]([^'\"]+)['\"]\)", r"\1.\2", p)

@@ -27,6 +27,21 @@ class SiteCall:
     out: torch.Tensor  # [B, H, Nq, Dv] (or the site's rank-3 layout)
 
 
+class NodeRecorder(torch.fx.Interpreter):
+    """Runs a whole graph and keeps the values of the named nodes (the sites' inputs and outputs)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, names: set):
+        super().__init__(gm, garbage_collect_values=True)
+        self.names = names
+        self.kept: dict = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        value = super().run_node(n)
+        if n.name in self.names:
+            self.kept[n.name] = value
+        return value
+
+
 def drift(out: torch.Tensor, ref: torch.Tensor) -> Drift:
     """Relative RMS ‖out−ref‖/‖ref‖, cosine, max |out−ref| (float64); non-finite output flagged."""
     a = out.detach().to(torch.float64).reshape(-1)

@@ -1,0 +1,153 @@
+"""attnopt.compile through torch.export graph rewriting (models that are not transformers models)."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import attnopt
+
+B, N, C, H = 2, 37, 48, 6  # pairwise-distinct; head dim 8
+
+
+class HandAttention(nn.Module):
+    """Fused-qkv self-attention written out by hand, with a residual."""
+
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.causal = causal
+        self.qkv = nn.Linear(C, 3 * C)
+        self.o = nn.Linear(C, C)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, H, C // H).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(C // H)
+        if self.causal:
+            keep = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+            scores = scores.masked_fill(~keep, float("-inf"))
+        return x + self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, C))
+
+
+class HandNet(nn.Module):
+    def __init__(self, causal=False, layers=3):
+        super().__init__()
+        self.layers = nn.ModuleList([HandAttention(causal) for _ in range(layers)])
+        self.head = nn.Linear(C, 5)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return {"probs": self.head(x).softmax(-1), "hidden": x}
+
+
+def _net(**kw):
+    torch.manual_seed(0)
+    return HandNet(**kw).eval()
+
+
+def _x(n=N, seed=1, b=B):
+    return torch.randn(b, n, C, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("policy, form", [("linear", "linear"), ("window:8+sinks:2", "window"), ("ssm", "ssm")])
+def test_every_site_rewritten_and_model_runs_at_other_shapes(policy, form):
+    net = _net(causal=True)
+    opt = attnopt.compile(net, policy, example_inputs=(_x(),), tolerance=5.0)
+    rep = opt.attnopt_report
+    assert [r.outcome.final_form for r in rep.sites] == [form] * 3
+    assert [r.site.layer for r in rep.sites] == [0, 1, 2]
+    assert all(r.site.causal for r in rep.sites)
+    # The classifier softmax is not attention.
+    assert len(rep.near_misses) == 1
+    out = opt(_x(n=50, b=3, seed=2))  # dynamic batch and length
+    assert set(out) == {"probs", "hidden"} and out["hidden"].shape == (3, 50, C)
+    assert torch.isfinite(out["hidden"]).all()
+    # Each rewritten site leaves one RewrittenSite module in the graph; the softmax chains are gone.
+    gm = opt.graph_module
+    assert sum(1 for n in gm.graph.nodes if n.op == "call_module" and "attnopt_site" in str(n.target)) == 3
+    assert sum(1 for n in gm.graph.nodes if "softmax" in str(n.target)) == 1
+
+
+def test_rewritten_output_matches_the_formula_end_to_end():
+    # With a window wider than the sequence, the window form is exact: end-to-end drift ~ 0.
+    net = _net(causal=True)
+    opt = attnopt.compile(net, "window:64", example_inputs=(_x(),))
+    assert all(r.outcome.status == "rewritten" for r in opt.attnopt_report.sites)
+    assert opt.attnopt_report.end_to_end.worst.rel_rms < 1e-5
+    x = _x(n=45, seed=5)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x)["hidden"], net(x)["hidden"], rtol=1e-4, atol=1e-5)
+
+
+def test_reuse_wires_the_anchor_q_and_k():
+    net = _net(causal=False)
+    opt = attnopt.compile(net, "reuse:-1+rank:0", example_inputs=(_x(),), tolerance=5.0)
+    rep = opt.attnopt_report
+    assert [r.outcome.status for r in rep.sites] == ["kept", "rewritten", "rewritten"]
+    # Make layers 1 and 2 copies of layer 0 with the same input: reuse is then exact for layer 1.
+    twin = _net(causal=False)
+    twin.layers[1].qkv.load_state_dict(twin.layers[0].qkv.state_dict())
+    opt = attnopt.compile(twin, "reuse:-1+rank:0", example_inputs=(_x(),), tolerance=5.0)
+    d = [r.outcome.drift for r in opt.attnopt_report.sites]
+    assert d[0] is None and d[1].rel_rms > 0  # layer 1's input differs from layer 0's (residual)
+
+
+def test_exact_policy_leaves_outputs_identical_and_original_untouched():
+    net = _net()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    opt = attnopt.compile(net, "exact", example_inputs=(_x(),))
+    x = _x(seed=7)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x)["probs"], net(x)["probs"], rtol=0, atol=1e-6)
+    opt2 = attnopt.compile(net, "linear", example_inputs=(_x(),), tolerance=5.0)
+    assert opt2 is not net
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_calibration_drift_is_worst_over_batches():
+    net = _net(causal=True)
+    alone = attnopt.compile(net, "window:8", example_inputs=(_x(),), tolerance=5.0)
+    calib = attnopt.compile(net, "window:8", example_inputs=(_x(),), tolerance=5.0,
+                            calibration=[(_x(seed=s),) for s in (11, 12)])
+    for a, c in zip(alone.attnopt_report.sites, calib.attnopt_report.sites):
+        assert c.outcome.drift.rel_rms >= a.outcome.drift.rel_rms
+
+
+def test_transformer_encoder_sites_are_mha():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=C, nhead=H, dim_feedforward=64, batch_first=True, dropout=0.0)
+    enc = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).eval()
+    opt = attnopt.compile(enc, "linear:favor", example_inputs=(_x(),), tolerance=5.0)
+    rep = opt.attnopt_report
+    assert len(rep.sites) == 2
+    assert all(r.site.source == "mha" and r.site.heads == H and r.site.head_dim == C // H for r in rep.sites)
+    assert all(r.outcome.final_form == "linear" for r in rep.sites)
+    assert opt(_x(n=20)).shape == (B, 20, C)
+
+
+def test_torch_compile_backend_rewrites_dynamo_graphs():
+    net = _net(causal=True)
+    be = attnopt.backend("window:8", tolerance=5.0)
+    compiled = torch.compile(net, backend=be, dynamic=False)
+    x = _x()
+    with torch.no_grad():
+        out = compiled(x)
+    assert len(be.reports) >= 1
+    sites = [r for rep in be.reports for r in rep.sites]
+    assert len(sites) == 3 and all(r.outcome.final_form == "window" for r in sites)
+    ref = attnopt.compile(net, "window:8", example_inputs=(x,), tolerance=5.0)
+    with torch.no_grad():
+        torch.testing.assert_close(out["probs"], ref(x)["probs"], rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_module_runs_under_torch_compile():
+    net = _net(causal=True)
+    opt = attnopt.compile(net, "linear", example_inputs=(_x(),), tolerance=5.0)
+    x = _x(seed=3)
+    with torch.no_grad():
+        eager = opt(x)["hidden"]
+        out = torch.compile(opt, backend="aot_eager")(x)["hidden"]
+    torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-5)
