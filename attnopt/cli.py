@@ -59,6 +59,8 @@ def run_inspect(ns: argparse.Namespace) -> int:
     else:
         print(f"model: {description}")
         print(result)
+        c = result.counts
+        print(f"\ncapture {c.get('seconds_capture', 0):.2f} s, detect {c.get('seconds_detect', 0):.2f} s")
     if not result.sites:
         raise CliError(f"no attention found in {description}"
                        + (f" ({len(result.near_misses)} near miss(es) listed above)" if result.near_misses else ""),

@@ -16,6 +16,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
+from attnopt.passes.calibrate import fit_feature_map
 from attnopt.passes.plan import find_anchor, plan_sites
 from attnopt.passes.records import Drift, SiteOutcome
 from attnopt.passes.rewrite import RewrittenSite, rewrite_graph
@@ -97,11 +98,15 @@ def decide(sites, plans, calls: dict, policy, tolerance, adapt_site=lambda s: s)
             anchor = find_anchor(site, sites, params["anchor"]) if form == "reuse" else None
             try:
                 module = RewrittenSite(adapt_site(site), form, params, anchor=adapt_site(anchor) if anchor else None)
+                fit = fit_feature_map(module, calls[site.id])
                 d = site_drift(module, calls[site.id], calls.get(anchor.id) if anchor else None)
             except Exception as exc:  # a failed rewrite leaves the site exact, and says why
                 tried.append((form, params, None, f"rewrite failed: {type(exc).__name__}: {exc}"))
                 continue
             ok, verdict = judge(d, tol)
+            if fit is not None:
+                verdict = (f"{params['feature_map']} map fitted to this site's softmax outputs "
+                           f"(rel RMS {fit.rel_rms_before:.3g} -> {fit.rel_rms_after:.3g}); {verdict}")
             tried.append((form, params, d, verdict))
             if ok:
                 chosen = (form, params, module, d, tol, verdict)

@@ -7,6 +7,7 @@ and the captured graph(s) the sites' node names refer to. `str()` is a readable 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -97,8 +98,12 @@ def inspect(model: torch.nn.Module, *args, method: str = "export", dynamic: bool
     sites: list[AttentionSite] = []
     misses: list[NearMiss] = []
     counts: dict[str, Any] = {"softmax": 0, "sdpa": 0, "log_softmax": 0}
-    for cap in captures:
+    for i, cap in enumerate(captures):
         result = detect(cap)
+        if len(captures) > 1:  # Dynamo split the model: ids must stay unique across its graphs
+            taken = {s.id for s in sites}
+            result.sites = [s if s.id not in taken else dataclasses.replace(s, id=f"{s.id}@graph{i}")
+                            for s in result.sites]
         sites += result.sites
         misses += result.near_misses
         for key in ("softmax", "sdpa", "log_softmax"):

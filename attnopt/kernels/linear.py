@@ -93,7 +93,52 @@ def _check_inputs(
 def _safe_ratio(num: Tensor, den: Tensor, eps: float) -> Tensor:
     """num / (den + eps), with rows of zero denominator (no visible key, eps = 0) set to 0."""
     den = den + eps
-    return num / torch.where(den == 0, torch.ones_like(den), den)[..., None]
+    return num / torch.where(den == 0, 1.0, den)[..., None]
+
+
+def _state_times(phi_q: Tensor, T: Tensor) -> Tensor:
+    """φ(q) [B, Hf, G, Nq, M] @ T [B, Hf, G|1, M, W] -> [B, Hf, G, Nq, W].
+
+    A state shared by the G query heads (T's G dim 1) is applied as one [G·Nq, M] @ [M, W] product
+    per kv head instead of a broadcast matmul, which would first copy T G times.
+    """
+    B, Hf, G, Nq, M = phi_q.shape
+    if T.shape[2] == 1:
+        return (phi_q.reshape(B, Hf, G * Nq, M) @ T[:, :, 0]).reshape(B, Hf, G, Nq, T.shape[-1])
+    return phi_q @ T
+
+
+def _causal_chunks(phi_q: Tensor, phi_k: Tensor, v1: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """Causal linear attention over aligned queries and keys (query i sees keys 0..i), no incoming state.
+
+    phi_q [B, Hf, G, L, M], phi_k [B, Hf, L, M], v1 [B, Hf, L, W] -> (out [B, Hf, G, L, W],
+    total key state phi_kᵀv1 [B, Hf, 1, M, W]). All chunks at once, no Python loop: L is zero-padded
+    to nC·C (a zero key adds nothing; padded query rows are dropped), each chunk's key state
+    S_c = φ(K_c)ᵀV_c is formed by one batched product, an exclusive cumsum over chunks gives the state
+    entering each chunk, and the in-chunk part is the tril-masked C×C block. Many small ops cost more
+    than their flops on a busy CPU (each one synchronises the thread pool), hence few large ones.
+    Memory O(L·G·C + (L/C)·M·W) per kv head: never L×L, never a per-position [L, M, W] state.
+    """
+    B, Hf, G, L, M = phi_q.shape
+    W = v1.shape[-1]
+    C = min(chunk_size, L)
+    nC = -(-L // C)
+    pad = nC * C - L
+    if pad:
+        phi_q = torch.nn.functional.pad(phi_q, (0, 0, 0, pad))
+        phi_k = torch.nn.functional.pad(phi_k, (0, 0, 0, pad))
+        v1 = torch.nn.functional.pad(v1, (0, 0, 0, pad))
+    # Chunk-major query layout [B·Hf·nC, G·C, M]: the G query heads of a kv head share one product
+    # with that chunk's keys and state (a free view when G = 1).
+    fq_XRM = phi_q.reshape(B, Hf, G, nC, C, M).transpose(2, 3).reshape(B * Hf * nC, G * C, M)
+    fk_XCM = phi_k.reshape(B * Hf * nC, C, M)
+    v_XCW = v1.reshape(B * Hf * nC, C, W)
+    running = (fk_XCM.transpose(1, 2) @ v_XCW).reshape(B, Hf, nC, M, W).cumsum(2)  # state after chunk c
+    prefix = torch.nn.functional.pad(running[:, :, :-1], (0, 0, 0, 0, 1, 0))  # state before chunk c
+    scores = (fq_XRM @ fk_XCM.transpose(1, 2)).reshape(B * Hf * nC, G, C, C).tril()
+    out = torch.baddbmm(fq_XRM @ prefix.reshape(B * Hf * nC, M, W), scores.reshape(B * Hf * nC, G * C, C), v_XCW)
+    out = out.reshape(B, Hf, nC, G, C, W).transpose(2, 3).reshape(B, Hf, G, nC * C, W)[:, :, :, :L]
+    return out, running[:, :, -1:]
 
 
 def _linear_core(
@@ -110,39 +155,41 @@ def _linear_core(
     """Grouped linear attention: phi_q [B, Hf, G, Nq, M], phi_k [B, Hf, Nk, M], v [B, Hf, Nk, Dv].
 
     Returns out [B, Hf, G, Nq, Dv] and the final state S [B, Hf, G|1, M, Dv], z [B, Hf, G|1, M]
-    (G dim 1 unless an incoming per-query-head state S0/z0 forced it). Cost: non-causal
-    O(Nk·M·Dv + G·Nq·M·Dv); causal adds O(G·Nq·C·(M + Dv)) for the in-chunk blocks; memory
-    O(N·M + M·Dv + G·C²) per kv head.
+    (G dim 1 unless an incoming per-query-head state S0/z0 forced it). v gets a column of ones so
+    that one product yields both numerator φ(q)ᵀS and denominator φ(q)ᵀz (W = Dv + 1); the state
+    (S, z) travels as one [M, W] tensor T. Cost: non-causal O(Nk·M·Dv + G·Nq·M·Dv); causal adds
+    O(G·Nq·C·(M + Dv)) for the in-chunk blocks; memory O(N·M·(1 + Dv/C) + G·N·C) per kv head.
     """
     B, Hf, G, Nq, M = phi_q.shape
     Nk, Dv = phi_k.shape[2], v.shape[-1]
-    S = phi_q.new_zeros(B, Hf, 1, M, Dv) if S0 is None else S0
-    z = phi_q.new_zeros(B, Hf, 1, M) if z0 is None else z0
+    v1 = torch.cat([v, v.new_ones(B, Hf, Nk, 1)], dim=-1)
+    T0 = None if S0 is None else torch.cat([S0, z0[..., None]], dim=-1)  # [B, Hf, G|1, M, W]
     if not causal:
-        S = S + (phi_k.transpose(-1, -2) @ v)[:, :, None]
-        z = z + phi_k.sum(2)[:, :, None]
-        return _safe_ratio(phi_q @ S, (phi_q @ z[..., None])[..., 0], eps), S, z
+        T = (phi_k.transpose(-1, -2) @ v1)[:, :, None]
+        T = T if T0 is None else T0 + T
+        out = _state_times(phi_q, T)
+        return _safe_ratio(out[..., :Dv], out[..., Dv], eps), T[..., :Dv], T[..., Dv]
 
     offset = Nk - Nq  # query i sits at absolute position offset + i
     blind = max(0, -offset)  # leading queries placed before key 0 see nothing
     if offset > 0:  # keys before the first query are visible to every query: fold them into the state
-        S = S + (phi_k[:, :, :offset].transpose(-1, -2) @ v[:, :, :offset])[:, :, None]
-        z = z + phi_k[:, :, :offset].sum(2)[:, :, None]
+        T_pre = (phi_k[:, :, :offset].transpose(-1, -2) @ v1[:, :, :offset])[:, :, None]
+        T0 = T_pre if T0 is None else T0 + T_pre
     k0 = max(offset, 0)
-    outs = [phi_q.new_zeros(B, Hf, G, blind, Dv)] if blind else []
-    for a in range(blind, Nq, chunk_size):
-        b = min(a + chunk_size, Nq)
-        fq = phi_q[:, :, :, a:b]  # [B, Hf, G, c, M]
-        fk = phi_k[:, :, k0 + a - blind : k0 + b - blind]  # [B, Hf, c, M], aligned with fq
-        vc = v[:, :, k0 + a - blind : k0 + b - blind]
-        scores = torch.tril(fq @ fk[:, :, None].transpose(-1, -2))  # [B, Hf, G, c, c]
-        num = scores @ vc[:, :, None] + fq @ S
-        den = scores.sum(-1) + (fq @ z[..., None])[..., 0]
-        outs.append(_safe_ratio(num, den, eps))
-        S = S + (fk.transpose(-1, -2) @ vc)[:, :, None]
-        z = z + fk.sum(2)[:, :, None]
-    out = torch.cat(outs, dim=3) if outs else phi_q.new_zeros(B, Hf, G, 0, Dv)
-    return out, S, z
+    L = Nq - blind  # queries blind.. pair one-to-one with keys k0..
+    if L > 0:
+        fq = phi_q[:, :, :, blind:]
+        out, T = _causal_chunks(fq, phi_k[:, :, k0:], v1[:, :, k0:], chunk_size)
+        if T0 is not None:
+            out = out + _state_times(fq, T0)
+            T = T0 + T
+        out = _safe_ratio(out[..., :Dv], out[..., Dv], eps)
+    else:
+        T = T0 if T0 is not None else phi_q.new_zeros(B, Hf, 1, M, Dv + 1)
+        out = phi_q.new_zeros(B, Hf, G, 0, Dv)
+    if blind:
+        out = torch.cat([phi_q.new_zeros(B, Hf, G, blind, Dv), out], dim=3)
+    return out, T[..., :Dv], T[..., Dv]
 
 
 def _grouped(phi_q: Tensor, phi_k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, int]:

@@ -99,10 +99,16 @@ def _check_int(name: str, value, minimum: int) -> int:
 
 def default_window_block_size(window: int, causal: bool) -> int:
     """Query block size ~W/4 (clamped to 32..128): the band Bq + W - 1 stays close to W, so few
-    scores are wasted, while blocks stay large enough for efficient matmuls and few loop steps.
+    scores are wasted, while blocks stay large enough for efficient matmuls.
     Measured at N=16k, W=256, 2 CPU threads: Bq=64 beat 32, 128 and 256."""
     width = window if causal else 2 * window - 1
     return int(max(32, min(128, width // 4)))
+
+
+# Scores computed per step (elements). Each step is a few large ops over many query blocks: on a
+# busy 2-core CPU every op pays a thread-synchronisation cost, so one op per block (256 blocks at
+# N=16k) ran 3x slower than ~5 steps of this size (32 MB in fp32), while memory stays bounded.
+SCORES_PER_STEP = 1 << 23
 
 
 def _window_forward(
@@ -115,11 +121,12 @@ def _window_forward(
     sinks: int,
     scale: float,
     block_size: int,
+    scores_per_step: int = SCORES_PER_STEP,
 ) -> Tensor:
     """Blockwise banded softmax; differentiable plain PyTorch (the custom op wraps it).
 
-    A Python loop over query blocks keeps each block's scores ([B, Hkv, Bq, G, L]) cache-sized and
-    lets the band be a plain slice of k (no gathered copy); the loop is nb = Nq / Bq steps.
+    k and v are padded once so every block's band is in range; a step takes n blocks, views their
+    bands with `unfold` ([B, Hkv, n, D, L]) and runs one masked softmax over [B, Hkv, n, Bq, G, L].
     """
     B, H, Nq, D = q_BHND.shape
     Hkv, Nk, Dv = k_BHkvND.shape[1], k_BHkvND.shape[2], v_BHkvND.shape[3]
@@ -129,87 +136,99 @@ def _window_forward(
     device = q_BHND.device
     if Nq == 0 or Nk == 0:
         return q_BHND.new_zeros(B, H, Nq, Dv)
-
     off = Nk - Nq  # bottom-right alignment: query i is at position off + i
     W = min(window, Nk + abs(off) + Nq + 1)  # a wider window sees nothing more
     S = min(sinks, Nk)
     lo = W - 1  # keys left of self in the band
     hi = 0 if causal else W - 1  # keys right of self
     Bq = max(1, min(block_size, Nq))
+    nb = (Nq + Bq - 1) // Bq
     L = Bq + lo + hi
+    n_step = max(1, min(nb, scores_per_step // max(1, B * H * Bq * L)))
 
-    # Queries as [B, Hkv, Nq, G, D]: a block of rows (position, g) is one contiguous matrix, so
-    # the G query heads sharing a kv head share one matmul against its key band.
-    q_BHkvNGD = (q_BHND.to(cdt) * scale).view(B, Hkv, G, Nq, D).transpose(2, 3).contiguous()
-    k = k_BHkvND.to(cdt)
-    v = v_BHkvND.to(cdt)
+    # Queries as [B, Hkv, N, G, D]: a block of rows (position, g) is one matrix, so the G query
+    # heads sharing a kv head share one matmul against its key band.
+    q = (q_BHND.to(cdt) * scale).view(B, Hkv, G, Nq, D).transpose(2, 3)
+    q = F.pad(q, (0, 0, 0, 0, 0, nb * Bq - Nq)).contiguous()  # [B, Hkv, nb*Bq, G, D]
+    # Band of block b starts at key off + b*Bq - lo; pad k/v (masked out below) so all are in range.
+    pad_left = max(0, lo - off)
+    start = off - lo + pad_left
+    need = start + (nb - 1) * Bq + L
+    pad_right = max(0, need - (Nk + pad_left))
+    k = F.pad(k_BHkvND.to(cdt), (0, 0, pad_left, pad_right))
+    v = F.pad(v_BHkvND.to(cdt), (0, 0, pad_left, pad_right))
+    km = None if key_mask_BN is None else F.pad(key_mask_BN, (pad_left, pad_right), value=False)
+
     r = torch.arange(Bq, device=device)
-    rel = torch.arange(L, device=device)[None, :] - r[:, None]
+    c = torch.arange(L, device=device)
+    rel = c[None, :] - r[:, None]
     band_Bq_L = (rel >= 0) & (rel <= lo + hi)  # row r of a block sees band columns r .. r+lo+hi
-    hidden_Bq_1_L = ~band_Bq_L[:, None, :]  # interior blocks without key_mask reuse this as is
-
+    hidden_static = ~band_Bq_L[:, None, :]  # [Bq, 1, L]: interior steps without key_mask
+    if S > 0:
+        k_sink = k_BHkvND[:, :, :S].to(cdt).transpose(-1, -2)[:, :, None]  # [B,Hkv,1,D,S]
+        v_sink = v_BHkvND[:, :, :S].to(cdt)[:, :, None]
+        j_S = torch.arange(S, device=device)
+    # Without sinks, padding or queries before key 0, every row sees at least itself: the fused
+    # softmax is exact there. Otherwise rows may see nothing and the explicit path gives them 0
+    # (softmax would give NaN, and NaN gradients into every key).
+    fast = S == 0 and key_mask_BN is None and off >= 0
     outs = []
-    for i0 in range(0, Nq, Bq):
-        rows = min(Bq, Nq - i0)
-        p0 = off + i0  # absolute position of the block's first query
-        j0 = p0 - lo  # band column 0 is key j0
-        jlo, jhi = max(0, j0), min(Nk, j0 + rows + lo + hi)
-        q_blk = q_BHkvNGD[:, :, i0 : i0 + rows].reshape(B, Hkv, rows * G, D)
-        parts = []  # (scores [B, Hkv, rows, G, Li], values [B, Hkv, Li, Dv])
-        if jhi > jlo:
-            s = torch.matmul(q_blk, k[:, :, jlo:jhi].transpose(-1, -2)).view(B, Hkv, rows, G, jhi - jlo)
-            if S <= jlo and key_mask_BN is None:
-                hidden = hidden_Bq_1_L[:rows, :, jlo - j0 : jhi - j0]
-            else:
-                vis = band_Bq_L[:rows, jlo - j0 : jhi - j0]
-                if S > jlo:  # sinks inside the band: visible by the band rule OR the sink rule
-                    jj = torch.arange(jlo, jhi, device=device)
-                    sink_vis = (jj < S)[None, :]
-                    if causal:
-                        sink_vis = sink_vis & (jj[None, :] <= (p0 + r[:rows])[:, None])
-                    vis = vis | sink_vis
-                vis = vis[:, None, :]  # [rows, 1, Li]
-                if key_mask_BN is not None:
-                    vis = vis & key_mask_BN[:, None, None, None, jlo:jhi]
-                hidden = ~vis
-            s.masked_fill_(hidden, float("-inf"))
-            parts.append((s, v[:, :, jlo:jhi]))
-        # Sinks left of the band are causally visible to every row of the block (j < jlo <= p);
-        # sinks right of it exist only without causality and are then visible to every row too.
-        sink_ranges = [(0, min(S, jlo))]
-        if not causal:
-            sink_ranges.append((max(jhi, 0), S))
-        for a, e in sink_ranges:
-            if e <= a:
-                continue
-            s = torch.matmul(q_blk, k[:, :, a:e].transpose(-1, -2)).view(B, Hkv, rows, G, e - a)
-            if key_mask_BN is not None:
-                s.masked_fill_(~key_mask_BN[:, None, None, None, a:e], float("-inf"))
-            parts.append((s, v[:, :, a:e]))
-        if not parts:  # every row of this block sees nothing
-            outs.append(q_blk.new_zeros(B, Hkv, rows, G, Dv))
+    for b0 in range(0, nb, n_step):
+        n = min(nb, b0 + n_step) - b0
+        a = start + b0 * Bq
+        e = a + (n - 1) * Bq + L
+        k_band = k[:, :, a:e].unfold(2, L, Bq)  # [B, Hkv, n, D, L]
+        v_band = v[:, :, a:e].unfold(2, L, Bq).transpose(-1, -2)  # [B, Hkv, n, L, Dv]
+        q_blk = q[:, :, b0 * Bq : (b0 + n) * Bq].view(B, Hkv, n, Bq * G, D)
+        s = torch.matmul(q_blk, k_band).view(B, Hkv, n, Bq, G, L)
+        j_first = off - lo + b0 * Bq  # key index of band column 0 of the group's first block
+        interior = j_first >= 0 and j_first + (n - 1) * Bq + L <= Nk
+        if interior and km is None:
+            hidden = hidden_static
+        else:
+            j_n_L = j_first + torch.arange(n, device=device)[:, None] * Bq + c[None, :]
+            keep = ((j_n_L >= 0) & (j_n_L < Nk))[None]
+            if km is not None:
+                keep = keep & km[:, a:e].unfold(1, L, Bq)
+            hidden = ~(band_Bq_L[None, None] & keep[:, :, None, :])[:, None, :, :, None, :]
+            # Padding rows past Nq are discarded, but a row with every score -inf would put NaN
+            # into the softmax backward (and from there into dk): let them see their band.
+            real_n_Bq = (b0 + torch.arange(n, device=device))[:, None] * Bq + r[None, :] < Nq
+            hidden = hidden & real_n_Bq[None, None, :, :, None, None]
+        s.masked_fill_(hidden, float("-inf"))
+        if fast:
+            p = torch.softmax(s, dim=-1)
+            outs.append(torch.matmul(p.view(B, Hkv, n, Bq * G, L), v_band).view(B, Hkv, n, Bq, G, Dv))
             continue
-
         with torch.no_grad():
-            row_max = parts[0][0].amax(dim=-1)
-            for s, _ in parts[1:]:
-                row_max = torch.maximum(row_max, s.amax(dim=-1))
-            # A row that sees nothing has max -inf; a finite shift keeps all its exps 0, its output 0.
-            row_max.clamp_(min=torch.finfo(cdt).min)
-        denom = None
-        num = None
-        for s, vs in parts:
-            pr = s.sub_(row_max[..., None]).exp_()
-            ps = pr.sum(dim=-1)
-            pv = torch.matmul(pr.view(B, Hkv, rows * G, pr.shape[-1]), vs)
-            denom = ps if denom is None else denom + ps
-            num = pv if num is None else num + pv
+            row_max = s.amax(dim=-1)
+        if S > 0:
+            # Sink j adds a column for position p only where the band does not already hold it.
+            p_n_Bq = off + (b0 + torch.arange(n, device=device))[:, None] * Bq + r[None, :]
+            d = p_n_Bq[..., None] - j_S
+            ok = ~((d >= 0) & (d < W) if causal else (d.abs() < W))
+            if causal:
+                ok = ok & (d >= 0)
+            ok = ok[None]
+            if key_mask_BN is not None:
+                ok = ok & key_mask_BN[:, None, None, :S]
+            ss = torch.matmul(q_blk, k_sink).view(B, Hkv, n, Bq, G, S)
+            ss.masked_fill_(~ok[:, None, :, :, None, :], float("-inf"))
+            with torch.no_grad():
+                row_max = torch.maximum(row_max, ss.amax(dim=-1))
+        # A row that sees nothing has max -inf; a finite shift keeps all its exps 0, its output 0.
+        row_max.clamp_(min=torch.finfo(cdt).min)
+        p = s.sub_(row_max[..., None]).exp_()
+        denom = p.sum(dim=-1)
+        num = torch.matmul(p.view(B, Hkv, n, Bq * G, L), v_band)
+        if S > 0:
+            ps = ss.sub_(row_max[..., None]).exp_()
+            denom = denom + ps.sum(dim=-1)
+            num = num + torch.matmul(ps.view(B, Hkv, n, Bq * G, S), v_sink)
         # A row that sees a key has denom >= 1 (its max term is exp(0)); one that sees none has
         # num = denom = 0, so clamping to 1 leaves seen rows exact and gives 0 for the rest.
-        denom = denom.clamp(min=1.0)
-        outs.append(num.view(B, Hkv, rows, G, Dv) / denom[..., None])
-
-    out = torch.cat(outs, dim=2)  # [B, Hkv, Nq, G, Dv]
+        outs.append(num.view(B, Hkv, n, Bq, G, Dv) / denom.clamp(min=1.0)[..., None])
+    out = torch.cat(outs, dim=2).view(B, Hkv, nb * Bq, G, Dv)[:, :, :Nq]
     return out.permute(0, 1, 3, 2, 4).reshape(B, H, Nq, Dv).to(out_dtype)
 
 

@@ -351,8 +351,22 @@ class ExplicitChainMatcher:
         query, q_factors, q_members = cz.strip_factors(q_op, "query")
         if q_factors:
             spelling.append("scale:on_query")
+        if rq == 3 and op_name(query) in cz.RESHAPE_OPS and cz.strip_factors(query.args[0], "query")[1]:
+            # q was scaled before being flattened to [B*H, N, D]: no unscaled rank-3 q exists in the
+            # graph, so the scale stays inside `query` and the site's scale omits it
+            spelling.append("scale:inside_flattened_query")
         key_t, k_factors, k_members = cz.strip_factors(k_op, "key")
         members += q_members + k_members
+        groups = 1
+        gqa_tag = ""
+        if rq == 4:  # GQA repeat applied to kᵀ itself (k kept as [B, N, Hkv, D], permuted, repeated)
+            src, g, rep, gqa_tag = cz.see_through_repeat_kv(key_t)
+            if g > 1:
+                key_t, groups = src, g
+                members += rep
+                key_t, f, m = cz.strip_factors(key_t, "key")
+                k_factors += f
+                members += m
         if key_layout == "plain":  # einsum contracted k [.., Nk, D] directly
             got = (key_t, False, [], "qk:einsum")
         else:
@@ -363,20 +377,28 @@ class ExplicitChainMatcher:
         spelling.append(tag)
         members += layout_members
         if not key_is_transposed:
-            key, k2, k2_members = cz.strip_factors(key, "key")
-            k_factors += k2
-            members += k2_members
+            key, f, m = cz.strip_factors(key, "key")
+            k_factors += f
+            members += m
+            if rq == 4 and groups == 1:
+                src, g, rep, gqa_tag = cz.see_through_repeat_kv(key)
+                if g > 1:
+                    key, groups = src, g
+                    members += rep
+                    key, f, m = cz.strip_factors(key, "key")
+                    k_factors += f
+                    members += m
         if k_factors:
             spelling.append("scale:on_key")
         value = v_op
-        groups = 1
-        if rq == 4 and not key_is_transposed:
-            k_src, gk, k_rep, k_tag = cz.see_through_repeat_kv(key)
+        if groups > 1:
             v_src, gv, v_rep, _ = cz.see_through_repeat_kv(value)
-            if gk > 1 and gk == gv:
-                key, value, groups = k_src, v_src, gk
-                members += k_rep + v_rep
-                spelling.append(k_tag)
+            if gv != groups:
+                return _miss(softmax, f"keys are repeated {groups}x for grouped-query attention but values "
+                                      f"{gv}x", "gqa")
+            value = v_src
+            members += v_rep
+            spelling.append(gqa_tag)
         steps = list(reversed(steps_back))
         path, mtype, in_mha = module_of(softmax)
         return Candidate(
@@ -420,20 +442,12 @@ class ExplicitChainMatcher:
 
 
 def _same_role_sizes(q_base: Node, k_base: Node, q_perm: tuple) -> bool:
-    """q and k bases agree on every axis except the token axis (q_perm[-2]) and the head axis."""
+    """q and k bases have the same size on every axis except tokens (Nq vs Nk) and heads (H vs Hkv)."""
     qs, ks = shape(q_base), shape(k_base)
     if qs is None or ks is None or len(qs) != len(ks):
         return False
-    token_axis, dim_axis = q_perm[-2], q_perm[-1]
-    head_axes = set(q_perm[1:-2])
-    for i, (a, b) in enumerate(zip(qs, ks)):
-        if i in (token_axis,) or i in head_axes:
-            continue
-        if i == dim_axis and not cz.same_dim(a, b):
-            return False
-        if not cz.same_dim(a, b):
-            return False
-    return True
+    free_axes = {q_perm[-2], *q_perm[1:-2]}
+    return all(cz.same_dim(a, b) for i, (a, b) in enumerate(zip(qs, ks)) if i not in free_axes)
 
 
 def _unique(xs: list) -> list:
@@ -484,6 +498,11 @@ class SdpaMatcher:
         is_causal = bool(a.get("is_causal", False))
         if is_causal:
             spelling.append("mask:is_causal")
+            nq, nk = shape(q)[-2], shape(k)[-2]
+            if isinstance(nq, int) and isinstance(nk, int) and nq != nk:
+                # SDPA aligns is_causal top-left; MaskInfo.causal means bottom-right
+                return _miss(node, f"is_causal=True with {nq} queries and {nk} keys is aligned top-left, "
+                                   "which differs from the usual bottom-right causal mask", "causal_alignment")
         path, mtype, in_mha = module_of(node)
         scale = a.get("scale")
         if scale is not None:

@@ -12,7 +12,7 @@ import torch
 
 from attnopt.inspection import inspect
 from zoo_hf import gemma2
-from zoo_models import COUNTER_EXAMPLES, KeyBatchHeadSwapped, KeyViewedNotTransposed
+from zoo_models import COUNTER_EXAMPLES, D, KeyBatchHeadSwapped, KeyViewedNotTransposed
 
 
 @pytest.mark.parametrize("example", COUNTER_EXAMPLES, ids=lambda e: e.name)
@@ -41,11 +41,11 @@ def test_wrong_key_layout_really_changes_the_result(module_cls):
     example = next(e for e in COUNTER_EXAMPLES if e.module_cls is module_cls)
     (x,) = example.inputs()
     b, n, _ = x.shape
-    heads = module.q_proj.out_features // 8
-    q, k, v = (p(x).view(b, n, heads, 8).transpose(1, 2) for p in (module.q_proj, module.k_proj, module.v_proj))
+    heads = module.q_proj.out_features // D
+    q, k, v = (p(x).view(b, n, heads, D).transpose(1, 2) for p in (module.q_proj, module.k_proj, module.v_proj))
     proper = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    trap_scores = q @ (k.reshape(b, heads, 8, n) if module_cls is KeyViewedNotTransposed else k.permute(1, 0, 3, 2))
-    trap = (trap_scores * 8**-0.5).softmax(-1) @ v
+    trap_scores = q @ (k.reshape(b, heads, D, n) if module_cls is KeyViewedNotTransposed else k.permute(1, 0, 3, 2))
+    trap = (trap_scores * D**-0.5).softmax(-1) @ v
     assert (proper - trap).abs().max() > 1e-2
 
 

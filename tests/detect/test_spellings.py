@@ -7,6 +7,7 @@ a detector disagreeing with what the module provably computes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -25,7 +26,8 @@ from zoo_models import (
     N,
     SPELLINGS,
     CrossAttention,
-    _Projected,
+    ProjectedAttention,
+    WeightsReturned,
     assert_site_matches,
     hidden_states,
     reference_output,
@@ -40,7 +42,7 @@ BY_NAME = {s.name: s for s in SPELLINGS}
 @pytest.mark.parametrize("spelling", SPELLINGS, ids=lambda s: s.name)
 def test_truth_table_describes_the_module(spelling):
     module = spelling.build()
-    if not isinstance(module, _Projected):
+    if not isinstance(module, ProjectedAttention):
         pytest.skip("fused-projection spellings are checked by the detector tests only")
     inputs = spelling.inputs()
     with torch.no_grad():
@@ -60,6 +62,23 @@ def test_spelling_is_one_exact_site(spelling):
     assert site.layer == 0
     assert site.id.endswith("#0"), site.id
     assert site_output_error(inspection, site) < TOLERANCE
+
+
+def test_numeric_rebuild_catches_wrong_attributes():
+    """The rebuild used above has teeth: a site with a wrong scale, causality or key orientation
+    no longer reproduces its output."""
+    spelling = BY_NAME["masked_fill_tril"]
+    inspection = inspect(spelling.build(), *spelling.inputs(), dynamic=False)
+    [site] = inspection.sites
+    assert site_output_error(inspection, site) < TOLERANCE
+    wrong_nodes = dataclasses.replace(site.nodes, key_is_transposed=not site.nodes.key_is_transposed)
+    for wrong in (
+        dataclasses.replace(site, scale=site.scale * 1.5),
+        dataclasses.replace(site, causal=False, mask=dataclasses.replace(site.mask, node=None, causal=False)),
+    ):
+        assert site_output_error(inspection, wrong) > 1e-3
+    with pytest.raises(RuntimeError):  # [B, H, N, D] @ [B, H, N, D] does not even multiply
+        site_output_error(inspection, dataclasses.replace(site, nodes=wrong_nodes))
 
 
 @pytest.mark.parametrize(
@@ -201,8 +220,6 @@ def test_transformer_encoder_two_layers(causal):
 
 
 def test_str_and_json_name_every_site_and_near_miss():
-    from zoo_models import WeightsReturned
-
     class Both(nn.Module):
         def __init__(self):
             super().__init__()

@@ -11,7 +11,7 @@ import math
 import pytest
 
 from attnopt.inspection import inspect
-from zoo_hf import B, D, FACTORIES, H
+from zoo_hf import B, D, FACTORIES
 from zoo_models import site_output_error
 
 MODEL_NAMES = list(FACTORIES)
@@ -26,7 +26,8 @@ def inspected(request):
 def test_sites_match_the_config(inspected):
     zoo, inspection = inspected
     found = {s.module_path: s for s in inspection.sites}
-    assert sorted(found) == sorted(e.module_path for e in zoo.expected), [(m.code, m.reason) for m in inspection.near_misses]
+    misses = [(m.code, m.reason) for m in inspection.near_misses]
+    assert sorted(found) == sorted(e.module_path for e in zoo.expected), misses
     assert len(inspection.sites) == len(zoo.expected), "two sites reported for one module"
     for want in zoo.expected:
         site = found[want.module_path]
@@ -42,6 +43,8 @@ def test_sites_match_the_config(inspected):
         assert site.window == want.window and site.mask.window == want.window, where
         if want.arbitrary_mask is not None:
             assert site.mask.arbitrary is want.arbitrary_mask, where
+        if want.padding is not None:
+            assert site.mask.padding is want.padding, f"{where}: mask {site.mask}"
         if want.layer is not None:
             assert site.layer == want.layer, where
         assert site.dropout_p == 0.0, where
@@ -102,4 +105,3 @@ def test_sizes_are_pairwise_distinct():
             assert len(sizes) == 4, (name, want)
             if want.kv_heads != want.heads:
                 assert want.kv_heads not in sizes, (name, want)
-    assert H == 6

@@ -10,6 +10,7 @@ detector must report, written down from the config (never from a detector's outp
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -43,6 +44,7 @@ class ExpectedSite:
     causal: Optional[bool]  # None: the model is causal but proving it is not required (see caller)
     window: Optional[int] = None
     arbitrary_mask: Optional[bool] = None  # True: an additive bias (e.g. T5 relative positions)
+    padding: Optional[bool] = None  # True: an attention_mask input with padded keys
 
 
 @dataclass
@@ -243,6 +245,21 @@ def gpt2(attn_implementation: str, inverse_layer_scale: bool = False) -> ZooMode
     )
 
 
+def padding_mask_BN() -> torch.Tensor:
+    """attention_mask [B, N]: 1 keeps a token; the second sequence has its last 3 tokens padded."""
+    keep = torch.ones(B, N, dtype=torch.long)
+    keep[1, N - 3 :] = 0
+    return keep
+
+
+def with_padding(zoo: ZooModel) -> ZooModel:
+    """The same model called with a padded attention_mask: every self-attention site now also
+    carries a per-(batch, key) padding pattern, on top of whatever causality it had."""
+    expected = [dataclasses.replace(e, padding=True, arbitrary_mask=False) for e in zoo.expected]
+    kwargs = {**zoo.kwargs, "attention_mask": padding_mask_BN()}
+    return ZooModel(f"{zoo.name}-padded", zoo.model, zoo.args, kwargs, expected)
+
+
 def bert() -> ZooModel:
     """BERT encoder: bidirectional self-attention, no mask passed (so none to honour)."""
     config = transformers.BertConfig(
@@ -379,4 +396,6 @@ FACTORIES = {
     "vit": vit,
     "bart": bart,
     "t5": t5,
+    "bert-padded": lambda: with_padding(bert()),
+    "llama-padded": lambda: with_padding(llama()),
 }

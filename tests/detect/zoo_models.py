@@ -48,6 +48,10 @@ class Truth:
     mask_form: Optional[str] = None  # asserted when set
     rank: int = 4  # 3: bmm over [B*H, N, D]; batch and heads are then only known as a product
     dtype: str = "float32"
+    # Also accepted for `scale` when the factor multiplies q or k before a reshape that the site's
+    # rank-3 nodes come after: the nodes then already hold the scaled tensors and 1.0 is the honest
+    # factor relative to them. `site_output_error` decides which one is consistent.
+    folded_scales: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,7 @@ def padding_keep_B11N() -> torch.Tensor:
 # Shared projections
 
 
-class _Projected(nn.Module):
+class ProjectedAttention(nn.Module):
     """q, k, v and output projections around an `attend` that each spelling writes its own way."""
 
     kv_heads = H
@@ -145,58 +149,58 @@ def _tril_keep_NN(n: int, device) -> torch.Tensor:
 # Spellings of real attention
 
 
-class DivSqrt(_Projected):
+class DivSqrt(ProjectedAttention):
     def attend(self, q, k, v):
         s = q @ k.transpose(-2, -1) / math.sqrt(D)
         return s.softmax(dim=-1) @ v
 
 
-class MulScale(_Projected):
+class MulScale(ProjectedAttention):
     # a non-default constant, so a detector that assumes 1/sqrt(D) is caught
     def attend(self, q, k, v):
         s = torch.matmul(q, k.transpose(-2, -1)) * 0.3
         return torch.matmul(F.softmax(s, dim=-1), v)
 
 
-class ScaleOnQuery(_Projected):
+class ScaleOnQuery(ProjectedAttention):
     # scaling q before the matmul (as BART/Whisper do) is the same attention
     def attend(self, q, k, v):
         s = (q * 0.2) @ k.transpose(-2, -1)
         return F.softmax(s, dim=3) @ v
 
 
-class SqrtSplit(_Projected):
+class SqrtSplit(ProjectedAttention):
     # D**-0.25 on each of q and k (as some Stable Diffusion code does): overall 1/sqrt(D)
     def attend(self, q, k, v):
         s = (q * D**-0.25) @ (k * D**-0.25).transpose(-2, -1)
         return s.softmax(-1) @ v
 
 
-class SdpaScale(_Projected):
+class SdpaScale(ProjectedAttention):
     def attend(self, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, scale=0.15)
 
 
-class SdpaCausal(_Projected):
+class SdpaCausal(ProjectedAttention):
     def attend(self, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-class SdpaBoolCausalBuilt(_Projected):
+class SdpaBoolCausalBuilt(ProjectedAttention):
     # a causal keep-mask built inside forward from constants: causality is provable
     def attend(self, q, k, v):
         keep = _tril_keep_NN(q.shape[-2], q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
 
 
-class SdpaGqa(_Projected):
+class SdpaGqa(ProjectedAttention):
     kv_heads = HKV
 
     def attend(self, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
-class SdpaPaddingInput(_Projected):
+class SdpaPaddingInput(ProjectedAttention):
     """A per-(batch, key) bool keep-mask passed in: padding, not causal."""
 
     def forward(self, x_BNX, keep_B11N):
@@ -204,7 +208,7 @@ class SdpaPaddingInput(_Projected):
         return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=keep_B11N))
 
 
-class AdditiveMaskInput(_Projected):
+class AdditiveMaskInput(ProjectedAttention):
     """An additive mask passed in as an input. It is causal on the example, but nothing proves it
     will be on the next call, so the site must not be reported causal."""
 
@@ -214,7 +218,7 @@ class AdditiveMaskInput(_Projected):
         return self.merge(s.softmax(-1) @ v)
 
 
-class MaskedFillTril(_Projected):
+class MaskedFillTril(ProjectedAttention):
     def attend(self, q, k, v):
         n = q.shape[-2]
         s = q @ k.transpose(-2, -1) / math.sqrt(D)
@@ -222,7 +226,7 @@ class MaskedFillTril(_Projected):
         return s.softmax(-1) @ v
 
 
-class WhereCausal(_Projected):
+class WhereCausal(ProjectedAttention):
     def attend(self, q, k, v):
         n = q.shape[-2]
         s = q @ k.transpose(-2, -1) * D**-0.5
@@ -230,7 +234,7 @@ class WhereCausal(_Projected):
         return s.softmax(-1) @ v
 
 
-class CommutedAdditiveCausal(_Projected):
+class CommutedAdditiveCausal(ProjectedAttention):
     # mask + scores (mask first) with an additive causal mask built inside forward
     def attend(self, q, k, v):
         n = q.shape[-2]
@@ -242,7 +246,7 @@ class CommutedAdditiveCausal(_Projected):
 WINDOW = 3
 
 
-class SlidingWindowBuilt(_Projected):
+class SlidingWindowBuilt(ProjectedAttention):
     """Causal window of 3 keys incl. self (i-3 < j <= i), built from aranges as HF does."""
 
     def attend(self, q, k, v):
@@ -259,7 +263,7 @@ def _flatten_heads(x_BHNX: torch.Tensor) -> torch.Tensor:
     return x_BHNX.reshape(b * h, n, x)
 
 
-class Baddbmm3d(_Projected):
+class Baddbmm3d(ProjectedAttention):
     # nn.MultiheadAttention's need_weights path: baddbmm over [B*H, N, D] with the scale as alpha
     def attend(self, q, k, v):
         q3, k3, v3 = _flatten_heads(q), _flatten_heads(k), _flatten_heads(v)
@@ -269,7 +273,7 @@ class Baddbmm3d(_Projected):
         return out3.view(q.shape[0], H, q.shape[2], -1)
 
 
-class Bmm3d(_Projected):
+class Bmm3d(ProjectedAttention):
     def attend(self, q, k, v):
         q3, k3, v3 = _flatten_heads(q), _flatten_heads(k), _flatten_heads(v)
         s = torch.bmm(q3, k3.transpose(1, 2)) * D**-0.5
@@ -277,7 +281,7 @@ class Bmm3d(_Projected):
         return out3.view(q.shape[0], H, q.shape[2], -1)
 
 
-class Float64Softmax(_Projected):
+class Float64Softmax(ProjectedAttention):
     # softmax computed in a wider dtype and cast back (Qwen/Gemma style upcast)
     def attend(self, q, k, v):
         s = q @ k.transpose(-2, -1) * D**-0.5
@@ -285,7 +289,7 @@ class Float64Softmax(_Projected):
         return p @ v
 
 
-class DropoutInEval(_Projected):
+class DropoutInEval(ProjectedAttention):
     def __init__(self):
         super().__init__()
         self.attn_dropout = nn.Dropout(0.1)
@@ -296,13 +300,13 @@ class DropoutInEval(_Projected):
         return self.attn_dropout(p) @ v
 
 
-class Einsum(_Projected):
+class Einsum(ProjectedAttention):
     def attend(self, q, k, v):
         s = torch.einsum("bhqd,bhkd->bhqk", q, k) * D**-0.5
         return torch.einsum("bhqk,bhkd->bhqd", s.softmax(-1), v)
 
 
-class RepeatInterleaveGqa(_Projected):
+class RepeatInterleaveGqa(ProjectedAttention):
     kv_heads = HKV
 
     def attend(self, q, k, v):
@@ -317,7 +321,7 @@ def repeat_kv(x_BHkvND: torch.Tensor, groups: int) -> torch.Tensor:
     return x_BHkvND[:, :, None, :, :].expand(b, hkv, groups, n, d).reshape(b, hkv * groups, n, d)
 
 
-class RepeatKvGqa(_Projected):
+class RepeatKvGqa(ProjectedAttention):
     kv_heads = 2
 
     def attend(self, q, k, v):
@@ -325,7 +329,7 @@ class RepeatKvGqa(_Projected):
         return (q @ k.transpose(-2, -1) * D**-0.5).softmax(-1) @ v
 
 
-class KeyBNHDPermuted(_Projected):
+class KeyBNHDPermuted(ProjectedAttention):
     """The key is kept as [B, N, H, D]; permute(0, 2, 3, 1) makes kᵀ [B, H, D, N]: correct."""
 
     def forward(self, x_BNX):
@@ -372,7 +376,7 @@ class FusedQkvSplitGqa(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, n, H * D))
 
 
-class CrossAttention(_Projected):
+class CrossAttention(ProjectedAttention):
     """Queries from x (N tokens), keys and values from a memory of M tokens."""
 
     def forward(self, x_BNX, memory_BMX):
@@ -380,7 +384,7 @@ class CrossAttention(_Projected):
         return self.merge((q @ k.transpose(-2, -1) * D**-0.5).softmax(-1) @ v)
 
 
-class WideValues(_Projected):
+class WideValues(ProjectedAttention):
     v_head_dim = DV
 
     def attend(self, q, k, v):
@@ -440,7 +444,7 @@ def reference_output(spelling: Spelling, module: nn.Module, inputs: tuple) -> to
     """The module's output recomputed with SDPA from the spelling's `Truth` alone.
 
     Agreement proves the truth table describes what the spelling computes, so a detector that
-    disagrees with the table is wrong, not the table. Only for `_Projected` spellings.
+    disagrees with the table is wrong, not the table. Only for `ProjectedAttention` spellings.
     """
     truth = spelling.truth
     memory = inputs[1] if spelling.module_cls is CrossAttention else None
@@ -504,8 +508,8 @@ def assert_site_matches(site, truth: Truth, batch: int = B) -> None:
     if truth.mask_form is not None:
         got["mask_form"], want["mask_form"] = site.mask.form, truth.mask_form
     diffs = {key: (got[key], want[key]) for key in want if got[key] != want[key]}
-    if not math.isclose(site.scale, truth.scale, rel_tol=1e-5):
-        diffs["scale"] = (site.scale, truth.scale)
+    if not any(math.isclose(site.scale, s, rel_tol=1e-5) for s in (truth.scale, *truth.folded_scales)):
+        diffs["scale"] = (site.scale, (truth.scale, *truth.folded_scales))
     assert not diffs, f"site {site.id}: (got, want) {diffs}"
 
 
@@ -605,7 +609,7 @@ class MoeRouter(nn.Module):
         return (chosen * top_p[..., None]).sum(2)
 
 
-class SoftmaxOverHeads(_Projected):
+class SoftmaxOverHeads(ProjectedAttention):
     """Softmax over dim 1 (the head axis) of q kᵀ: normalises across heads, not keys."""
 
     def attend(self, q, k, v):
@@ -613,7 +617,7 @@ class SoftmaxOverHeads(_Projected):
         return s.softmax(dim=1) @ v
 
 
-class SoftmaxOverQueries(_Projected):
+class SoftmaxOverQueries(ProjectedAttention):
     """Softmax over dim -2 (the query axis): with Nq == Nk the shapes still line up."""
 
     def attend(self, q, k, v):
@@ -621,7 +625,7 @@ class SoftmaxOverQueries(_Projected):
         return s.softmax(dim=-2) @ v
 
 
-class KeyViewedNotTransposed(_Projected):
+class KeyViewedNotTransposed(ProjectedAttention):
     """k [B, H, N, D] reshaped (a view, not a transpose) to [B, H, D, N]: the matmul runs with
     distinct sizes but pairs q with scrambled key entries."""
 
@@ -658,7 +662,7 @@ def _x_batch_three():
     return (torch.randn(SWAP_BH, N, HIDDEN, generator=torch.Generator().manual_seed(4)),)
 
 
-class WeightsReturned(_Projected):
+class WeightsReturned(ProjectedAttention):
     """Returns the attention probabilities too: the softmax output escapes the chain."""
 
     def forward(self, x_BNX):
@@ -667,7 +671,7 @@ class WeightsReturned(_Projected):
         return self.merge(p @ v), p
 
 
-class WeightsReusedTwice(_Projected):
+class WeightsReusedTwice(ProjectedAttention):
     """The same probabilities aggregate v and then a second value tensor (shared attention)."""
 
     def forward(self, x_BNX):
@@ -692,7 +696,7 @@ class ContrastiveLoss(nn.Module):
         return -p_BB.diagonal().log().mean()
 
 
-class LogSoftmaxScores(_Projected):
+class LogSoftmaxScores(ProjectedAttention):
     """log_softmax of q kᵀ aggregating v: not a probability-weighted sum."""
 
     def attend(self, q, k, v):
@@ -700,7 +704,7 @@ class LogSoftmaxScores(_Projected):
         return F.log_softmax(s, dim=-1) @ v
 
 
-class ElementwiseValues(_Projected):
+class ElementwiseValues(ProjectedAttention):
     """Probabilities times values elementwise (N == Nk, D == N is avoided: v is broadcast over a
     new axis) and summed over queries: no matmul contracting the key axis."""
 
