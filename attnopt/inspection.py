@@ -100,9 +100,13 @@ def inspect(model: torch.nn.Module, *args, method: str = "export", dynamic: bool
     counts: dict[str, Any] = {"softmax": 0, "sdpa": 0, "log_softmax": 0}
     for i, cap in enumerate(captures):
         result = detect(cap)
-        if len(captures) > 1:  # Dynamo split the model: ids must stay unique across its graphs
+        if len(captures) > 1:
+            # Dynamo split the model: its graphs run one after another, so a later graph's sites
+            # sit deeper along the residual stream; ids must stay unique across graphs
             taken = {s.id for s in sites}
-            result.sites = [s if s.id not in taken else dataclasses.replace(s, id=f"{s.id}@graph{i}")
+            offset = max((s.layer for s in sites), default=-1) + 1
+            result.sites = [dataclasses.replace(s, layer=s.layer + offset,
+                                                id=s.id if s.id not in taken else f"{s.id}@graph{i}")
                             for s in result.sites]
         sites += result.sites
         misses += result.near_misses

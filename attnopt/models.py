@@ -71,18 +71,12 @@ def _load_hf_dir(path: Path, description: str):
         raise ModelSpecError(f"could not load a Hugging Face model from {str(path)!r}: "
                              f"{type(exc).__name__}: {exc}") from exc
     kwargs: dict = {}
-    try:
-        tok = transformers.AutoTokenizer.from_pretrained(str(path))
-    except Exception:
-        tok = None
-    if tok is not None:
-        if tok.pad_token is None and tok.eos_token is not None:
-            tok.pad_token = tok.eos_token
-        enc = tok(list(EXAMPLE_SENTENCES), padding=True, return_tensors="pt")
-        kwargs.update({k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")})
+    vocab = int(getattr(model.config, "vocab_size", 100) or 100)
+    enc = _tokenize(transformers, path, vocab)
+    if enc is not None:
+        kwargs.update(enc)
     else:
         gen = torch.Generator().manual_seed(RANDOM_IDS_SEED)
-        vocab = int(getattr(model.config, "vocab_size", 100) or 100)
         kwargs["input_ids"] = torch.randint(1, vocab, RANDOM_IDS_SHAPE, generator=gen)
         description += " (random token ids: no tokenizer found)"
     if getattr(model.config, "is_encoder_decoder", False):
@@ -90,6 +84,27 @@ def _load_hf_dir(path: Path, description: str):
     if getattr(model.config, "use_cache", False):
         kwargs["use_cache"] = False  # a cache object is not an exportable output
     return model, (), kwargs, description
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
+                    "tokenizer.model")
+
+
+def _tokenize(transformers, path: Path, vocab: int):
+    """The example sentences as model inputs, or None when the directory has no usable tokenizer."""
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(path))
+        if tok.pad_token is None and tok.eos_token is not None:
+            tok.pad_token = tok.eos_token
+        enc = tok(list(EXAMPLE_SENTENCES), padding=True, return_tensors="pt")
+    except Exception:
+        return None
+    ids = enc.get("input_ids")
+    if ids is None or ids.numel() == 0 or int(ids.max()) >= vocab:
+        return None  # an empty or mismatched tokenizer: random ids are a better example
+    return {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
 
 
 def _load_factory(path: Path, factory: str):

@@ -14,8 +14,8 @@ Feature maps φ: "identity", "elu" (ELU(x) + 1, positive), "relu".
 Prefill runs chunk-parallel: inside a chunk of C tokens the decay matrix D[i, j] = γ^(i-j) (j <= i)
 is built in log space as exp((i-j)·log γ) with the upper triangle set to -inf BEFORE the exp, so
 no γ^(negative) overflow meets a zero (inf·0 = NaN); across chunks a state [B, H, Dk, Dv] (+ the
-normaliser folded in as an extra value column) is carried by a short loop over N/C chunks. Never
-N×N and never a state per position. Every decay factor is γ to a non-negative power, so small γ
+normaliser folded in as an extra value column) is carried by the same trick one level up (groups
+of 64 chunks, a loop over the groups). Never N×N and never a state per position (one per chunk). Every decay factor is γ to a non-negative power, so small γ
 underflows to 0 instead of overflowing.
 
 Alignment: Nq <= Nk; the queries are the last Nq positions (query i at position Nk - Nq + i).

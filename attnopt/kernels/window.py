@@ -26,7 +26,11 @@ gets an all-zero output row instead of SDPA's NaN / undefined row.
 Cost: O(N * (W + sinks)) time and memory, never Nq x Nk. Queries are split into blocks of Bq; each
 block takes the band of keys its queries can see (a slice of length L = Bq + W - 1 causal,
 Bq + 2W - 2 otherwise) and runs a masked softmax within the band, jointly with the sink keys that
-lie outside it (sinks inside the band are read once, through the band).
+lie outside it (sinks inside the band are read once, through the band). Many blocks run per step
+(up to SCORES_PER_STEP scores), so the op count stays small.
+
+Registered as the custom op `torch.ops.attnopt.window_attention` (fake + autograd; the backward
+recomputes the blockwise forward under autograd, so it is O(N * W) too).
 
 Letters: B batch, H query heads, Hkv key/value heads, G = H // Hkv query heads per kv head, Nq/Nk
 query/key length, D head dim of q and k, Dv head dim of v, W window, S sinks, nb query blocks,
@@ -105,9 +109,10 @@ def default_window_block_size(window: int, causal: bool) -> int:
     return int(max(32, min(128, width // 4)))
 
 
-# Scores computed per step (elements). Each step is a few large ops over many query blocks: on a
-# busy 2-core CPU every op pays a thread-synchronisation cost, so one op per block (256 blocks at
-# N=16k) ran 3x slower than ~5 steps of this size (32 MB in fp32), while memory stays bounded.
+# Scores computed per step (elements): a step is a few large ops over many query blocks. On a
+# busy 2-core CPU every op pays a thread-synchronisation cost, so small steps (one per block, or
+# 2^21 scores) ran 2-5x slower than 2^23; on an idle machine 2^21 was ~1.4x faster than 2^23.
+# 2^23 (32 MB fp32) is the robust choice; peak memory stays bounded for any N.
 SCORES_PER_STEP = 1 << 23
 
 
@@ -121,7 +126,7 @@ def _window_forward(
     sinks: int,
     scale: float,
     block_size: int,
-    scores_per_step: int = SCORES_PER_STEP,
+    scores_per_step: Optional[int] = None,
 ) -> Tensor:
     """Blockwise banded softmax; differentiable plain PyTorch (the custom op wraps it).
 
@@ -144,12 +149,14 @@ def _window_forward(
     Bq = max(1, min(block_size, Nq))
     nb = (Nq + Bq - 1) // Bq
     L = Bq + lo + hi
-    n_step = max(1, min(nb, scores_per_step // max(1, B * H * Bq * L)))
+    per_step = SCORES_PER_STEP if scores_per_step is None else scores_per_step
+    n_step = max(1, min(nb, per_step // max(1, B * H * Bq * L)))  # query blocks per step
 
     # Queries as [B, Hkv, N, G, D]: a block of rows (position, g) is one matrix, so the G query
     # heads sharing a kv head share one matmul against its key band.
-    q = (q_BHND.to(cdt) * scale).view(B, Hkv, G, Nq, D).transpose(2, 3)
-    q = F.pad(q, (0, 0, 0, 0, 0, nb * Bq - Nq)).contiguous()  # [B, Hkv, nb*Bq, G, D]
+    q = (q_BHND.to(cdt) * scale).reshape(B, Hkv, G, Nq, D).transpose(2, 3).contiguous()
+    if nb * Bq > Nq:  # (a zero-width pad keeps the input's strides eagerly but not when traced)
+        q = F.pad(q, (0, 0, 0, 0, 0, nb * Bq - Nq))  # [B, Hkv, nb*Bq, G, D]
     # Band of block b starts at key off + b*Bq - lo; pad k/v (masked out below) so all are in range.
     pad_left = max(0, lo - off)
     start = off - lo + pad_left
@@ -177,10 +184,12 @@ def _window_forward(
         n = min(nb, b0 + n_step) - b0
         a = start + b0 * Bq
         e = a + (n - 1) * Bq + L
-        k_band = k[:, :, a:e].unfold(2, L, Bq)  # [B, Hkv, n, D, L]
-        v_band = v[:, :, a:e].unfold(2, L, Bq).transpose(-1, -2)  # [B, Hkv, n, L, Dv]
-        q_blk = q[:, :, b0 * Bq : (b0 + n) * Bq].view(B, Hkv, n, Bq * G, D)
-        s = torch.matmul(q_blk, k_band).view(B, Hkv, n, Bq, G, L)
+        # Overlapping bands gathered into contiguous copies (the matmul would copy them anyway,
+        # and traced backward graphs mis-handle views with overlapping strides).
+        k_band = k[:, :, a:e].unfold(2, L, Bq).contiguous()  # [B, Hkv, n, D, L]
+        v_band = v[:, :, a:e].unfold(2, L, Bq).transpose(-1, -2).contiguous()  # [B, Hkv, n, L, Dv]
+        q_blk = q[:, :, b0 * Bq : (b0 + n) * Bq].reshape(B, Hkv, n, Bq * G, D)
+        s = torch.matmul(q_blk, k_band).reshape(B, Hkv, n, Bq, G, L)
         j_first = off - lo + b0 * Bq  # key index of band column 0 of the group's first block
         interior = j_first >= 0 and j_first + (n - 1) * Bq + L <= Nk
         if interior and km is None:
@@ -198,7 +207,7 @@ def _window_forward(
         s.masked_fill_(hidden, float("-inf"))
         if fast:
             p = torch.softmax(s, dim=-1)
-            outs.append(torch.matmul(p.view(B, Hkv, n, Bq * G, L), v_band).view(B, Hkv, n, Bq, G, Dv))
+            outs.append(torch.matmul(p.reshape(B, Hkv, n, Bq * G, L), v_band).reshape(B, Hkv, n, Bq, G, Dv))
             continue
         with torch.no_grad():
             row_max = s.amax(dim=-1)
@@ -212,7 +221,7 @@ def _window_forward(
             ok = ok[None]
             if key_mask_BN is not None:
                 ok = ok & key_mask_BN[:, None, None, :S]
-            ss = torch.matmul(q_blk, k_sink).view(B, Hkv, n, Bq, G, S)
+            ss = torch.matmul(q_blk, k_sink).reshape(B, Hkv, n, Bq, G, S)
             ss.masked_fill_(~ok[:, None, :, :, None, :], float("-inf"))
             with torch.no_grad():
                 row_max = torch.maximum(row_max, ss.amax(dim=-1))
@@ -220,15 +229,15 @@ def _window_forward(
         row_max.clamp_(min=torch.finfo(cdt).min)
         p = s.sub_(row_max[..., None]).exp_()
         denom = p.sum(dim=-1)
-        num = torch.matmul(p.view(B, Hkv, n, Bq * G, L), v_band)
+        num = torch.matmul(p.reshape(B, Hkv, n, Bq * G, L), v_band)
         if S > 0:
             ps = ss.sub_(row_max[..., None]).exp_()
             denom = denom + ps.sum(dim=-1)
-            num = num + torch.matmul(ps.view(B, Hkv, n, Bq * G, S), v_sink)
+            num = num + torch.matmul(ps.reshape(B, Hkv, n, Bq * G, S), v_sink)
         # A row that sees a key has denom >= 1 (its max term is exp(0)); one that sees none has
         # num = denom = 0, so clamping to 1 leaves seen rows exact and gives 0 for the rest.
-        outs.append(num.view(B, Hkv, n, Bq, G, Dv) / denom.clamp(min=1.0)[..., None])
-    out = torch.cat(outs, dim=2).view(B, Hkv, nb * Bq, G, Dv)[:, :, :Nq]
+        outs.append(num.reshape(B, Hkv, n, Bq, G, Dv) / denom.clamp(min=1.0)[..., None])
+    out = torch.cat(outs, dim=2).reshape(B, Hkv, nb * Bq, G, Dv)[:, :, :Nq]
     return out.permute(0, 1, 3, 2, 4).reshape(B, H, Nq, Dv).to(out_dtype)
 
 

@@ -105,7 +105,7 @@ def capture_export(model: torch.nn.Module, args: tuple = (), kwargs: Optional[di
         except Exception as exc:
             raise CaptureError(_export_hint(exc)) from exc
     gm = ep.module()
-    flat_inputs, _ = pytree.tree_flatten((args, kwargs))
+    flat_inputs = _flatten_like(ep, args, kwargs)
     n_ph = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
     if len(flat_inputs) != n_ph:
         # Non-tensor leaves (None, bools) may be dropped from the graph's inputs; keep the
@@ -116,6 +116,16 @@ def capture_export(model: torch.nn.Module, args: tuple = (), kwargs: Optional[di
     return CapturedGraph(gm, "export", is_dynamic, list(flat_inputs), in_spec=ep.call_spec.in_spec,
                          out_spec=ep.call_spec.out_spec, exported_program=ep, notes=notes,
                          seconds=time.perf_counter() - t0)
+
+
+def _flatten_like(ep, args: tuple, kwargs: dict) -> list:
+    """Example inputs flattened in the order of the graph's placeholders (the export's in_spec)."""
+    from torch.fx._pytree import tree_flatten_spec
+
+    try:
+        return list(tree_flatten_spec((args, kwargs), ep.call_spec.in_spec))
+    except Exception:  # an unusual spec: fall back to plain pytree order
+        return pytree.tree_flatten((args, kwargs))[0]
 
 
 def _has_symbolic_shape(val) -> bool:
@@ -144,17 +154,19 @@ def capture_dynamo(model: torch.nn.Module, args: tuple = (), kwargs: Optional[di
         return gm.forward
 
     t0 = time.perf_counter()
-    torch._dynamo.reset()
-    try:
-        compiled = torch.compile(model, backend=grab_backend, dynamic=False, fullgraph=False)
-        with torch.no_grad():
-            compiled(*args, **kwargs)
-    except Exception as exc:
-        raise CaptureError(
-            f"torch.compile could not trace the model: {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}. Check the example inputs, or try method='export'."
-        ) from exc
-    finally:
+    for attempt in range(2):
+        try:
+            compiled = torch.compile(model, backend=grab_backend, dynamic=False, fullgraph=False)
+            with torch.no_grad():
+                compiled(*args, **kwargs)
+        except Exception as exc:
+            raise CaptureError(
+                f"torch.compile could not trace the model: {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}. Check the example inputs, or try method='export'."
+            ) from exc
+        if grabbed or attempt:
+            break
+        # Dynamo reused graphs it had compiled for this model earlier: clear its cache once and retry
         torch._dynamo.reset()
     if not grabbed:
         raise CaptureError("torch.compile produced no graph (the whole forward ran eagerly); try method='export'")

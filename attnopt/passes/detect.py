@@ -25,13 +25,7 @@ import torch.fx as fx
 from attnopt.passes import canonicalize as cz
 from attnopt.passes.capture import CapturedGraph, record_values
 from attnopt.passes.mask_proof import KeepPattern, StructureOracle, classify_bias, classify_keep
-from attnopt.passes.matchers import (
-    Candidate,
-    ExplicitChainMatcher,
-    LogSoftmaxMatcher,
-    SdpaMatcher,
-    module_of,
-)
+from attnopt.passes.matchers import Candidate, ExplicitChainMatcher, LogSoftmaxMatcher, SdpaMatcher
 from attnopt.passes.order import site_layers
 from attnopt.passes.site import AttentionSite, Dim, MaskInfo, NearMiss, SiteNodes
 
@@ -308,7 +302,7 @@ def _mask_info(c: Candidate, values: dict, oracle: StructureOracle, q_shape, k_s
         else:
             pattern = classify_bias(_as_bhqk(m_full.double()))
             form, keep_when = "additive", "zero"
-        return _finish_mask(pattern, [c.sdpa_mask], form, keep_when, oracle)
+        return _finish_mask(pattern, [c.sdpa_mask], form, keep_when, oracle, c.sdpa_mask)
     terms = c.mask_terms
     if not terms:
         return MaskInfo()
@@ -318,9 +312,9 @@ def _mask_info(c: Candidate, values: dict, oracle: StructureOracle, q_shape, k_s
     effective = [t for t in terms if not _no_effect(t, values)]
     if len(effective) > 1:
         return _finish_mask(KeepPattern(arbitrary=True), [t.node for t in effective],
-                            "+".join(t.form for t in effective), "zero", oracle, node=None)
+                            "+".join(t.form for t in effective), "zero", oracle, None)
     term = effective[0] if effective else terms[0]
-    return _finish_mask(pattern, [term.node], term.form, term.keep_when, oracle)
+    return _finish_mask(pattern, [term.node], term.form, term.keep_when, oracle, term.node)
 
 
 def _as_bhqk(x: torch.Tensor) -> torch.Tensor:
@@ -342,7 +336,11 @@ def _no_effect(term, values: dict) -> bool:
 
 
 def _finish_mask(pattern: KeepPattern, nodes: list, form: str, keep_when: str, oracle: StructureOracle,
-                 node: Any = "first") -> MaskInfo:
+                 mask_node: Optional[fx.Node]) -> MaskInfo:
+    """MaskInfo from a numeric pattern, downgraded where the structure does not prove it.
+
+    `nodes` are all mask tensors that fed the scores; `mask_node` the one a rewrite can apply
+    (None when several terms combine and no single node holds the mask)."""
     from_positions, from_inputs = False, False
     for n in nodes:
         p, i = oracle.sources(n.name)
@@ -355,7 +353,6 @@ def _finish_mask(pattern: KeepPattern, nodes: list, form: str, keep_when: str, o
     if from_inputs and not pattern.arbitrary and not padding:
         # an input-driven mask that keeps everything today may pad tomorrow
         padding = True
-    mask_node = nodes[0] if node == "first" else node
     return MaskInfo(
         form=form,
         causal=pattern.causal,

@@ -434,11 +434,16 @@ class ExplicitChainMatcher:
                                  from_shape=str(shape(src)), to_shape=str(shape(base)))
             return key_t, True, [], "key:pretransposed"
         q_base, q_perm, _ = cz.compose_layout(query)
-        last = next((n for n in layout if cz.perm_of(n) is not None), None)
-        shown = tuple(cz.perm_of(last)) if last is not None and len(layout) == 1 else perm
+        outer = next((n for n in layout if cz.perm_of(n) is not None), None)  # the one nearest the matmul
+        shown = tuple(cz.perm_of(outer)) if outer is not None else perm
         if len(q_perm) == r and perm == cz.swap_last_two(q_perm) and _same_role_sizes(q_base, base, q_perm):
             return key_t, True, layout, "key:permute"
-        return _miss(softmax, f"key is permuted {shown}, not transposed", "key_permuted", perm=list(perm))
+        def text(p):
+            return "(" + ",".join(str(d) for d in p) + ")"
+
+        extra = "" if shown == perm else f" (in all {text(perm)} of its source)"
+        return _miss(softmax, f"key is permuted {text(shown)}{extra}, not transposed", "key_permuted",
+                     perm=list(perm))
 
 
 def _same_role_sizes(q_base: Node, k_base: Node, q_perm: tuple) -> bool:

@@ -98,20 +98,27 @@ def test_record_values_returns_requested_nodes_only():
     assert tuple(vals[site.nodes.output].shape) == (B, H, N, D)
 
 
-def test_dynamo_capture_finds_the_same_site_with_module_path():
+def test_dynamo_capture_across_a_graph_break_keeps_paths_and_order():
     class Outer(nn.Module):
         def __init__(self):
             super().__init__()
-            self.block = SqrtSplitCausal()
+            self.first = SqrtSplitCausal()
+            self.proj = nn.Linear(H * D, HIDDEN)
+            self.second = SqrtSplitCausal()
 
         def forward(self, x):
-            return self.block(x)
+            b, n, _ = x.shape
+            y = self.proj(self.first(x).transpose(1, 2).reshape(b, n, H * D))
+            torch._dynamo.graph_break()  # two Dynamo graphs
+            return self.second(y)
 
     torch.manual_seed(SEED)
     ins = inspect(Outer().eval(), _x(), method="dynamo")
-    [site] = ins.sites
-    assert site.module_path == "block" and site.module_type == "SqrtSplitCausal"
-    assert (site.heads, site.kv_heads, site.causal) == (H, HKV, True)
+    assert ins.counts["graphs"] == 2
+    assert [(s.module_path, s.module_type, s.layer) for s in ins.sites] == [
+        ("first", "SqrtSplitCausal", 0), ("second", "SqrtSplitCausal", 1)]
+    for s in ins.sites:
+        assert (s.heads, s.kv_heads, s.causal) == (H, HKV, True)
 
 
 def test_not_a_module_and_untraceable_model_give_clear_errors():
@@ -219,3 +226,17 @@ def test_cli_factory_json(tmp_path):
     data = json.loads(done.stdout)
     [site] = data["sites"]
     assert (site["heads"], site["head_dim"], site["causal"], site["mask"]["form"]) == (6, 8, True, "is_causal")
+
+
+def test_numeric_check_rejects_a_match_whose_reading_is_wrong(monkeypatch):
+    """If canonicalisation misreads a spelling (here: every scale factor read twice as large), the
+    numeric check catches it and the match becomes a near miss, never a site."""
+    from attnopt.passes.canonicalize import Factor
+
+    real = Factor.resolve
+    monkeypatch.setattr(Factor, "resolve", lambda self, values: 2.0 * real(self, values))
+    torch.manual_seed(SEED)
+    ins = inspect(SqrtSplitCausal().eval(), _x(), dynamic=False)
+    assert ins.sites == []
+    [miss] = ins.near_misses
+    assert miss.code == "numeric" and "max abs difference" in miss.reason

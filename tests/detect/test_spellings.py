@@ -39,11 +39,13 @@ TOLERANCE = 1e-4  # float32 graph values against a float64 rebuild
 BY_NAME = {s.name: s for s in SPELLINGS}
 
 
-@pytest.mark.parametrize("spelling", SPELLINGS, ids=lambda s: s.name)
+# the fused-qkv spellings have no separate projections to rebuild from; the numeric check on
+# their site (test_spelling_is_one_exact_site) covers them
+@pytest.mark.parametrize(
+    "spelling", [s for s in SPELLINGS if issubclass(s.module_cls, ProjectedAttention)], ids=lambda s: s.name
+)
 def test_truth_table_describes_the_module(spelling):
     module = spelling.build()
-    if not isinstance(module, ProjectedAttention):
-        pytest.skip("fused-projection spellings are checked by the detector tests only")
     inputs = spelling.inputs()
     with torch.no_grad():
         torch.testing.assert_close(module(*inputs), reference_output(spelling, module, inputs))

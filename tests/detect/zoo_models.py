@@ -705,8 +705,8 @@ class LogSoftmaxScores(ProjectedAttention):
 
 
 class ElementwiseValues(ProjectedAttention):
-    """Probabilities times values elementwise (N == Nk, D == N is avoided: v is broadcast over a
-    new axis) and summed over queries: no matmul contracting the key axis."""
+    """Probabilities [B, H, N, N] times values [B, H, N, D] elementwise (through a broadcast axis),
+    then a max over keys: nothing contracts the key axis, so it is not a weighted sum of values."""
 
     def attend(self, q, k, v):
         p = (q @ k.transpose(-2, -1) * D**-0.5).softmax(-1)  # [B, H, N, N]
