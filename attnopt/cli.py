@@ -1,4 +1,4 @@
-"""`attnopt` command line. Subcommands: `inspect MODEL` (more are added by other passes).
+"""`attnopt` command line. Subcommands: `inspect MODEL` and `compile MODEL --policy P`.
 
 Every expected failure (bad MODEL, model that does not trace, no attention) prints one clear
 message to stderr and exits non-zero; no traceback.
@@ -36,6 +36,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how to capture the graph (default: export)")
     p.add_argument("--static", action="store_true", help="capture with static shapes (default: dynamic length)")
     p.set_defaults(run=run_inspect)
+
+    c = sub.add_parser("compile", help="rewrite a model's attention per a policy, verify drift, write the report")
+    c.add_argument("model", metavar="MODEL", nargs="?", default="minilm",
+                   help="'minilm' (default), a Hugging Face model directory, or path/to/file.py:factory")
+    c.add_argument("--policy", default="window:64+sinks:4",
+                   help="preset (exact, linear[:map], window:W[+sinks:S], ssm, reuse, hybrid, auto) or a "
+                        ".yaml/.toml/.json policy file (default: window:64+sinks:4)")
+    c.add_argument("--tolerance", type=float, default=None, help="max relative RMS drift per site (default: per form)")
+    c.add_argument("--seq-len", type=int, default=256,
+                   help="tokens per example for Hugging Face models (built-in English passages; default 256)")
+    c.add_argument("--html", default="report.html", help="where to write the HTML report (default report.html)")
+    c.add_argument("--json", dest="json_out", default=None, help="where to write the JSON report (default: beside --html)")
+    c.set_defaults(run=run_compile)
     return parser
 
 
@@ -65,6 +78,52 @@ def run_inspect(ns: argparse.Namespace) -> int:
         raise CliError(f"no attention found in {description}"
                        + (f" ({len(result.near_misses)} near miss(es) listed above)" if result.near_misses else ""),
                        EXIT_NO_ATTENTION)
+    return 0
+
+
+def run_compile(ns: argparse.Namespace) -> int:
+    import os
+
+    from attnopt.compiler import compile as attnopt_compile
+    from attnopt.models import ModelSpecError, load_model
+    from attnopt.passes.capture import CaptureError
+    from attnopt.passes.forms import PolicyError
+    from attnopt.policy import Policy
+    from attnopt.samples import english_passages
+
+    try:
+        policy = Policy.parse(ns.policy)
+    except PolicyError as exc:
+        raise CliError(f"bad --policy: {exc}", EXIT_BAD_MODEL) from exc
+    if ns.seq_len < 1:
+        raise CliError(f"--seq-len must be >= 1; got {ns.seq_len}", EXIT_BAD_MODEL)
+    try:
+        model, args, kwargs, description = load_model(ns.model, texts=english_passages(), max_length=ns.seq_len)
+    except ModelSpecError as exc:
+        raise CliError(f"bad MODEL: {exc}", EXIT_BAD_MODEL) from exc
+    try:
+        opt = attnopt_compile(model, policy, example_inputs=(args, kwargs), tolerance=ns.tolerance, name=description)
+    except CaptureError as exc:
+        raise CliError(f"could not capture {description}: {exc}", EXIT_CAPTURE) from exc
+    report = opt.attnopt_report
+    if not report.sites:
+        raise CliError(f"no attention found in {description}", EXIT_NO_ATTENTION)
+    print(report.to_markdown())
+    json_path = ns.json_out or os.path.splitext(ns.html)[0] + ".json"
+    try:
+        for path in (ns.html, json_path):
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        report.to_html(ns.html)
+        report.to_json(json_path)
+    except OSError as exc:
+        raise CliError(f"could not write the report: {exc}", EXIT_BAD_MODEL) from exc
+    e2e = report.end_to_end
+    summary = f"{report.count('rewritten')}/{len(report.sites)} sites rewritten"
+    if e2e is not None and e2e.embedding_cosine is not None:
+        summary += f"; mean embedding cosine {e2e.embedding_cosine:.4f}"
+    elif e2e is not None and e2e.worst is not None:
+        summary += f"; worst output relative RMS drift {e2e.worst.rel_rms:.4g}"
+    print(f"\n{summary}\nwrote {ns.html} and {json_path}")
     return 0
 
 

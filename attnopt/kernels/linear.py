@@ -142,13 +142,15 @@ def _causal_chunks(phi_q: Tensor, phi_k: Tensor, v1: Tensor, chunk_size: int) ->
     v_XCW = v1.reshape(B * Hf * nC, C, W)
     chunk_state = (fk_XCM.transpose(1, 2) @ v_XCW).reshape(B, Hf, nC, M, W)
     running = chunk_state.cumsum(2)  # state after chunk c
-    # State before chunk c, as running − own: one pass instead of pad-and-shift; its rounding error
-    # is of the order of the cumsum's own (relative to the running state), so nothing is lost.
-    prefix = running - chunk_state
-    # In place on fresh products (autograd-safe: bmm's backward never reads its own output), which
-    # saves a full allocation and copy of the [N·G, C] scores and of the [N·G, W] output.
+    # The state before chunk c is running − own; it is kept negated, in place of the chunk states,
+    # and the sign folded into the GEMM's beta below. Large fresh tensors are what this path pays
+    # for on CPU (first-touch page faults cost more than the arithmetic), so intermediates are
+    # updated in place where autograd allows it: neither bmm nor cumsum reads its output or
+    # input back in backward. The rounding error of running − own is that of the cumsum itself.
+    neg_prefix = chunk_state.sub_(running)
     scores = (fq_XRM @ fk_XCM.transpose(1, 2)).reshape(B * Hf * nC, G, C, C).tril_()
-    out = (fq_XRM @ prefix.reshape(B * Hf * nC, M, W)).baddbmm_(scores.reshape(B * Hf * nC, G * C, C), v_XCW)
+    inter = fq_XRM @ neg_prefix.reshape(B * Hf * nC, M, W)
+    out = inter.baddbmm_(scores.reshape(B * Hf * nC, G * C, C), v_XCW, beta=-1.0)
     out = out.reshape(B, Hf, nC, G, C, W).transpose(2, 3).reshape(B, Hf, G, nC * C, W)[:, :, :, :L]
     return out, running[:, :, -1:]
 
