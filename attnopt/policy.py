@@ -307,7 +307,7 @@ AUTO_CANDIDATES = (
     ("linear", {"feature_map": "elu"}),
     ("ssm", {}),
     ("window", {"window": 64, "sinks": 4}),
-    ("reuse", {"anchor": -1, "rank": 8}),
+    ("reuse", {"anchor": -1, "rank": 0}),
 )
 
 
@@ -511,7 +511,9 @@ class Policy:
         layers = None
         if spec.name == "reuse":
             # Every layer that has its anchor before it reuses it: from layer 1 for the default anchor -1.
-            params.setdefault("rank", 8)
+            # Pure reuse: the compile pass splices rank 0 (the rank > 0 residual needs the layer
+            # input inside the rewrite; the op and its initialisation exist in attnopt.ops).
+            params.setdefault("rank", 0)
             anchor = params.setdefault("anchor", -1)
             first = 1  # a non-int anchor is reported by Rule() below
             if isinstance(anchor, int) and not isinstance(anchor, bool):
