@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
+
 __all__ = [
     "decay_attention",
     "decay_attention_step",
@@ -58,11 +60,6 @@ def retnet_decay(heads: int) -> Tensor:
     if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
         raise ValueError(f"retnet_decay: heads must be a positive int, got {heads!r}")
     return 1.0 - torch.pow(2.0, -5.0 - torch.arange(heads, dtype=torch.float64))
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp16/bf16 accumulate in fp32; fp32 and fp64 keep their own precision."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _feature(x: Tensor, feature_map: str) -> Tensor:
@@ -121,36 +118,14 @@ def _is_fake(t: Tensor) -> bool:
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], who: str = "decay_attention") -> None:
-    """SDPA layout checks with messages that say what to change."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{who}: {name} must be 4-D [B, heads, N, dim] (SDPA layout), got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise TypeError(f"{who}: {name} must be floating point, got {t.dtype}")
-    B, H, Nq, D = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(f"{who}: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
-    if k.shape[1] != v.shape[1]:
-        raise ValueError(f"{who}: k has {k.shape[1]} heads but v has {v.shape[1]}; they must match")
-    if k.shape[2] != v.shape[2]:
-        raise ValueError(f"{who}: k has {k.shape[2]} keys but v has {v.shape[2]} values; they must match")
-    if k.shape[3] != D:
-        raise ValueError(f"{who}: q head dim {D} != k head dim {k.shape[3]}")
-    Hkv = k.shape[1]
-    if Hkv == 0 or H % Hkv != 0:
-        raise ValueError(f"{who}: query heads H={H} must be a multiple of key/value heads Hkv={Hkv} (GQA)")
+    """SDPA layout checks, plus causality's Nq <= Nk."""
+    check_sdpa_inputs(who, q, k, v, key_mask)
+    Nq = q.shape[2]
     if Nq > k.shape[2]:
         raise ValueError(
             f"{who}: {Nq} queries but only {k.shape[2]} keys; decayed attention is causal and needs Nq <= Nk "
             "(queries are the last Nq positions)"
         )
-    if key_mask is not None:
-        if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool:
-            raise TypeError(f"{who}: key_mask must be a bool tensor [B, Nk] with True = keep")
-        if tuple(key_mask.shape) != (B, k.shape[2]):
-            raise ValueError(f"{who}: key_mask must have shape [B, Nk] = {(B, k.shape[2])}, got {tuple(key_mask.shape)}")
 
 
 def _check_options(feature_map, normalize, scale, eps, chunk_size, who="decay_attention") -> None:
@@ -240,7 +215,7 @@ def _decay_forward(
     B, H, Nq, Dk = q_BHND.shape
     Nk, Dv = k_BHkvND.shape[2], v_BHkvND.shape[3]
     out_dtype = q_BHND.dtype
-    cdt = _compute_dtype(out_dtype)
+    cdt = compute_dtype(out_dtype)
     device = q_BHND.device
 
     phi_q = _feature(q_BHND.to(cdt), feature_map)
@@ -347,8 +322,8 @@ def init_decay_state(
     device=None,
 ) -> DecayState:
     """Zero state (S [B, H, Dk, Dv], z [B, H, Dk] when normalize else None) = no earlier tokens."""
-    S = torch.zeros(B, H, Dk, Dv, dtype=_compute_dtype(dtype), device=device)
-    z = torch.zeros(B, H, Dk, dtype=_compute_dtype(dtype), device=device) if normalize else None
+    S = torch.zeros(B, H, Dk, Dv, dtype=compute_dtype(dtype), device=device)
+    z = torch.zeros(B, H, Dk, dtype=compute_dtype(dtype), device=device) if normalize else None
     return S, z
 
 
@@ -425,7 +400,7 @@ def decay_attention_step(
     _check_options(feature_map, normalize, scale, eps, None, who)
     B, H, _, D = q_t.shape
     Dv = v_t.shape[3]
-    cdt = _compute_dtype(q_t.dtype)
+    cdt = compute_dtype(q_t.dtype)
     if state is None:
         state = init_decay_state(B, H, D, Dv, normalize=normalize, dtype=q_t.dtype, device=q_t.device)
     S, z = _check_state(state, B, H, D, Dv, normalize, who)
@@ -462,7 +437,7 @@ def decay_attention_reference(
     _check_options(feature_map, normalize, scale, eps, None)
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    cdt = _compute_dtype(q.dtype)
+    cdt = compute_dtype(q.dtype)
     gamma = _decay_tensor(decay, H, q.device).to(cdt)
     phi_q = _feature(q.to(cdt), feature_map)
     phi_k = _feature(_expand_kv(k, H).to(cdt), feature_map)

@@ -46,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
+
 __all__ = [
     "window_attention",
     "window_attention_reference",
@@ -54,43 +56,8 @@ __all__ = [
 ]
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp16/bf16 accumulate in fp32; fp32 and fp64 keep their own precision."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor]) -> None:
-    """SDPA layout checks with messages that say what to change."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"window_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(
-                f"window_attention: {name} must be 4-D [B, heads, N, dim] (SDPA layout), got shape {tuple(t.shape)}"
-            )
-        if not t.is_floating_point():
-            raise TypeError(f"window_attention: {name} must be floating point, got {t.dtype}")
-    B, H, _, D = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(f"window_attention: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
-    if k.shape[1] != v.shape[1]:
-        raise ValueError(f"window_attention: k has {k.shape[1]} heads but v has {v.shape[1]}; they must match")
-    if k.shape[2] != v.shape[2]:
-        raise ValueError(f"window_attention: k has {k.shape[2]} keys but v has {v.shape[2]} values; they must match")
-    if k.shape[3] != D:
-        raise ValueError(f"window_attention: q head dim {D} != k head dim {k.shape[3]}")
-    Hkv = k.shape[1]
-    if Hkv == 0 or H % Hkv != 0:
-        raise ValueError(
-            f"window_attention: query heads H={H} must be a multiple of key/value heads Hkv={Hkv} (GQA)"
-        )
-    if key_mask is not None:
-        if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool:
-            raise TypeError("window_attention: key_mask must be a bool tensor [B, Nk] with True = keep")
-        if tuple(key_mask.shape) != (B, k.shape[2]):
-            raise ValueError(
-                f"window_attention: key_mask must have shape [B, Nk] = {(B, k.shape[2])}, got {tuple(key_mask.shape)}"
-            )
+    check_sdpa_inputs("window_attention", q, k, v, key_mask)
 
 
 def _check_int(name: str, value, minimum: int) -> int:
@@ -137,7 +104,7 @@ def _window_forward(
     Hkv, Nk, Dv = k_BHkvND.shape[1], k_BHkvND.shape[2], v_BHkvND.shape[3]
     G = H // Hkv
     out_dtype = q_BHND.dtype
-    cdt = _compute_dtype(out_dtype)
+    cdt = compute_dtype(out_dtype)
     device = q_BHND.device
     if Nq == 0 or Nk == 0:
         return q_BHND.new_zeros(B, H, Nq, Dv)
@@ -364,7 +331,7 @@ def window_attention_reference(
     vis = window_visibility_mask(
         q.shape[2], k.shape[2], window=window, causal=causal, sinks=sinks, key_mask=key_mask, device=q.device
     )
-    cdt = _compute_dtype(q.dtype)
+    cdt = compute_dtype(q.dtype)
     out = F.scaled_dot_product_attention(
         q.to(cdt), k.to(cdt), v.to(cdt), attn_mask=vis, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
     )
