@@ -79,10 +79,9 @@ def decide(sites, plans, calls: dict, policy, tolerance, adapt_site=lambda s: s)
     Returns (outcomes, accepted modules by site id). `calls` maps site id -> recorded SiteCalls.
     """
     outcomes, modules = [], {}
-    by_id = {s.id: s for s in sites}
     for site, plan in zip(sites, plans):
         if plan.unsupported:
-            outcomes.append(SiteOutcome(site.id, plan.reason.split(" chose ")[-1].split(",")[0], "exact", plan.params, "unsupported", plan.reason))
+            outcomes.append(SiteOutcome(site.id, plan.form, "exact", plan.params, "unsupported", plan.reason))
             continue
         options = list(plan.candidates) if plan.rule == "auto" else [(plan.form, plan.params)]
         if not options or options[0][0] == "exact":  # planned exact, or auto with nothing cheaper

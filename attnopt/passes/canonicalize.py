@@ -72,6 +72,24 @@ def real_users(node: Node) -> list[Node]:
     return [u for u in node.users if not (op_name(u) or "").startswith("_assert")]
 
 
+def live_users(node: Node) -> list[Node]:
+    """Real users whose result reaches the graph output or a side effect.
+
+    nn.MultiheadAttention's default need_weights=True head-averages the probabilities even when
+    the caller drops them (SigLIP's pooling head takes `[0]`); export keeps that dead view/mean."""
+    return [u for u in real_users(node) if not is_dead(u)]
+
+
+def is_dead(node: Node, depth: int = 8) -> bool:
+    """No path from `node` to the output or to an impure op (within `depth` steps; deeper: live)."""
+    if node.op == "output" or node.is_impure():
+        return False
+    users = real_users(node)
+    if not users:
+        return True
+    return depth > 0 and all(is_dead(u, depth - 1) for u in users)
+
+
 SOFTMAX_OPS = {"softmax", "_softmax", "_safe_softmax"}
 SDPA_OPS = {
     "scaled_dot_product_attention",
@@ -218,6 +236,26 @@ def strip_factors(node: Node, where: str) -> tuple[Node, list[Factor], list[Node
             continue
         break
     return node, factors, members
+
+
+def scale_folded_upstream(node: Node, depth: int = 8) -> Optional[Factor]:
+    """A scalar factor applied to `node`'s values before a head split / transpose (OPT and Whisper
+    scale q right after its projection, in [B, N, H*D]): no unscaled [B, H, N, D] tensor exists,
+    so the site's scale is relative to the already scaled node. Returned only to say so."""
+    for _ in range(depth):
+        name = op_name(node)
+        if name in ("mul", "div", "true_divide"):
+            for cand in node.args[:2]:
+                if isinstance(cand, fx.Node) and same_shape(cand, node):
+                    f = as_factor(node, cand, "query")
+                    if f is not None:
+                        return f
+            return None
+        if name in RESHAPE_OPS or name in COPY_OPS or name in ("transpose", "permute") or is_cast(node):
+            node = node.args[0]
+            continue
+        return None
+    return None
 
 
 # ---- layout: composite permutations --------------------------------------------------------------

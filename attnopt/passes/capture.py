@@ -74,12 +74,18 @@ def _auto_dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict) -> A
 
 
 def _export_hint(exc: BaseException) -> str:
-    return (
-        f"torch.export could not trace the model: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
+    data_dependent = "DataDependent" in type(exc).__name__ or "data-dependent" in str(exc)
+    specific = (
+        "The model branches on the VALUES of a tensor (data-dependent control flow, e.g. "
+        "nn.Transformer comparing tgt_mask with a causal mask when tgt_is_causal is left None): make "
+        "that decision static (pass the flag explicitly), or try method='dynamo', which splits the "
+        "graph at the branch." if data_dependent else
         "Check that the example inputs match forward() (positional args and keyword args), "
         "that outputs are tensors / tuples / dicts (e.g. pass use_cache=False to Hugging Face models), "
         "or try method='dynamo'."
     )
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return f"torch.export could not trace the model: {type(exc).__name__}: {first}. {specific}"
 
 
 def capture_export(model: torch.nn.Module, args: tuple = (), kwargs: Optional[dict] = None,

@@ -24,7 +24,8 @@ import torch.fx as fx
 
 from attnopt.passes import canonicalize as cz
 from attnopt.passes.capture import CapturedGraph, record_values
-from attnopt.passes.mask_proof import KeepPattern, StructureOracle, classify_bias, classify_keep
+from attnopt.passes.mask_proof import (HIDDEN_BELOW, KeepPattern, StructureOracle, as_arbitrary, classify_bias,
+                                       classify_keep)
 from attnopt.passes.matchers import Candidate, ExplicitChainMatcher, LogSoftmaxMatcher, SdpaMatcher
 from attnopt.passes.order import site_layers
 from attnopt.passes.site import AttentionSite, Dim, MaskInfo, NearMiss, SiteNodes
@@ -194,7 +195,10 @@ def _check_shapes(c: Candidate, q, k, v, out) -> Union[str, tuple[int, int]]:
         if bk != b or dk != d or tuple(v.shape[:3]) != (bk, hkv, nk):
             return (f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not line up as "
                     "[B, H, Nq, D], [B, Hkv, Nk, D], [B, Hkv, Nk, Dv]")
-        if h % hkv != 0 or (hkv != h and c.groups == 1 and not c.enable_gqa):
+        # one key/value head broadcast over all query heads is multi-query attention (Falcon-7B
+        # passes k, v as [B, 1, N, D]; matmul and SDPA broadcast the head axis)
+        broadcast_mqa = hkv == 1 and c.groups == 1
+        if h % hkv != 0 or (hkv != h and c.groups == 1 and not c.enable_gqa and not broadcast_mqa):
             return f"{h} query heads cannot share {hkv} key/value heads"
         if c.groups > 1 and hkv * c.groups != h:
             return f"{hkv} key/value heads repeated {c.groups}x do not give {h} query heads"
@@ -311,7 +315,12 @@ def _mask_info(c: Candidate, values: dict, oracle: StructureOracle, q_shape, k_s
     pattern = classify_bias(_as_bhqk(bias))
     effective = [t for t in terms if not _no_effect(t, values)]
     if len(effective) > 1:
-        return _finish_mask(KeepPattern(arbitrary=True), [t.node for t in effective],
+        # several terms (MPT: ALiBi added, then a causal masked_fill) have no single node a rewrite
+        # could apply: arbitrary, but which keys they hide is still read; a causal / window claim
+        # must then hold for every term that hides keys (an ALiBi bias built from positions must
+        # not vouch for an input mask that happens to look causal)
+        hiding = [t for t in effective if _hides_keys(t, values)] or effective
+        return _finish_mask(as_arbitrary(pattern), [t.node for t in hiding],
                             "+".join(t.form for t in effective), "zero", oracle, None)
     term = effective[0] if effective else terms[0]
     return _finish_mask(pattern, [term.node], term.form, term.keep_when, oracle, term.node)
@@ -335,16 +344,23 @@ def _no_effect(term, values: dict) -> bool:
     return bool(t.bool().all())
 
 
+def _hides_keys(term, values: dict) -> bool:
+    t = values[term.node.name]
+    if term.kind == "additive":
+        return t.dtype == torch.bool or bool((t.double() <= HIDDEN_BELOW).any())
+    return not _no_effect(term, values)
+
+
 def _finish_mask(pattern: KeepPattern, nodes: list, form: str, keep_when: str, oracle: StructureOracle,
                  mask_node: Optional[fx.Node]) -> MaskInfo:
     """MaskInfo from a numeric pattern, downgraded where the structure does not prove it.
 
     `nodes` are all mask tensors that fed the scores; `mask_node` the one a rewrite can apply
     (None when several terms combine and no single node holds the mask)."""
-    from_positions, from_inputs = False, False
+    from_positions, from_inputs = True, False
     for n in nodes:
         p, i = oracle.sources(n.name)
-        from_positions |= p
+        from_positions &= p
         from_inputs |= i
     if (pattern.causal or pattern.window is not None) and not from_positions:
         # causal-looking on this example only: an input could carry anything next call
@@ -389,7 +405,28 @@ def _split_batch_heads(c: Candidate) -> tuple[Dim, int]:
             s = cz.shape(cur)
             if s is not None and len(s) == 4 and isinstance(s[1], int) and cz.same_dim(s[0] * s[1], g):
                 return _dim(s[0]), int(s[1])
-    return _dim(g), 1
+    split = _head_split_view(c.query, g)
+    return split if split is not None else (_dim(g), 1)
+
+
+def _head_split_view(query: fx.Node, g) -> Optional[tuple[Dim, int]]:
+    """nn.MultiheadAttention's weights path never has a [B, H, N, D] tensor: it views the projection
+    [N, B, H*D] as [N, B*H, D] and transposes. Find that view: (..., B, H*D) -> (..., B*H, D)."""
+    cur = query
+    for _ in range(8):
+        name = cz.op_name(cur)
+        if name in ("view", "reshape", "_unsafe_view"):
+            si, so = cz.shape(cur.args[0]), cz.shape(cur)
+            if (si is not None and so is not None and len(si) == len(so) >= 2 and isinstance(si[-1], int)
+                    and isinstance(so[-1], int) and so[-1] > 0 and si[-1] % so[-1] == 0
+                    and all(map(cz.same_dim, si[:-2], so[:-2])) and cz.same_dim(so[-2], g)):
+                heads = si[-1] // so[-1]
+                if heads > 1 and cz.same_dim(si[-2] * heads, g):
+                    return _dim(si[-2]), heads
+        if name not in cz.RESHAPE_OPS and name not in cz.COPY_OPS and name not in ("transpose", "permute"):
+            return None
+        cur = cur.args[0]
+    return None
 
 
 def _build_sites(gm: fx.GraphModule, checked: list[tuple[Candidate, dict]]) -> list[AttentionSite]:

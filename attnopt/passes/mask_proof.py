@@ -37,12 +37,21 @@ class KeepPattern:
 
 
 def classify_bias(bias: torch.Tensor) -> KeepPattern:
-    """Classify an additive bias in the softmax frame ([B, H, Nq, Nk], [G, Nq, Nk] or [Nq, Nk])."""
+    """Classify an additive bias in the softmax frame ([B, H, Nq, Nk], [G, Nq, Nk] or [Nq, Nk]).
+
+    A finite non-zero bias (ALiBi, relative positions) makes the mask arbitrary; which keys it
+    hides is still read, so ALiBi on top of a causal mask stays causal (and arbitrary): a consumer
+    that looks only at `causal` must never take such a site for bidirectional."""
     finite_nonzero = (bias > HIDDEN_BELOW) & (bias != 0)
     pattern = classify_keep(bias > HIDDEN_BELOW)
     if bool(finite_nonzero.any()):
-        return KeepPattern(arbitrary=True)
+        return as_arbitrary(pattern)
     return pattern
+
+
+def as_arbitrary(pattern: KeepPattern) -> KeepPattern:
+    """The same hidden-key pattern, marked arbitrary (only an exact rewrite honours the mask)."""
+    return KeepPattern(causal=pattern.causal, window=pattern.window, padding=pattern.padding, arbitrary=True)
 
 
 def classify_keep(keep: torch.Tensor) -> KeepPattern:

@@ -250,6 +250,11 @@ class ExplicitChainMatcher:
                 return _miss(softmax, "the attention logits are soft-capped with tanh before the softmax "
                                       "(logit softcapping), which softmax(scale·q·kᵀ + mask)·v cannot express",
                              "logit_softcap")
+            if name in ("linear", "addmm", "mm") and _has_weight_operand(cur):
+                # classifier heads and MoE routers (Mixtral, OLMoE, Qwen2-MoE gates) end here
+                return _miss(softmax, f"the softmax input is a projection x·W with a weight ({_describe(cur)}), "
+                                      "as in a classifier or an MoE router, not q·kᵀ of two activations",
+                             "no_score_matmul")
             return _miss(softmax, "the softmax input is not a product q·kᵀ of two activations: it comes from "
                                   f"{_describe(cur)}", "no_score_matmul")
         if qk is None:
@@ -261,11 +266,13 @@ class ExplicitChainMatcher:
             if beta not in (0, 1):
                 return _miss(softmax, f"baddbmm with beta={beta} scales the added term", "mask_value")
             spelling.append("qk:baddbmm")
-            if alpha != 1:
-                steps_back.append(("scale", Factor(float(alpha), False, qk.name, "scores")))
+            # beta·bias + alpha·(q·kᵀ): alpha scales the product only, so in forward order the scale
+            # comes before the bias (BLOOM adds ALiBi this way); steps_back is in reverse order
             if beta == 1:
                 baddbmm_term = MaskTerm("additive", qk.args[0], qk)
                 steps_back.append(("term", baddbmm_term))
+            if alpha != 1:
+                steps_back.append(("scale", Factor(float(alpha), False, qk.name, "scores")))
         else:
             spelling.append(f"qk:{op_name(qk)}")
         key_layout = "transposed"  # the second operand holds kᵀ [.., D, Nk]
@@ -295,7 +302,7 @@ class ExplicitChainMatcher:
         cur = softmax
         pv = None
         for _ in range(_SCORE_WALK_LIMIT):
-            users = cz.real_users(cur)
+            users = cz.live_users(cur)
             if len(users) != 1:
                 others = [u for u in users if not (op_name(u) in cz.MATMUL_OPS and u.args[0] is cur)]
                 if not users:
@@ -351,6 +358,8 @@ class ExplicitChainMatcher:
         query, q_factors, q_members = cz.strip_factors(q_op, "query")
         if q_factors:
             spelling.append("scale:on_query")
+        elif rq == 4 and cz.scale_folded_upstream(query) is not None:
+            spelling.append("scale:folded_into_query")  # the site's scale excludes it (see canonicalize)
         if rq == 3 and op_name(query) in cz.RESHAPE_OPS and cz.strip_factors(query.args[0], "query")[1]:
             # q was scaled before being flattened to [B*H, N, D]: no unscaled rank-3 q exists in the
             # graph, so the scale stays inside `query` and the site's scale omits it
@@ -446,6 +455,17 @@ class ExplicitChainMatcher:
                      perm=list(perm))
 
 
+def _has_weight_operand(node: Node) -> bool:
+    """Whether a linear / mm node multiplies by a stored parameter (possibly transposed or cast)."""
+    for a in node.args[:3]:
+        base, _, _ = cz.compose_layout(a) if isinstance(a, fx.Node) and rank(a) is not None else (a, (), [])
+        while isinstance(base, fx.Node) and cz.is_cast(base):
+            base = base.args[0]
+        if isinstance(base, fx.Node) and base.op == "get_attr":
+            return True
+    return False
+
+
 def _same_role_sizes(q_base: Node, k_base: Node, q_perm: tuple) -> bool:
     """q and k bases have the same size on every axis except tokens (Nq vs Nk) and heads (H vs Hkv)."""
     qs, ks = shape(q_base), shape(k_base)
@@ -512,6 +532,8 @@ class SdpaMatcher:
         scale = a.get("scale")
         if scale is not None:
             spelling.append("scale:arg")
+        if cz.scale_folded_upstream(q) is not None:
+            spelling.append("scale:folded_into_query")  # the site's scale excludes it (see canonicalize)
         return Candidate(
             anchor=node, source="mha" if in_mha else "sdpa", query=q, key=k, value=v, output=node, rank=r,
             sdpa_scale=scale, sdpa_mask=mask if isinstance(mask, fx.Node) else None, is_causal=is_causal,

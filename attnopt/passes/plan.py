@@ -90,7 +90,7 @@ def plan_sites(sites: list[AttentionSite], policy, tolerance: Optional[float] = 
         reason = why_not(site, rule.form, rule.params, sites)
         if reason is not None:
             plans.append(
-                SitePlan(site.id, "exact", dict(rule.params), text, f"rule {index} chose {rule.form}, but {reason}", unsupported=True)
+                SitePlan(site.id, rule.form, dict(rule.params), text, f"rule {index} chose {rule.form}, but {reason}", unsupported=True)
             )
             continue
         plans.append(SitePlan(site.id, rule.form, dict(rule.params), text, f"rule {index} ({text})"))

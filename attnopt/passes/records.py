@@ -16,7 +16,7 @@ class SitePlan:
     rule: Optional[str]  # text of the policy rule that chose it (None: no rule matched -> exact)
     reason: str  # plain words: "rule 2 (layers 1..4) chose window", "mask is arbitrary: kept exact", ...
     candidates: tuple = ()  # for "auto": forms to try cheapest-first, each a (form, params) pair
-    unsupported: bool = False  # a rule chose a form this site cannot honour; `reason` says why
+    unsupported: bool = False  # `form` cannot replace this site (`reason` says why): it stays exact
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -151,3 +151,26 @@ def test_compiled_module_runs_under_torch_compile():
         eager = opt(x)["hidden"]
         out = torch.compile(opt, backend="aot_eager")(x)["hidden"]
     torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-5)
+
+
+def test_form_a_site_cannot_honour_is_unsupported_and_exact():
+    net = _net(causal=False)
+    opt = attnopt.compile(net, "ssm", example_inputs=(_x(),))
+    for r in opt.attnopt_report.sites:
+        assert (r.plan.form, r.outcome.status, r.outcome.final_form) == ("ssm", "unsupported", "exact")
+        assert "bidirectional" in r.outcome.reason
+    x = _x(seed=9)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x)["hidden"], net(x)["hidden"], rtol=0, atol=1e-6)
+
+
+def test_input_mask_that_looks_causal_is_not_treated_as_causal():
+    class MaskedAttention(nn.Module):
+        def forward(self, q, k, v, mask):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q, k, v = (torch.randn(2, 3, 11, 8, generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3))
+    causal_looking = torch.ones(11, 11, dtype=torch.bool).tril()
+    opt = attnopt.compile(MaskedAttention(), "ssm", example_inputs=(q, k, v, causal_looking))
+    (r,) = opt.attnopt_report.sites
+    assert r.site.causal is False and r.outcome.status == "unsupported"
