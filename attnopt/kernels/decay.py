@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
+from attnopt.kernels.registration import register_recompute_autograd
 
 __all__ = [
     "decay_attention",
@@ -288,24 +289,8 @@ def _(q, k, v, decay, key_mask, feature_map, normalize, scale, eps, chunk_size):
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, decay, key_mask, feature_map, normalize, scale, eps, chunk_size = inputs
-    ctx.save_for_backward(q, k, v, decay, key_mask)
-    ctx.params = (feature_map, normalize, scale, eps, chunk_size)
-
-
-def _backward(ctx, grad_out):
-    # Recompute the differentiable chunked forward and let autograd derive q/k/v gradients
-    # (O(N·D² + N·C) memory like the forward). The decays are treated as constants.
-    q, k, v, decay, key_mask = ctx.saved_tensors
-    with torch.enable_grad():
-        qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
-        out, _, _ = _decay_forward(qg, kg, vg, decay, key_mask, *ctx.params)
-        dq, dk, dv = torch.autograd.grad(out, (qg, kg, vg), grad_out, allow_unused=True)
-    return dq, dk, dv, None, None, None, None, None, None, None
-
-
-_decay_attention_op.register_autograd(_backward, setup_context=_setup_context)
+# Gradients reach q, k, v; the decays, mask and options are constants.
+register_recompute_autograd(_decay_attention_op, lambda *a: _decay_forward(*a)[0], differentiable=(0, 1, 2))
 
 
 # ---- public API ----

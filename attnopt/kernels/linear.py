@@ -40,6 +40,7 @@ from attnopt.kernels.feature_maps import (
     make_feature_map,
     query_key_features,
 )
+from attnopt.kernels.registration import register_recompute_autograd
 
 __all__ = ["linear_attention", "linear_attention_reference", "linear_attention_op"]
 
@@ -307,31 +308,8 @@ def _linear_attention_fake(q, k, v, feature_map, weight, causal, scale, eps, key
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1])
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, feature_map, weight, causal, scale, eps, key_mask, chunk_size = inputs
-    ctx.save_for_backward(q, k, v, weight, key_mask)
-    ctx.options = (feature_map, causal, scale, eps, chunk_size)
-
-
-def _backward(ctx, grad_out):
-    """Recompute the chunked forward under autograd and differentiate it: exact, simple, O(forward)."""
-    q, k, v, weight, key_mask = ctx.saved_tensors
-    feature_map, causal, scale, eps, chunk_size = ctx.options
-    wants = ctx.needs_input_grad
-    with torch.enable_grad():
-        leaves = [
-            None if t is None else t.detach().requires_grad_(bool(w))
-            for t, w in ((q, wants[0]), (k, wants[1]), (v, wants[2]), (weight, wants[4]))
-        ]
-        q_, k_, v_, w_ = leaves
-        out = _forward(q_, k_, v_, feature_map, w_, causal, scale, eps, key_mask, chunk_size)[0]
-        diff = [t for t in leaves if t is not None and t.requires_grad]
-        grads = iter(torch.autograd.grad(out, diff, grad_out, allow_unused=True)) if diff else iter(())
-    dq, dk, dv, dw = [next(grads) if t is not None and t.requires_grad else None for t in leaves]
-    return dq, dk, dv, None, dw, None, None, None, None, None
-
-
-linear_attention_op.register_autograd(_backward, setup_context=_setup_context)
+# Gradients reach q, k, v and the feature map's weight (FAVOR+ ω, hedgehog W).
+register_recompute_autograd(linear_attention_op, lambda *a: _forward(*a)[0], differentiable=(0, 1, 2, 4))
 
 
 # ---------------------------------------------------------------------------------------------

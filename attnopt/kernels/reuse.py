@@ -49,6 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnopt.kernels.registration import register_recompute_autograd
+
 __all__ = [
     "reuse_attention",
     "reuse_attention_reference",
@@ -226,32 +228,7 @@ def _reuse_fake(q_anchor, k_anchor, v, x, A, B_, scale, causal, key_mask):
     return q_anchor.new_empty(B, H, N, v.shape[-1])
 
 
-def _setup_context(ctx, inputs, output):
-    q_anchor, k_anchor, v, x, A, B_, scale, causal, key_mask = inputs
-    ctx.save_for_backward(q_anchor, k_anchor, v, x, A, B_, key_mask)
-    ctx.scale = scale
-    ctx.causal = causal
-
-
-def _backward(ctx, grad_out):
-    # Recompute the forward under autograd and differentiate it: SDPA's own backward does the work,
-    # and the op stays one node in the forward graph.
-    q_anchor, k_anchor, v, x, A, B_, key_mask = ctx.saved_tensors
-    tensors = [q_anchor, k_anchor, v, x, A, B_]
-    wanted = [i for i, t in enumerate(tensors) if t is not None and ctx.needs_input_grad[i]]
-    grads: list[Optional[Tensor]] = [None] * 9
-    if not wanted:
-        return tuple(grads)
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(i in wanted) if t is not None else None for i, t in enumerate(tensors)]
-        out = _reuse_forward(*leaves, ctx.scale, ctx.causal, key_mask)
-        got = torch.autograd.grad(out, [leaves[i] for i in wanted], grad_out, allow_unused=True)
-    for i, g in zip(wanted, got):
-        grads[i] = torch.zeros_like(tensors[i]) if g is None else g
-    return tuple(grads)
-
-
-_reuse_op.register_autograd(_backward, setup_context=_setup_context)
+register_recompute_autograd(_reuse_op, _reuse_forward, differentiable=(0, 1, 2, 3, 4, 5))
 
 
 def reuse_attention(

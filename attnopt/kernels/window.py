@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
+from attnopt.kernels.registration import register_recompute_autograd
 
 __all__ = [
     "window_attention",
@@ -231,24 +232,7 @@ def _(q, k, v, key_mask, window, causal, sinks, scale, block_size):
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, key_mask, window, causal, sinks, scale, block_size = inputs
-    ctx.save_for_backward(q, k, v, key_mask)
-    ctx.params = (window, causal, sinks, scale, block_size)
-
-
-def _backward(ctx, grad_out):
-    # Recompute the differentiable blockwise forward and let autograd derive the gradients:
-    # O(N * W) memory like the forward, and correct by construction.
-    q, k, v, key_mask = ctx.saved_tensors
-    with torch.enable_grad():
-        qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
-        out = _window_forward(qg, kg, vg, key_mask, *ctx.params)
-        dq, dk, dv = torch.autograd.grad(out, (qg, kg, vg), grad_out, allow_unused=True)
-    return dq, dk, dv, None, None, None, None, None, None
-
-
-_window_attention_op.register_autograd(_backward, setup_context=_setup_context)
+register_recompute_autograd(_window_attention_op, _window_forward, differentiable=(0, 1, 2))
 
 
 def window_attention(

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from attnopt.inspection import CaptureError, inspect
+from zoo_models import site_output_error
 from zoo_unseen import FACTORIES, TorchTransformerMaskInput, _src_tgt
 
 MODEL_NAMES = list(FACTORIES)
@@ -48,6 +49,17 @@ def test_sites_match_the_config(inspected):
         assert site.mask.arbitrary is want.arbitrary, f"{where}: {site.mask}"
         assert site.mask.padding is want.padding, f"{where}: {site.mask}"
         assert site.dropout_p == 0.0 and site.dtype == "float32", where
+
+
+def test_sites_rebuild_their_outputs(inspected):
+    """softmax(scale q kᵀ + mask) v from each site's own nodes reproduces its output: the node
+    names (MQA keys, the rank-3 MHA pooling head, pre-scaled queries) are what a rewrite reads.
+    Sites whose mask is several terms with no single node (BLOOM, MPT) have nothing to rebuild from."""
+    case, inspection = inspected
+    rebuildable = [s for s in inspection.sites if not (s.mask.arbitrary and s.mask.node is None)]
+    for site in rebuildable:
+        error = site_output_error(inspection, site)
+        assert error < 1e-4, f"{case.name} {site.id}: off by {error:.3g}"
 
 
 def test_near_misses_are_exactly_the_expected_ones(inspected):
