@@ -131,6 +131,15 @@ def decide(sites, plans, calls: dict, policy, tolerance, adapt_site=lambda s: s)
 # The two mechanisms
 
 
+def _forward_params(model: nn.Module) -> set:
+    import inspect as pyinspect
+
+    try:
+        return set(pyinspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
 def _compile_hf(model_copy, batches, policy, tolerance, timings, notes):
     from attnopt import hf
 
@@ -140,6 +149,8 @@ def _compile_hf(model_copy, batches, policy, tolerance, timings, notes):
         from attnopt.inspection import inspect as _inspect
 
         args, kwargs = batches[0]
+        if "use_cache" not in kwargs and "use_cache" in _forward_params(model_copy):
+            kwargs = {**kwargs, "use_cache": False}  # a KV-cache object is not an exportable output
         insp = _inspect(model_copy, *args, dynamic=False, **kwargs)
         sites, near_misses, method = list(insp.sites), list(insp.near_misses), "export+hf"
     except Exception as exc:  # the attention interface still shows every site; say why export failed

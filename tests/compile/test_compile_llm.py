@@ -152,3 +152,30 @@ def test_gpt2_and_mistral_sites():
         assert r.site.window == 8 and r.site.kv_heads == 3
         # The model's own window (8) is narrower than the policy's (16), so the rewrite is exact.
         assert r.outcome.status == "rewritten" and r.outcome.drift.rel_rms < 1e-5
+
+
+def test_detection_survives_a_cache_output_and_falls_back_to_interface_sites(llama):
+    # Called like a user would (no use_cache=False): detection still exports (cache switched off
+    # for capture only); the compiled model keeps returning its cache.
+    ids = _ids()
+    opt = attnopt.compile(llama, "window:8", example_inputs={"input_ids": ids}, tolerance=5.0)
+    rep = opt.attnopt_report
+    assert rep.capture == "export+hf" and not rep.notes
+    assert [r.site.source for r in rep.sites] == ["sdpa"] * 4
+    with torch.no_grad():
+        assert opt(input_ids=ids).past_key_values is not None
+
+
+def test_interface_sites_when_export_fails(llama, monkeypatch):
+    import attnopt.inspection as inspection
+
+    def broken(*a, **k):
+        raise RuntimeError("simulated export failure")
+
+    monkeypatch.setattr(inspection, "inspect", broken)
+    opt = attnopt.compile(llama, "window:8", example_inputs={"input_ids": _ids(), "use_cache": False}, tolerance=5.0)
+    rep = opt.attnopt_report
+    assert "simulated export failure" in rep.notes[0]
+    assert [(r.site.source, r.site.heads, r.site.kv_heads, r.site.causal) for r in rep.sites] == [("hf", 6, 2, True)] * 4
+    assert [r.site.layer for r in rep.sites] == [0, 1, 2, 3]
+    assert all(r.outcome.status == "rewritten" for r in rep.sites)
