@@ -1,0 +1,29 @@
+"""`attnopt compile`: writes the reports, and every bad input is one clear message with an exit code."""
+
+import json
+import os
+
+from attnopt.cli import main
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "custom_model.py")
+
+
+def test_compile_factory_writes_html_and_json(tmp_path, capsys):
+    html = tmp_path / "out" / "r.html"
+    code = main(["compile", f"{EXAMPLE}:build", "--policy", "window:16+sinks:2", "--tolerance", "5", "--html", str(html)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "4/4 sites rewritten" in out
+    data = json.loads((tmp_path / "out" / "r.json").read_text())
+    assert [s["outcome"]["final_form"] for s in data["sites"]] == ["window"] * 4
+    assert "<svg" in html.read_text()
+
+
+def test_bad_policy_and_model_are_clear_errors(tmp_path, capsys):
+    assert main(["compile", f"{EXAMPLE}:build", "--policy", "window:0", "--html", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err
+    assert "bad --policy" in err and "window" in err and "Traceback" not in err
+    assert main(["compile", str(tmp_path / "nope"), "--html", str(tmp_path / "r.html")]) == 2
+    assert "unknown MODEL" in capsys.readouterr().err
+    assert main(["compile", f"{EXAMPLE}:missing_factory", "--html", str(tmp_path / "r.html")]) == 2
+    assert "missing_factory" in capsys.readouterr().err
