@@ -15,7 +15,7 @@ import torch
 
 from attnopt.inspection import CaptureError, inspect
 from zoo_models import site_output_error
-from zoo_unseen import FACTORIES, TorchTransformerMaskInput, _src_tgt
+from zoo_unseen import EAGER_NAMES, FACTORIES, TorchTransformerMaskInput, _src_tgt
 
 MODEL_NAMES = list(FACTORIES)
 
@@ -30,7 +30,20 @@ def inspected(request):
 
 
 def test_sites_match_the_config(inspected):
-    case, inspection = inspected
+    _assert_sites_match(*inspected)
+
+
+@pytest.mark.parametrize("name", EAGER_NAMES)
+def test_eager_attention_gives_the_same_sites(name):
+    """attn_implementation="eager" spells each site as matmul/softmax/matmul: same answers."""
+    case = FACTORIES[name]()
+    case.model.set_attn_implementation("eager")
+    inspection = inspect(case.model, *case.args, dynamic=False, **case.kwargs)
+    assert {s.source for s in inspection.sites} <= {"explicit", "mha"}
+    _assert_sites_match(case, inspection)
+
+
+def _assert_sites_match(case, inspection):
     misses = [(m.module_path, m.code, m.reason) for m in inspection.near_misses]
     got_paths = sorted(s.module_path for s in inspection.sites)
     assert got_paths == sorted(w.module_path for w in case.sites), misses

@@ -432,6 +432,33 @@ def torch_transformer_mask_built() -> UnseenCase:
                       _torch_transformer_sites(decoder_causal=True, decoder_arbitrary=False))
 
 
+class AlibiPlusInputMask(nn.Module):
+    """ALiBi built from positions, plus an INPUT additive mask that happens to be causal on the
+    example: the mask is arbitrary, and the causal look must not be vouched for by the ALiBi term's
+    position-built ancestry (only the input hides keys)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(SEED)
+        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
+
+    def forward(self, x_BNX, mask_NN):
+        b, n, _ = x_BNX.shape
+        q, k, v = self.qkv(x_BNX).view(b, n, 3, H, D).permute(2, 0, 3, 1, 4)
+        slopes_H11 = 2.0 ** -torch.arange(1, H + 1, dtype=x_BNX.dtype)[:, None, None]
+        alibi_HNN = slopes_H11 * torch.arange(n, dtype=x_BNX.dtype)[None, None, :]
+        scores = (q @ k.transpose(-2, -1)) * D**-0.5 + alibi_HNN
+        scores = scores + mask_NN
+        return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, HIDDEN)
+
+
+def alibi_plus_input_mask() -> UnseenCase:
+    x = torch.randn(B, N, HIDDEN, generator=torch.Generator().manual_seed(24))
+    mask = nn.Transformer.generate_square_subsequent_mask(N)
+    return UnseenCase("alibi+input-mask", AlibiPlusInputMask().eval(), (x, mask), {},
+                      [Want("", causal=False, arbitrary=True, layer=0)])
+
+
 FACTORIES: dict[str, Callable[[], UnseenCase]] = {
     "qwen3": qwen3,
     "gemma": gemma,
@@ -467,4 +494,9 @@ FACTORIES: dict[str, Callable[[], UnseenCase]] = {
     "whisper": whisper,
     "nn.Transformer-mask-input": torch_transformer_mask_input,
     "nn.Transformer-mask-built": torch_transformer_mask_built,
+    "alibi+input-mask": alibi_plus_input_mask,
 }
+
+# the same models through the eager (explicit softmax chain) attention path
+EAGER_NAMES = ["gemma3", "starcoder2", "gptj", "gpt-neox", "phi", "whisper", "clip-text", "siglip-vision", "dinov2",
+               "swin", "mixtral"]
