@@ -160,7 +160,14 @@ def _compile_hf(model_copy, batches, policy, tolerance, timings, notes):
 
     t = time.perf_counter()
     hf.switch(model_copy, hf.implementation_for(model_copy))
-    recorded, ref_outs = hf.record_calls(model_copy, batches)
+    try:
+        recorded, ref_outs = hf.record_calls(model_copy, batches)
+    except Exception as exc:
+        raise ValueError(
+            f"the model failed when called with the example inputs ({type(exc).__name__}: {exc}); "
+            "pass example_inputs the way you call the model: a dict of keyword arguments such as the "
+            "tokenizer's output, a tuple of positional arguments, or (args, kwargs)"
+        ) from exc
     timings["record"] = time.perf_counter() - t
     modules_by_path = dict(model_copy.named_modules())
     if insp is None:
@@ -218,6 +225,7 @@ def _compile_fx(model_copy, batches, policy, tolerance, timings, notes, name):
     t = time.perf_counter()
     det = detect(captured)
     sites, near_misses = list(det.sites), list(det.near_misses)
+    notes.extend(captured.notes)  # e.g. dynamic export fell back to static shapes
     timings["detect"] = time.perf_counter() - t
 
     t = time.perf_counter()

@@ -179,3 +179,8 @@ def test_interface_sites_when_export_fails(llama, monkeypatch):
     assert [(r.site.source, r.site.heads, r.site.kv_heads, r.site.causal) for r in rep.sites] == [("hf", 6, 2, True)] * 4
     assert [r.site.layer for r in rep.sites] == [0, 1, 2, 3]
     assert all(r.outcome.status == "rewritten" for r in rep.sites)
+
+
+def test_example_inputs_the_model_rejects_get_a_clear_error(llama):
+    with pytest.raises(ValueError, match="example inputs"):
+        attnopt.compile(llama, "window:8", example_inputs={"input_ids": _ids().float(), "use_cache": False})
