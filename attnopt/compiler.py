@@ -97,7 +97,8 @@ def decide(sites, plans, calls: dict, policy, tolerance, adapt_site=lambda s: s)
             anchor = find_anchor(site, sites, params["anchor"]) if form == "reuse" else None
             try:
                 module = RewrittenSite(adapt_site(site), form, params, anchor=adapt_site(anchor) if anchor else None)
-                fit = fit_feature_map(module, calls[site.id])
+                # Fitted on the example batch only: calibration batches stay held out for the verdict.
+                fit = fit_feature_map(module, calls[site.id][:1])
                 d = site_drift(module, calls[site.id], calls.get(anchor.id) if anchor else None)
             except Exception as exc:  # a failed rewrite leaves the site exact, and says why
                 tried.append((form, params, None, f"rewrite failed: {type(exc).__name__}: {exc}"))

@@ -2,7 +2,8 @@
 
 A hedgehog map φ(x) = [softmax(x W), softmax(−x W)] starts near the identity; trained to reproduce
 the exact attention output of its site on the recorded (q, k, v) -- as LoLCATs does before any
-fine-tuning -- it closes much of the gap fixed maps leave. Only the map's weights move.
+fine-tuning -- it closes much of the gap fixed maps leave. Only the map's weights move. The compile
+pass fits on the example batch and verifies on it and on every calibration batch (held out).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _rel_mse(module, calls: list[SiteCall], rows: int = 0) -> torch.Tensor:
     return total / len(calls)
 
 
-def fit_feature_map(module: torch.nn.Module, calls: list[SiteCall], *, steps: int = 40, lr: float = 3e-2,
+def fit_feature_map(module: torch.nn.Module, calls: list[SiteCall], *, steps: int = 100, lr: float = 3e-2,
                     rows: int = 64, seed: int = 0) -> FitResult | None:
     """Adam on the feature map's parameters over `rows` query rows per call; None when nothing to learn.
 
