@@ -73,10 +73,22 @@ def _tolerance(params: dict, form: str, tolerance: Optional[float], policy) -> f
     return float(policy.tolerance_for(form, params))
 
 
-def decide(sites, plans, calls: dict, policy, tolerance, adapt_site=lambda s: s):
+class SiteUnsupported(ValueError):
+    """A planned form cannot be built for this site by this rewrite mechanism; the message says why."""
+
+
+def _no_residual(site, anchor, params, calls):
+    raise SiteUnsupported(
+        "reuse with rank > 0 needs the layer input and separate q/k projections, which this version "
+        "reads from transformers attention modules only; use rank 0 here"
+    )
+
+
+def decide(sites, plans, calls: dict, policy, tolerance, adapt_site=lambda s: s, residual_fn=_no_residual):
     """Build, verify and accept or revert every planned site.
 
-    Returns (outcomes, accepted modules by site id). `calls` maps site id -> recorded SiteCalls.
+    Returns (outcomes, accepted modules by site id). `calls` maps site id -> recorded SiteCalls;
+    `residual_fn(site, anchor, params, calls)` gives a reuse site's residual factors (A, B).
     """
     outcomes, modules = [], {}
     for site, plan in zip(sites, plans):
@@ -96,10 +108,17 @@ def decide(sites, plans, calls: dict, policy, tolerance, adapt_site=lambda s: s)
             tol = _tolerance(params, form, tolerance, policy)
             anchor = find_anchor(site, sites, params["anchor"]) if form == "reuse" else None
             try:
-                module = RewrittenSite(adapt_site(site), form, params, anchor=adapt_site(anchor) if anchor else None)
+                residual = None
+                if form == "reuse" and params.get("rank", 0) > 0:
+                    residual = residual_fn(site, anchor, params, calls)
+                module = RewrittenSite(adapt_site(site), form, params, anchor=adapt_site(anchor) if anchor else None,
+                                       residual=residual)
                 # Fitted on the example batch only: calibration batches stay held out for the verdict.
                 fit = fit_feature_map(module, calls[site.id][:1])
                 d = site_drift(module, calls[site.id], calls.get(anchor.id) if anchor else None)
+            except SiteUnsupported as exc:
+                tried.append((form, params, None, f"unsupported: {exc}"))
+                continue
             except Exception as exc:  # a failed rewrite leaves the site exact, and says why
                 tried.append((form, params, None, f"rewrite failed: {type(exc).__name__}: {exc}"))
                 continue
@@ -120,11 +139,13 @@ def decide(sites, plans, calls: dict, policy, tolerance, adapt_site=lambda s: s)
             last = tried[-1]
             d = last[2]
             tol = _tolerance(last[1], last[0], tolerance, policy)
+            status = "reverted"
             if plan.rule == "auto":
                 reason = "auto: no form within tolerance (" + "; ".join(f"{t[0]}: {t[3]}" for t in tried) + "): kept exact"
             else:
                 reason = last[3]
-            outcomes.append(SiteOutcome(site.id, options[0][0], "exact", options[0][1], "reverted", reason, tol, d, tuple(tried)))
+                status = "unsupported" if reason.startswith("unsupported: ") else "reverted"
+            outcomes.append(SiteOutcome(site.id, options[0][0], "exact", options[0][1], status, reason, tol, d, tuple(tried)))
     return outcomes, modules
 
 
@@ -190,9 +211,12 @@ def _compile_hf(model_copy, batches, policy, tolerance, timings, notes):
     def adapt(site):
         return replace(site, mask=replace(site.mask, keep_when="zero"))
 
+    def residual(site, anchor, params, calls_by_id):
+        return hf.residual_factors(model_copy, site, anchor, params["rank"], calls_by_id[site.id], calls_by_id[anchor.id])
+
     t = time.perf_counter()
     plans = plan_sites(sites, policy, tolerance)
-    outcomes, modules = decide(sites, plans, calls, policy, tolerance, adapt_site=adapt)
+    outcomes, modules = decide(sites, plans, calls, policy, tolerance, adapt_site=adapt, residual_fn=residual)
     timings["plan+verify_sites"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -208,6 +232,8 @@ def _compile_hf(model_copy, batches, policy, tolerance, timings, notes):
             astate = anchor_mod.__dict__.setdefault("_attnopt_state", hf.ModuleState())
             astate.store_qk, astate.reuse_cache = True, reuse_cache
             module.anchor_key = id(anchor_mod)
+            if module.residual_A is not None:
+                hf.watch_layer_input(target)
     with torch.no_grad():
         outs = [hf.call_model(model_copy, b) for b in batches]
     e2e = output_drift(outs, ref_outs, [_attention_mask_of(b) for b in batches])

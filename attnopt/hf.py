@@ -36,6 +36,8 @@ class ModuleState:
     reuse_cache: Optional[dict] = None  # shared by an anchor and the sites reusing its q, k
     store_qk: bool = False  # this module is an anchor: put (q, k) into reuse_cache
     call_info: list = field(default_factory=list)  # (scaling, is_causal, sliding_window, softcap) seen
+    last_x: Optional[torch.Tensor] = None  # this forward's input to the q projection (reuse residual)
+    x_cache: Optional[torch.Tensor] = None  # layer inputs of every token so far, when decoding with reuse
 
 
 def original_attention(module: nn.Module) -> Callable:
@@ -72,7 +74,7 @@ def attention_forward(
         out, weights = original_attention(module)(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-        state.recorder.append(SiteCall(query, key, value, attention_mask, out.transpose(1, 2)))
+        state.recorder.append(SiteCall(query, key, value, attention_mask, out.transpose(1, 2), x=state.last_x))
         state.call_info.append((scaling, is_causal, kwargs.get("sliding_window"), kwargs.get("softcap")))
         if state.store_qk and state.reuse_cache is not None:
             state.reuse_cache[id(module)] = (query, key)
@@ -83,10 +85,32 @@ def attention_forward(
         return original_attention(module)(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
+    x = None
     if site_module.form == "reuse":
         query, key = state.reuse_cache[site_module.anchor_key]
-    out = site_module(query, key, value, attention_mask)
+        if site_module.residual_A is not None:
+            x = _layer_input_for_keys(state, query.shape[-2], key.shape[-2])
+    out = site_module(query, key, value, attention_mask, x=x)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _layer_input_for_keys(state: ModuleState, nq: int, nk: int) -> torch.Tensor:
+    """The layer input x for every key: a prefill sees all of it; decoding appends to a cache of x.
+
+    Caching x of earlier tokens is what replaces this layer's K cache (x·B is r wide per head).
+    """
+    x = state.last_x
+    if nq == nk:
+        state.x_cache = x
+        return x
+    prev = state.x_cache
+    if prev is None or prev.shape[0] != x.shape[0] or prev.shape[1] + x.shape[1] != nk:
+        raise RuntimeError(
+            "reuse residual: the cached layer inputs do not match the key cache (was the KV cache built "
+            "by another model or edited?); run the prompt through this compiled model first"
+        )
+    state.x_cache = torch.cat([prev, x], dim=1)
+    return state.x_cache
 
 
 def _register_names(policy=None) -> None:
@@ -147,6 +171,51 @@ def is_hf_model(model: nn.Module) -> bool:
     return isinstance(model, PreTrainedModel) and bool(getattr(model, "_supports_attention_backend", False))
 
 
+# Names transformers models give their separate query and key projections.
+_QK_NAMES = (("q_proj", "k_proj"), ("query", "key"), ("q", "k"))
+
+
+def qk_projections(module: nn.Module) -> Optional[tuple[nn.Linear, nn.Linear]]:
+    """The attention module's own q and k nn.Linear projections, when it has separate ones."""
+    for qn, kn in _QK_NAMES:
+        q, k = getattr(module, qn, None), getattr(module, kn, None)
+        if isinstance(q, nn.Linear) and isinstance(k, nn.Linear):
+            return q, k
+    return None
+
+
+def watch_layer_input(module: nn.Module):
+    """Keep the input of the module's q projection in its state (the x of the reuse residual)."""
+    proj = qk_projections(module)
+    if proj is None:
+        return None
+    state = module.__dict__.setdefault("_attnopt_state", ModuleState())
+
+    def hook(_mod, args):
+        state.last_x = args[0]
+
+    return proj[0].register_forward_pre_hook(hook)
+
+
+def residual_factors(model: nn.Module, site: AttentionSite, anchor: AttentionSite, rank: int,
+                     calls: list, anchor_calls: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reuse residual (A, B) for `site` from both layers' q/k weights, fitted on the recorded inputs."""
+    from attnopt.compiler import SiteUnsupported
+    from attnopt.kernels.reuse import init_reuse_factors
+
+    mine, theirs = (qk_projections(model.get_submodule(s.module_path)) for s in (site, anchor))
+    if mine is None or theirs is None:
+        raise SiteUnsupported("reuse with rank > 0 needs separate q and k nn.Linear projections in both layers")
+    x_l, x_a = calls[0].x, anchor_calls[0].x
+    calibration = None
+    if x_l is not None and x_a is not None and x_l.shape == x_a.shape:
+        calibration = (x_a.reshape(-1, x_a.shape[-1]), x_l.reshape(-1, x_l.shape[-1]))
+    (q_l, k_l), (q_a, k_a) = mine, theirs
+    with torch.no_grad():
+        return init_reuse_factors(q_l.weight, q_l.bias, k_l.weight, k_l.bias, q_a.weight, q_a.bias, k_a.weight,
+                                  k_a.bias, site.heads, rank, calibration=calibration)
+
+
 def record_calls(model: nn.Module, batches: list, reuse: bool = False) -> dict[str, list]:
     """Run the model (already switched to attnopt) with every attention module recording its calls.
 
@@ -164,6 +233,7 @@ def record_calls(model: nn.Module, batches: list, reuse: bool = False) -> dict[s
         st.recorder = []
         st.call_info = []
         states[id(m)] = st
+    hooks = [h for h in (watch_layer_input(m) for m in model.modules()) if h is not None]
     try:
         with torch.no_grad():
             outs = [call_model(model, b) for b in batches]
@@ -174,6 +244,9 @@ def record_calls(model: nn.Module, batches: list, reuse: bool = False) -> dict[s
             if st.recorder:
                 result[paths[id(m)]] = list(zip(st.recorder, st.call_info))
             st.recorder = None
+            st.last_x = None
+        for h in hooks:
+            h.remove()
     return result, outs
 
 

@@ -122,7 +122,7 @@ def main(argv=None):
     result = {
         "hardware": {"cpu": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
                      "threads": torch.get_num_threads()},
-        "minilm": bench_minilm(["exact", "window:64", "window:64+sinks:4", "linear", "linear:favor", "linear:hedgehog", "auto", "hybrid"]),
+        "minilm": bench_minilm(["exact", "window:64", "window:64+sinks:4", "linear", "linear:favor", "linear:hedgehog", "reuse:-1+rank:0", "reuse", "reuse:-1+rank:32", "auto", "hybrid"]),
     }
     if not args.skip_llama:
         result["llama24"] = bench_llama24(["exact", "window:128+sinks:4", "linear"])

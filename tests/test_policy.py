@@ -60,7 +60,7 @@ def test_simple_presets_are_one_rule_each():
 def test_reuse_preset_skips_the_first_layer():
     p = Policy.parse("reuse")
     r = p.rules[0]
-    assert (r.form, r.params["anchor"], r.params["rank"]) == ("reuse", -1, 0)
+    assert (r.form, r.params["anchor"], r.params["rank"]) == ("reuse", -1, 8)
     assert forms_by_layer(p, 4) == [None, "reuse", "reuse", "reuse"]
     # anchor two layers back: layers 0 and 1 have nothing to reuse
     assert forms_by_layer(Policy.parse("reuse:-2"), 4) == [None, None, "reuse", "reuse"]

@@ -77,4 +77,9 @@ def exact_attention(
     if attn_mask is not None and is_causal:
         # The explicit mask already carries causality when the model built it; SDPA refuses both.
         is_causal = False
+    nq, nk = q.shape[-2], k.shape[-2]
+    if is_causal and nq != nk:
+        # SDPA aligns is_causal top-left; queries here are the LAST nq positions (decoding with a cache).
+        i = torch.arange(nq, device=q.device)[:, None] + (nk - nq)
+        attn_mask, is_causal = torch.arange(nk, device=q.device)[None, :] <= i, False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)

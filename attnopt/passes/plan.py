@@ -55,8 +55,8 @@ def why_not(site: AttentionSite, form: str, params: dict, sites: list[AttentionS
         if str(site.q_len) != str(site.kv_len):
             return "ssm needs self-attention (query length == key length)"
     if form == "reuse":
-        if params.get("rank", 0) > 0:
-            return "reuse with rank > 0 needs the layer input inside the rewrite; this version rewrites rank 0"
+        if params.get("rank", 0) > 0 and (site.mask.arbitrary or site.window is not None):
+            return "the reuse residual (rank > 0) honours causal and padding masks only; use rank 0"
         anchor = find_anchor(site, sites, params["anchor"])
         if anchor is None:
             return f"no earlier site with the same heads, lengths and causality at anchor {params['anchor']}"

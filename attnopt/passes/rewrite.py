@@ -79,10 +79,29 @@ def _run_ssm(mod: "RewrittenSite", q, k, v, keep):
     )
 
 
-def _run_reuse(mod: "RewrittenSite", q, k, v, keep, mask=None):
-    # q and k are the anchor layer's (wired in by the caller); softmax(s_a·q_a k_aᵀ + mask_l) v_l.
+def _run_reuse(mod: "RewrittenSite", q, k, v, keep, mask=None, x=None):
+    # q and k are the anchor layer's (wired in by the caller): softmax(s_a·q_a k_aᵀ + mask_l) v_l,
+    # plus s_a·(x_l A)(x_l B)ᵀ when the site carries a low-rank residual.
     g = mod.geometry
-    return exact_attention(q, k, v, mask, keep_when=g.keep_when, is_causal=g.causal and mask is None, scale=mod.anchor_scale)
+    if mod.residual_A is None:
+        return exact_attention(q, k, v, mask, keep_when=g.keep_when, is_causal=g.causal and mask is None, scale=mod.anchor_scale)
+    from attnopt.kernels.reuse import reuse_attention
+
+    if x is None:
+        raise ValueError(f"site {g.site_id}: reuse with a residual needs the layer input x")
+    if q.shape[-2] == k.shape[-2] == x.shape[-2]:
+        return reuse_attention(q, k, v, x, mod.residual_A, mod.residual_B, scale=mod.anchor_scale, causal=g.causal, key_mask=keep)
+    # Decoding: x covers every key (the cached x of earlier tokens + this step's); the queries are the
+    # last Nq of them. Same logits, s_a·[q_a, x A]·[k_a, x B]ᵀ, built explicitly for Nq < Nk.
+    ones = x.new_ones(x.shape[:-1] + (1,))
+    xh = torch.cat([x, ones], dim=-1).unsqueeze(1)  # [B, 1, Nk, C+1]
+    A, B_ = mod.residual_A.to(x.dtype), mod.residual_B.to(x.dtype)
+    groups = q.shape[1] // k.shape[1]
+    k_full = k.repeat_interleave(groups, dim=1) if groups > 1 else k
+    q2 = torch.cat([q, (xh[:, :, -q.shape[-2]:] @ A)], dim=-1)
+    k2 = torch.cat([k_full, xh @ B_], dim=-1)
+    v_full = v.repeat_interleave(groups, dim=1) if groups > 1 else v
+    return exact_attention(q2, k2, v_full, mask, keep_when=g.keep_when, is_causal=g.causal and mask is None, scale=mod.anchor_scale)
 
 
 # One entry per form in attnopt.passes.forms.FORMS (except "exact").
@@ -112,7 +131,8 @@ def _decay_vector(decay, heads: int) -> torch.Tensor:
 class RewrittenSite(nn.Module):
     """One site in its planned form, exact below `min_seq_len` (and always for form "exact")."""
 
-    def __init__(self, site: AttentionSite, form: str, params: dict, anchor: Optional[AttentionSite] = None):
+    def __init__(self, site: AttentionSite, form: str, params: dict, anchor: Optional[AttentionSite] = None,
+                 residual: Optional[tuple] = None):
         super().__init__()
         self.geometry = SiteGeometry.of(site)
         self.form = form
@@ -131,11 +151,15 @@ class RewrittenSite(nn.Module):
             self.register_buffer("decay", _decay_vector(params["decay"], site.heads), persistent=False)
         if form == "reuse" and anchor is None:
             raise ValueError(f"site {site.id}: the reuse form needs an anchor site")
+        # Low-rank residual factors (A, B) [H, C+1, r] of the reuse form; None for pure reuse.
+        self.register_buffer("residual_A", residual[0] if residual else None)
+        self.register_buffer("residual_B", residual[1] if residual else None)
 
     def extra_repr(self) -> str:
         return f"site={self.geometry.site_id!r}, form={self.form!r}, params={self.params}"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                x: Optional[torch.Tensor] = None):
         g = self.geometry
         if self.form == "exact" or q.shape[-2] < self.min_seq_len:
             return self._exact(q, k, v, mask)
@@ -148,7 +172,7 @@ class RewrittenSite(nn.Module):
             if squeeze and keep is not None:
                 keep = keep.reshape(q.shape[0], -1, k.shape[-2])[:, 0] if keep.shape[0] != q.shape[0] else keep
         if self.form == "reuse":
-            out = _run_reuse(self, q, k, v, keep, mask=mask if not squeeze else None)
+            out = _run_reuse(self, q, k, v, keep, mask=mask if not squeeze else None, x=x)
         else:
             out = FORM_RUNNERS[self.form](self, q, k, v, keep)
         if squeeze:

@@ -25,6 +25,7 @@ class SiteCall:
     v: torch.Tensor
     mask: Optional[torch.Tensor]
     out: torch.Tensor  # [B, H, Nq, Dv] (or the site's rank-3 layout)
+    x: Optional[torch.Tensor] = None  # the layer's input to its q projection [B, N, C], when recorded
 
 
 class NodeRecorder(torch.fx.Interpreter):
@@ -78,7 +79,7 @@ def site_drift(module: torch.nn.Module, calls: list[SiteCall], anchor_calls: Opt
         q, k = call.q, call.k
         if anchor_calls is not None:
             q, k = anchor_calls[i].q, anchor_calls[i].k
-        out = module(q, k, call.v, call.mask)
+        out = module(q, k, call.v, call.mask, x=call.x)
         drifts.append(drift(out, call.out))
     return worst(drifts)
 

@@ -174,3 +174,10 @@ def test_input_mask_that_looks_causal_is_not_treated_as_causal():
     opt = attnopt.compile(MaskedAttention(), "ssm", example_inputs=(q, k, v, causal_looking))
     (r,) = opt.attnopt_report.sites
     assert r.site.causal is False and r.outcome.status == "unsupported"
+
+
+def test_reuse_residual_needs_projections_the_graph_path_does_not_read():
+    opt = attnopt.compile(_net(), "reuse", example_inputs=(_x(),), tolerance=10.0)  # rank 8
+    statuses = [r.outcome.status for r in opt.attnopt_report.sites]
+    assert statuses == ["kept", "unsupported", "unsupported"]
+    assert "rank 0" in opt.attnopt_report.sites[1].outcome.reason

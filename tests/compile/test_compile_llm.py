@@ -184,3 +184,26 @@ def test_interface_sites_when_export_fails(llama, monkeypatch):
 def test_example_inputs_the_model_rejects_get_a_clear_error(llama):
     with pytest.raises(ValueError, match="example inputs"):
         attnopt.compile(llama, "window:8", example_inputs={"input_ids": _ids().float(), "use_cache": False})
+
+
+def test_reuse_residual_decodes_consistently(llama):
+    ids = _ids(n=12)
+    opt = attnopt.compile(llama, "reuse:-1+rank:4", example_inputs={"input_ids": ids, "use_cache": False}, tolerance=10.0)
+    assert [r.outcome.status for r in opt.attnopt_report.sites] == ["kept"] + ["rewritten"] * 3
+    gen = opt.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    seq = ids
+    for _ in range(5):  # cached decoding (x cache + anchor q/k) == full recompute of the prefix
+        seq = torch.cat([seq, _logits(opt, seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(gen, seq)
+
+
+def test_exact_fallback_below_min_seq_len_is_exact_while_decoding(llama):
+    # Decoding steps have one query and many cached keys: the exact fallback must align causality
+    # bottom-right (SDPA's is_causal aligns top-left).
+    ids = _ids(n=12)
+    policy = {"rules": [{"form": "window", "window": 4, "min_seq_len": 64}]}
+    opt = attnopt.compile(llama, policy, example_inputs={"input_ids": _ids(n=80), "use_cache": False}, tolerance=10.0)
+    assert torch.equal(
+        opt.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0),
+        llama.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0),
+    )
