@@ -19,7 +19,7 @@ from torch import nn
 from attnopt.passes.calibrate import fit_feature_map
 from attnopt.passes.plan import find_anchor, plan_sites
 from attnopt.passes.records import Drift, SiteOutcome
-from attnopt.passes.rewrite import RewrittenSite, rewrite_graph
+from attnopt.passes.rewrite import RewrittenSite, SiteUnsupported, rewrite_graph
 from attnopt.passes.verify import NodeRecorder, SiteCall, judge, output_drift, site_drift
 
 Batch = tuple  # (args: tuple, kwargs: dict)
@@ -71,10 +71,6 @@ def _tolerance(params: dict, form: str, tolerance: Optional[float], policy) -> f
     if tolerance is not None and params.get("tolerance") is None:
         return float(tolerance)
     return float(policy.tolerance_for(form, params))
-
-
-class SiteUnsupported(ValueError):
-    """A planned form cannot be built for this site by this rewrite mechanism; the message says why."""
 
 
 def _no_residual(site, anchor, params, calls):

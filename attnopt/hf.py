@@ -200,8 +200,8 @@ def watch_layer_input(module: nn.Module):
 def residual_factors(model: nn.Module, site: AttentionSite, anchor: AttentionSite, rank: int,
                      calls: list, anchor_calls: list) -> tuple[torch.Tensor, torch.Tensor]:
     """Reuse residual (A, B) for `site` from both layers' q/k weights, fitted on the recorded inputs."""
-    from attnopt.compiler import SiteUnsupported
     from attnopt.kernels.reuse import init_reuse_factors
+    from attnopt.passes.rewrite import SiteUnsupported
 
     mine, theirs = (qk_projections(model.get_submodule(s.module_path)) for s in (site, anchor))
     if mine is None or theirs is None:

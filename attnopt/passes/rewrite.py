@@ -17,6 +17,10 @@ from attnopt.passes.masks import exact_attention, key_keep
 from attnopt.passes.site import AttentionSite
 
 
+class SiteUnsupported(ValueError):
+    """A planned form cannot be built for this site by this rewrite mechanism; the message says why."""
+
+
 @dataclass(frozen=True)
 class SiteGeometry:
     """What a rewritten site must know about the attention it replaces (copied from AttentionSite)."""
