@@ -80,6 +80,29 @@ def _no_residual(site, anchor, params, calls):
     )
 
 
+def _try_form(site, form, params, sites, calls, adapt_site, residual_fn, tol):
+    """Build one form for one site and verify it: ((form, params, Drift|None, verdict), module|None)."""
+    anchor = find_anchor(site, sites, params["anchor"]) if form == "reuse" else None
+    try:
+        residual = None
+        if form == "reuse" and params.get("rank", 0) > 0:
+            residual = residual_fn(site, anchor, params, calls)
+        module = RewrittenSite(adapt_site(site), form, params, anchor=adapt_site(anchor) if anchor else None,
+                               residual=residual)
+        # Fitted on the example batch only: calibration batches stay held out for the verdict.
+        fit = fit_feature_map(module, calls[site.id][:1])
+        d = site_drift(module, calls[site.id], calls.get(anchor.id) if anchor else None)
+    except SiteUnsupported as exc:
+        return (form, params, None, f"unsupported: {exc}"), None
+    except Exception as exc:  # a failed rewrite leaves the site exact, and says why
+        return (form, params, None, f"rewrite failed: {type(exc).__name__}: {exc}"), None
+    ok, verdict = judge(d, tol)
+    if fit is not None:
+        verdict = (f"{params['feature_map']} map fitted to this site's softmax outputs "
+                   f"(rel RMS {fit.rel_rms_before:.3g} -> {fit.rel_rms_after:.3g}); {verdict}")
+    return (form, params, d, verdict), (module if ok else None)
+
+
 def decide(sites, plans, calls: dict, policy, tolerance, adapt_site=lambda s: s, residual_fn=_no_residual):
     """Build, verify and accept or revert every planned site.
 
@@ -101,30 +124,11 @@ def decide(sites, plans, calls: dict, policy, tolerance, adapt_site=lambda s: s,
             continue
         tried, chosen = [], None
         for form, params in options:
-            tol = _tolerance(params, form, tolerance, policy)
-            anchor = find_anchor(site, sites, params["anchor"]) if form == "reuse" else None
-            try:
-                residual = None
-                if form == "reuse" and params.get("rank", 0) > 0:
-                    residual = residual_fn(site, anchor, params, calls)
-                module = RewrittenSite(adapt_site(site), form, params, anchor=adapt_site(anchor) if anchor else None,
-                                       residual=residual)
-                # Fitted on the example batch only: calibration batches stay held out for the verdict.
-                fit = fit_feature_map(module, calls[site.id][:1])
-                d = site_drift(module, calls[site.id], calls.get(anchor.id) if anchor else None)
-            except SiteUnsupported as exc:
-                tried.append((form, params, None, f"unsupported: {exc}"))
-                continue
-            except Exception as exc:  # a failed rewrite leaves the site exact, and says why
-                tried.append((form, params, None, f"rewrite failed: {type(exc).__name__}: {exc}"))
-                continue
-            ok, verdict = judge(d, tol)
-            if fit is not None:
-                verdict = (f"{params['feature_map']} map fitted to this site's softmax outputs "
-                           f"(rel RMS {fit.rel_rms_before:.3g} -> {fit.rel_rms_after:.3g}); {verdict}")
-            tried.append((form, params, d, verdict))
-            if ok:
-                chosen = (form, params, module, d, tol, verdict)
+            entry, module = _try_form(site, form, params, sites, calls, adapt_site, residual_fn,
+                                      _tolerance(params, form, tolerance, policy))
+            tried.append(entry)
+            if module is not None:
+                chosen = (form, params, module, entry[2], _tolerance(params, form, tolerance, policy), entry[3])
                 break
         if chosen is not None:
             form, params, module, d, tol, verdict = chosen
