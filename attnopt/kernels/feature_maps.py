@@ -17,6 +17,8 @@ Costs per head and position: elu/relu O(D), favor O(D·M), hedgehog O(D·P), tay
 
 from __future__ import annotations
 
+import abc
+
 import math
 from typing import Optional
 
@@ -41,15 +43,16 @@ __all__ = [
 FEATURE_MAP_NAMES = ("elu", "relu", "favor", "hedgehog", "taylor")
 
 
-class FeatureMap(nn.Module):
+class FeatureMap(nn.Module, abc.ABC):
     """Base class: a named φ with a functional form the custom op can call without the module."""
 
     name: str = ""
     # True when φ differs per query head (hedgehog): keys are then featurised once per query head.
     per_head: bool = False
 
+    @abc.abstractmethod
     def num_features(self, head_dim: int) -> int:
-        raise NotImplementedError
+        """Width M of φ(x) for head dim D."""
 
     def op_weight(self) -> Optional[Tensor]:
         return None
@@ -58,9 +61,9 @@ class FeatureMap(nn.Module):
         return self.features(x_BHND, scale, self.op_weight())
 
     @staticmethod
+    @abc.abstractmethod
     def features(x_BHND: Tensor, scale: float, weight: Optional[Tensor]) -> Tensor:
         """Raw φ(x) [B, H, N, M] from the op's arguments."""
-        raise NotImplementedError
 
 
 class EluFeatureMap(FeatureMap):
