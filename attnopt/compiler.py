@@ -215,7 +215,7 @@ def _compile_hf(model_copy, batches, policy, tolerance, timings, notes):
         return hf.residual_factors(model_copy, site, anchor, params["rank"], calls_by_id[site.id], calls_by_id[anchor.id])
 
     t = time.perf_counter()
-    plans = plan_sites(sites, policy, tolerance)
+    plans = plan_sites(sites, policy)
     outcomes, modules = decide(sites, plans, calls, policy, tolerance, adapt_site=adapt, residual_fn=residual)
     timings["plan+verify_sites"] = time.perf_counter() - t
 
@@ -273,7 +273,7 @@ def _compile_fx(model_copy, batches, policy, tolerance, timings, notes, name):
     timings["record"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    plans = plan_sites(sites, policy, tolerance)
+    plans = plan_sites(sites, policy)
     outcomes, modules = decide(sites, plans, calls, policy, tolerance)
     timings["plan+verify_sites"] = time.perf_counter() - t
 

@@ -216,10 +216,10 @@ def residual_factors(model: nn.Module, site: AttentionSite, anchor: AttentionSit
                                   k_a.bias, site.heads, rank, calibration=calibration)
 
 
-def record_calls(model: nn.Module, batches: list, reuse: bool = False) -> dict[str, list]:
+def record_calls(model: nn.Module, batches: list) -> tuple[dict[str, list], list]:
     """Run the model (already switched to attnopt) with every attention module recording its calls.
 
-    Returns module path -> list of (SiteCall, call_info) over all batches, in call order.
+    Returns ({module path: [(SiteCall, call_info), ...] over all batches, in call order}, outputs).
     """
     paths = {id(m): name for name, m in model.named_modules()}
     states: dict[int, ModuleState] = {}

@@ -65,7 +65,7 @@ def why_not(site: AttentionSite, form: str, params: dict, sites: list[AttentionS
     return None
 
 
-def plan_sites(sites: list[AttentionSite], policy, tolerance: Optional[float] = None) -> list[SitePlan]:
+def plan_sites(sites: list[AttentionSite], policy) -> list[SitePlan]:
     """One SitePlan per site, in site order."""
     n = num_layers(sites)
     plans = []

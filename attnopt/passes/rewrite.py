@@ -32,10 +32,7 @@ class SiteGeometry:
     scale: float
     causal: bool
     model_window: Optional[int]  # the model's own sliding window, if any
-    mask_form: str
     keep_when: str
-    mask_padding: bool
-    rank: int
 
     @classmethod
     def of(cls, site: AttentionSite) -> "SiteGeometry":
@@ -47,10 +44,7 @@ class SiteGeometry:
             scale=float(site.scale),
             causal=bool(site.causal),
             model_window=site.window,
-            mask_form=site.mask.form,
             keep_when=site.mask.keep_when,
-            mask_padding=bool(site.mask.padding),
-            rank=site.nodes.rank if site.nodes is not None else 4,
         )
 
 
