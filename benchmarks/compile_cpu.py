@@ -5,6 +5,7 @@ Two workloads:
           preset: sites rewritten, mean embedding cosine, attention FLOPs ratio at 1x and 16x.
   llama24 a random-weight Llama-style decoder (24 layers, hidden 512, 8 heads / 4 kv heads) at
           N = 512: wall time of compile + verify, and forward time original vs rewritten.
+  --long  the same decoder with 4 layers at N = 8192, where attention dominates the forward.
 
     python benchmarks/compile_cpu.py --out benchmarks/results/compile_cpu.json
 """
@@ -78,11 +79,11 @@ def bench_minilm(policies):
     return rows
 
 
-def bench_llama24(policies, seq_len=512):
+def bench_llama(policies, seq_len=512, layers=24, tag="llama24"):
     import transformers
 
     cfg = transformers.LlamaConfig(
-        vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=24, num_attention_heads=8,
+        vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=layers, num_attention_heads=8,
         num_key_value_heads=4, max_position_embeddings=4 * seq_len,
     )
     torch.manual_seed(0)
@@ -110,7 +111,7 @@ def bench_llama24(policies, seq_len=512):
             "forward_speed_ratio": round(base / fwd, 3),
             "logits_rel_rms": round(rep.end_to_end.worst.rel_rms, 4),
         })
-        print(f"llama24 {policy:>20}: compile+verify {seconds:.1f}s, forward x{base / fwd:.2f}")
+        print(f"{tag} {policy:>20}: compile+verify {seconds:.1f}s, forward x{base / fwd:.2f}")
     return rows
 
 
@@ -118,6 +119,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/compile_cpu.json")
     ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--long", action="store_true", help="also a 4-layer Llama at N = 8192 (forward speed)")
     args = ap.parse_args(argv)
     result = {
         "hardware": {"cpu": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
@@ -125,7 +127,10 @@ def main(argv=None):
         "minilm": bench_minilm(["exact", "window:64", "window:64+sinks:4", "linear", "linear:favor", "linear:hedgehog", "reuse:-1+rank:0", "reuse", "reuse:-1+rank:32", "auto", "hybrid"]),
     }
     if not args.skip_llama:
-        result["llama24"] = bench_llama24(["exact", "window:128+sinks:4", "linear"])
+        result["llama24"] = bench_llama(["exact", "window:128+sinks:4", "linear"])
+    if args.long:
+        result["llama4_8k"] = bench_llama(["exact", "window:256+sinks:4", "linear", "ssm"], seq_len=8192, layers=4,
+                                          tag="llama4_8k")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

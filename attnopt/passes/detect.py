@@ -167,7 +167,10 @@ def _check(c: Candidate, values: dict, oracle: StructureOracle) -> Union[NearMis
         kf = kf.repeat_interleave(heads // kv_heads, dim=1)
         vf = vf.repeat_interleave(heads // kv_heads, dim=1)
     if _is_sdpa(c):
-        ref = _replay_sdpa(c, values, qf, kf, vf, scale)
+        # Query rows are independent: a long sequence is checked on a sample of them (O(rows·N)).
+        rows = _sample_rows(qf.shape[-2])
+        ref = _replay_sdpa(c, values, qf, kf, vf, scale, rows)
+        out = out.index_select(-2, rows) if rows is not None else out
     else:
         ref = _replay_explicit(c, values, qf, kf, vf)
     if c.dropout_p == 0.0:
@@ -260,14 +263,28 @@ def _apply_steps(steps: list, values: dict, s):
     return s
 
 
-def _replay_sdpa(c: Candidate, values: dict, qf, kf, vf, scale: float):
-    s = (qf @ kf.transpose(-2, -1)) * scale
+# Beyond this many queries the numeric replay of an SDPA site checks an evenly spaced sample.
+REPLAY_ROWS = 256
+
+
+def _sample_rows(nq: int) -> Optional[torch.Tensor]:
+    if nq <= REPLAY_ROWS:
+        return None
+    return torch.linspace(0, nq - 1, REPLAY_ROWS).round().long().unique()
+
+
+def _replay_sdpa(c: Candidate, values: dict, qf, kf, vf, scale: float, rows: Optional[torch.Tensor] = None):
+    nq, nk = qf.shape[-2], kf.shape[-2]
+    q_rows = qf if rows is None else qf.index_select(-2, rows)
+    s = (q_rows @ kf.transpose(-2, -1)) * scale
     if c.sdpa_mask is not None:
         m = values[c.sdpa_mask.name]
+        if rows is not None and m.dim() >= 2 and m.shape[-2] == nq:
+            m = m.index_select(-2, rows)
         s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.to(s.dtype)
     if c.is_causal:  # SDPA's is_causal is top-left aligned
-        nq, nk = s.shape[-2:]
-        keep = torch.ones(nq, nk, dtype=torch.bool).tril()
+        i = torch.arange(nq) if rows is None else rows
+        keep = torch.arange(nk)[None, :] <= i[:, None]
         s = s.masked_fill(~keep, float("-inf"))
     return torch.softmax(s, dim=-1) @ vf
 
@@ -299,12 +316,12 @@ def _mask_info(c: Candidate, values: dict, oracle: StructureOracle, q_shape, k_s
             return MaskInfo()
         m = values[c.sdpa_mask.name]
         frame = tuple(q_shape[:-1]) + (k_shape[-2],)
-        m_full = m.expand(frame) if m.dim() <= len(frame) else m
+        m_full = _unbroadcast(m.expand(frame)) if m.dim() <= len(frame) else m
         if m.dtype == torch.bool:
             pattern = classify_keep(_as_bhqk(m_full))
             form, keep_when = "bool", "true"
         else:
-            pattern = classify_bias(_as_bhqk(m_full.double()))
+            pattern = classify_bias(_as_bhqk(m_full))
             form, keep_when = "additive", "zero"
         return _finish_mask(pattern, [c.sdpa_mask], form, keep_when, oracle, c.sdpa_mask)
     terms = c.mask_terms
@@ -324,6 +341,15 @@ def _mask_info(c: Candidate, values: dict, oracle: StructureOracle, q_shape, k_s
                             "+".join(t.form for t in effective), "zero", oracle, None)
     term = effective[0] if effective else terms[0]
     return _finish_mask(pattern, [term.node], term.form, term.keep_when, oracle, term.node)
+
+
+def _unbroadcast(x: torch.Tensor) -> torch.Tensor:
+    """Keep one slice of every leading dim the mask only broadcasts over (stride 0): HF's
+    [B, 1, N, N] mask expanded over heads is classified once, not once per head."""
+    for dim in range(x.dim() - 2):
+        if x.stride(dim) == 0 and x.shape[dim] > 1:
+            x = x.narrow(dim, 0, 1)
+    return x
 
 
 def _as_bhqk(x: torch.Tensor) -> torch.Tensor:
