@@ -144,6 +144,16 @@ def reaches_qk(node: Node, depth: int = 12) -> bool:
     return False
 
 
+def _unrepeat_key(node: Node) -> tuple:
+    """k seen through a repeat_kv (and any scale factors around it): (source, groups, members,
+    factors, tag); (node, 1, [], [], "") when nothing was repeated."""
+    src, groups, rep, tag = cz.see_through_repeat_kv(node)
+    if groups <= 1:
+        return node, 1, [], [], tag
+    src, factors, members = cz.strip_factors(src, "key")
+    return src, groups, rep + members, factors, tag
+
+
 class ExplicitChainMatcher:
     """softmax(scale · q kᵀ + mask) @ v spelled out with matmul / bmm / baddbmm."""
 
@@ -369,13 +379,9 @@ class ExplicitChainMatcher:
         groups = 1
         gqa_tag = ""
         if rq == 4:  # GQA repeat applied to kᵀ itself (k kept as [B, N, Hkv, D], permuted, repeated)
-            src, g, rep, gqa_tag = cz.see_through_repeat_kv(key_t)
-            if g > 1:
-                key_t, groups = src, g
-                members += rep
-                key_t, f, m = cz.strip_factors(key_t, "key")
-                k_factors += f
-                members += m
+            key_t, groups, m, f, gqa_tag = _unrepeat_key(key_t)
+            members += m
+            k_factors += f
         if key_layout == "plain":  # einsum contracted k [.., Nk, D] directly
             got = (key_t, False, [], "qk:einsum")
         else:
@@ -390,13 +396,9 @@ class ExplicitChainMatcher:
             k_factors += f
             members += m
             if rq == 4 and groups == 1:
-                src, g, rep, gqa_tag = cz.see_through_repeat_kv(key)
-                if g > 1:
-                    key, groups = src, g
-                    members += rep
-                    key, f, m = cz.strip_factors(key, "key")
-                    k_factors += f
-                    members += m
+                key, groups, m, f, gqa_tag = _unrepeat_key(key)
+                members += m
+                k_factors += f
         if k_factors:
             spelling.append("scale:on_key")
         value = v_op

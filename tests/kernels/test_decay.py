@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnopt.kernels.decay import (
     decay_attention,
@@ -20,6 +19,7 @@ from attnopt.kernels.decay import (
     init_decay_state,
     retnet_decay,
 )
+from tensor_probe import MaxNumel
 
 F64 = torch.float64
 
@@ -219,23 +219,10 @@ def test_half_precision_keeps_dtype():
     assert (out.double() - ref).abs().max().item() < 5e-2
 
 
-class _MaxNumel(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.max_numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.max_numel = max(self.max_numel, t.numel())
-        return out
-
-
 def test_never_materialises_n_by_n_or_per_position_state():
     B, H, N, D, C = 1, 2, 1024, 8, 16
     q, k, v = _inputs(B, H, H, N, N, D, D, seed=9)
-    with _MaxNumel() as probe:
+    with MaxNumel() as probe:
         decay_attention(q, k, v, feature_map="elu", normalize=True, chunk_size=C)
     per_position_state = B * H * N * D * D  # what a naive scan would build
     n_by_n = B * H * N * N

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnopt.kernels.window as window_module
 from attnopt.kernels.window import (
@@ -20,6 +19,7 @@ from attnopt.kernels.window import (
     window_attention_reference,
     window_visibility_mask,
 )
+from tensor_probe import MaxNumel
 
 F64 = torch.float64
 
@@ -196,25 +196,10 @@ def test_property_matches_reference(dims, N, W, sinks, causal, bs, seed):
     _assert_close_on_seen_rows(out, _sdpa_oracle(q, k, v, mask), mask)
 
 
-class _MaxNumel(TorchDispatchMode):
-    """Records the largest tensor any aten op produces."""
-
-    def __init__(self):
-        super().__init__()
-        self.max_numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.max_numel = max(self.max_numel, t.numel())
-        return out
-
-
 def test_never_materialises_n_by_n():
     B, H, N, D, W = 1, 2, 1024, 4, 16
     q, k, v = _inputs(B, H, H, N, N, D, D, seed=9)
-    with _MaxNumel() as probe:
+    with MaxNumel() as probe:
         window_attention(q, k, v, window=W, causal=True, sinks=4)
     bs = default_window_block_size(W, True)
     all_bands = B * H * N * (bs + W - 1)  # scores of every query block against its key band
