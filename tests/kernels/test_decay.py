@@ -19,17 +19,10 @@ from attnopt.kernels.decay import (
     init_decay_state,
     retnet_decay,
 )
-from tensor_probe import MaxNumel
+from kernel_testing import MaxNumel, assert_exports_as_one_node
+from kernel_testing import sdpa_inputs as _inputs
 
 F64 = torch.float64
-
-
-def _inputs(B, H, Hkv, Nq, Nk, D, Dv, seed):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, Nq, D, dtype=F64, generator=g)
-    k = torch.randn(B, Hkv, Nk, D, dtype=F64, generator=g)
-    v = torch.randn(B, Hkv, Nk, Dv, dtype=F64, generator=g)
-    return q, k, v
 
 
 def _phi(x, name):
@@ -251,15 +244,11 @@ def test_opcheck():
 
 
 def test_export_keeps_one_op_node():
-    class Mod(torch.nn.Module):
-        def forward(self, q, k, v):
-            return decay_attention(q, k, v, decay=0.9, feature_map="elu", normalize=True) + 1.0
-
-    q, k, v = _inputs(1, 2, 2, 8, 8, 4, 4, seed=12)
-    ep = torch.export.export(Mod(), (q, k, v))
-    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
-    assert targets.count(torch.ops.attnopt.decay_attention.default) == 1
-    assert torch.allclose(ep.module()(q, k, v), Mod()(q, k, v))
+    assert_exports_as_one_node(
+        lambda q, k, v: decay_attention(q, k, v, decay=0.9, feature_map="elu", normalize=True) + 1.0,
+        torch.ops.attnopt.decay_attention.default,
+        _inputs(1, 2, 2, 8, 8, 4, 4, seed=12),
+    )
 
 
 @pytest.mark.parametrize(
