@@ -8,7 +8,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["inspect", "compile", "backend", "Policy", "PolicyError", "ops", "hf", "__version__"]
+__all__ = ["inspect", "compile", "backend", "Policy", "PolicyError", "ops", "hf", "forms", "__version__"]
 
 
 def __getattr__(name: str):
@@ -26,10 +26,10 @@ def __getattr__(name: str):
 
         return Policy
     if name == "PolicyError":
-        from attnopt.passes.forms import PolicyError
+        from attnopt.policy.errors import PolicyError
 
         return PolicyError
-    if name in ("ops", "hf"):
+    if name in ("ops", "hf", "forms"):
         import importlib
 
         return importlib.import_module(f"attnopt.{name}")

@@ -24,6 +24,14 @@ class CliError(Exception):
         self.code = code
 
 
+def policy_presets_help() -> str:
+    """The preset list of --policy, from the forms registry (never typed twice)."""
+    from attnopt import forms
+
+    examples = [p for f in forms.registry().values() for p in f.presets]
+    return ", ".join(examples + ["hybrid", "auto"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnopt", description="Find attention in PyTorch models and rewrite it.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -41,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("model", metavar="MODEL", nargs="?", default="minilm",
                    help="'minilm' (default), a Hugging Face model directory, or path/to/file.py:factory")
     c.add_argument("--policy", default="window:64+sinks:4",
-                   help="preset (exact, linear[:map], window:W[+sinks:S], ssm, reuse, hybrid, auto) or a "
-                        ".yaml/.toml/.json policy file (default: window:64+sinks:4)")
+                   help=f"preset ({policy_presets_help()}) or a .yaml/.toml/.json policy file "
+                        "(default: window:64+sinks:4)")
     c.add_argument("--tolerance", type=float, default=None, help="max relative RMS drift per site (default: per form)")
     c.add_argument("--seq-len", type=int, default=256,
                    help="tokens per example for Hugging Face models (built-in English passages; default 256)")
@@ -87,7 +95,7 @@ def run_compile(ns: argparse.Namespace) -> int:
     from attnopt.compiler import compile as attnopt_compile
     from attnopt.models import ModelSpecError, load_model
     from attnopt.passes.capture import CaptureError
-    from attnopt.passes.forms import PolicyError
+    from attnopt.policy.errors import PolicyError
     from attnopt.policy import Policy
     from attnopt.samples import english_passages
 
@@ -95,6 +103,9 @@ def run_compile(ns: argparse.Namespace) -> int:
         policy = Policy.parse(ns.policy)
     except PolicyError as exc:
         raise CliError(f"bad --policy: {exc}", EXIT_BAD_MODEL) from exc
+    if ns.tolerance is not None and not 0 <= ns.tolerance < float("inf"):
+        raise CliError(f"--tolerance must be a finite number >= 0 (relative RMS drift per site); got {ns.tolerance}",
+                       EXIT_BAD_MODEL)
     if ns.seq_len < 1:
         raise CliError(f"--seq-len must be >= 1; got {ns.seq_len}", EXIT_BAD_MODEL)
     try:

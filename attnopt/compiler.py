@@ -1,31 +1,29 @@
-"""`attnopt.compile`: capture -> detect -> plan -> rewrite -> verify -> report, on a copy of the model.
+"""`attnopt.compile`: capture → detect → plan → build + verify → splice → report, on a copy of the model.
 
-Two rewrite mechanisms share every pass but the splice:
-  hf  a transformers model keeps its class (generate(), caches, any length); its attention modules
-      are pointed at attnopt's registered attention function, which runs each site's RewrittenSite;
-  fx  any other module is captured with torch.export and each site is replaced in the graph.
+Two mechanisms share every step but capture and splice:
+  hf     a transformers model keeps its class (generate(), caches, any length); its attention
+         modules run their site modules through attnopt's registered attention function
+         (`attnopt.hf.target`);
+  graph  any other module is captured with torch.export and each site is replaced in the graph
+         (`attnopt.graph`).
 """
 
 from __future__ import annotations
 
 import copy as _copy
 import time
-from dataclasses import replace
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
-from attnopt.passes.calibrate import fit_feature_map
-from attnopt.passes.plan import find_anchor, plan_sites
-from attnopt.passes.records import Drift, SiteOutcome
-from attnopt.passes.rewrite import RewrittenSite, SiteUnsupported, rewrite_graph
-from attnopt.passes.verify import NodeRecorder, SiteCall, judge, output_drift, site_drift
+from attnopt.passes.plan import plan_sites
+from attnopt.passes.verify import output_drift, verify_sites
 
 Batch = tuple  # (args: tuple, kwargs: dict)
 
 
-def _as_batch(inputs: Any, what: str) -> Batch:
+def as_batch(inputs: Any, what: str) -> Batch:
     """Example inputs as (args, kwargs): a tuple/list of args, a mapping of kwargs, or one tensor."""
     if isinstance(inputs, torch.Tensor):
         return (inputs,), {}
@@ -46,261 +44,17 @@ def _attention_mask_of(batch: Batch) -> Optional[torch.Tensor]:
     return am if isinstance(am, torch.Tensor) else None
 
 
-class CompiledModule(nn.Module):
-    """A rewritten captured graph, called like the original module (same arguments, same outputs)."""
+class _Timer:
+    """Seconds per step, in pipeline order, for the report."""
 
-    def __init__(self, graph_module: nn.Module, original_name: str):
-        super().__init__()
-        self.graph_module = graph_module
-        self.original_name = original_name
+    def __init__(self):
+        self.timings: dict = {}
+        self._t = time.perf_counter()
 
-    def forward(self, *args, **kwargs):
-        try:
-            return self.graph_module(*args, **kwargs)
-        except (TypeError, ValueError) as exc:
-            if "kwarg" in str(exc) or "argument" in str(exc) or "pytree" in str(exc).lower():
-                raise TypeError(
-                    f"the compiled {self.original_name} takes its inputs in the same form as the "
-                    f"example_inputs it was compiled with (same argument names/positions): {exc}"
-                ) from exc
-            raise
-
-
-def _tolerance(params: dict, form: str, tolerance: Optional[float], policy) -> float:
-    """A rule's own tolerance, else compile(tolerance=...), else the policy's, else the form's default."""
-    if tolerance is not None and params.get("tolerance") is None:
-        return float(tolerance)
-    return float(policy.tolerance_for(form, params))
-
-
-def _no_residual(site, anchor, params, calls):
-    raise SiteUnsupported(
-        "reuse with rank > 0 needs the layer input and separate q/k projections, which this version "
-        "reads from transformers attention modules only; use rank 0 here"
-    )
-
-
-def _try_form(site, form, params, sites, calls, adapt_site, residual_fn, tol):
-    """Build one form for one site and verify it: ((form, params, Drift|None, verdict), module|None)."""
-    anchor = find_anchor(site, sites, params["anchor"]) if form == "reuse" else None
-    try:
-        residual = None
-        if form == "reuse" and params.get("rank", 0) > 0:
-            residual = residual_fn(site, anchor, params, calls)
-        module = RewrittenSite(adapt_site(site), form, params, anchor=adapt_site(anchor) if anchor else None,
-                               residual=residual)
-        # Fitted on the example batch only: calibration batches stay held out for the verdict.
-        fit = fit_feature_map(module, calls[site.id][:1])
-        d = site_drift(module, calls[site.id], calls.get(anchor.id) if anchor else None)
-    except SiteUnsupported as exc:
-        return (form, params, None, f"unsupported: {exc}"), None
-    except Exception as exc:  # a failed rewrite leaves the site exact, and says why
-        return (form, params, None, f"rewrite failed: {type(exc).__name__}: {exc}"), None
-    ok, verdict = judge(d, tol)
-    if fit is not None:
-        verdict = (f"{params['feature_map']} map fitted to this site's softmax outputs "
-                   f"(rel RMS {fit.rel_rms_before:.3g} -> {fit.rel_rms_after:.3g}); {verdict}")
-    return (form, params, d, verdict), (module if ok else None)
-
-
-def decide(sites, plans, calls: dict, policy, tolerance, adapt_site=lambda s: s, residual_fn=_no_residual):
-    """Build, verify and accept or revert every planned site.
-
-    Returns (outcomes, accepted modules by site id). `calls` maps site id -> recorded SiteCalls;
-    `residual_fn(site, anchor, params, calls)` gives a reuse site's residual factors (A, B).
-    """
-    outcomes, modules = [], {}
-    for site, plan in zip(sites, plans):
-        if plan.unsupported:
-            outcomes.append(SiteOutcome(site.id, plan.form, "exact", plan.params, "unsupported", plan.reason))
-            continue
-        options = list(plan.candidates) if plan.rule == "auto" else [(plan.form, plan.params)]
-        if not options or options[0][0] == "exact":  # planned exact, or auto with nothing cheaper
-            outcomes.append(SiteOutcome(site.id, "exact", "exact", plan.params, "kept", plan.reason))
-            continue
-        if not calls.get(site.id):
-            outcomes.append(SiteOutcome(site.id, options[0][0], "exact", options[0][1], "unsupported",
-                                        "the site was not reached on the example inputs, so it cannot be verified: kept exact"))
-            continue
-        tried, chosen = [], None
-        for form, params in options:
-            entry, module = _try_form(site, form, params, sites, calls, adapt_site, residual_fn,
-                                      _tolerance(params, form, tolerance, policy))
-            tried.append(entry)
-            if module is not None:
-                chosen = (form, params, module, entry[2], _tolerance(params, form, tolerance, policy), entry[3])
-                break
-        if chosen is not None:
-            form, params, module, d, tol, verdict = chosen
-            modules[site.id] = module
-            reason = f"{plan.reason}; {verdict}" if plan.rule != "auto" else f"auto: {form} is the cheapest form within tolerance ({verdict})"
-            outcomes.append(SiteOutcome(site.id, options[0][0], form, params, "rewritten", reason, tol, d, tuple(tried)))
-        else:
-            last = tried[-1]
-            d = last[2]
-            tol = _tolerance(last[1], last[0], tolerance, policy)
-            status = "reverted"
-            if plan.rule == "auto":
-                reason = "auto: no form within tolerance (" + "; ".join(f"{t[0]}: {t[3]}" for t in tried) + "): kept exact"
-            else:
-                reason = last[3]
-                status = "unsupported" if reason.startswith("unsupported: ") else "reverted"
-            outcomes.append(SiteOutcome(site.id, options[0][0], "exact", options[0][1], status, reason, tol, d, tuple(tried)))
-    return outcomes, modules
-
-
-# --------------------------------------------------------------------------------------------
-# The two mechanisms
-
-
-def _forward_params(model: nn.Module) -> set:
-    import inspect as pyinspect
-
-    try:
-        return set(pyinspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return set()
-
-
-def _compile_hf(model_copy, batches, policy, tolerance, timings, notes):
-    from attnopt import hf
-
-    t = time.perf_counter()
-    sites, near_misses, method = [], [], "hf"
-    try:
-        from attnopt.inspection import inspect as _inspect
-
-        args, kwargs = batches[0]
-        if "use_cache" not in kwargs and "use_cache" in _forward_params(model_copy):
-            kwargs = {**kwargs, "use_cache": False}  # a KV-cache object is not an exportable output
-        insp = _inspect(model_copy, *args, dynamic=False, **kwargs)
-        sites, near_misses, method = list(insp.sites), list(insp.near_misses), "export+hf"
-    except Exception as exc:  # the attention interface still shows every site; say why export failed
-        notes.append(f"torch.export capture failed ({type(exc).__name__}: {str(exc)[:300]}); sites were described from the attention interface calls")
-        insp = None
-    timings["detect"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    hf.switch(model_copy, hf.implementation_for(model_copy))
-    try:
-        recorded, ref_outs = hf.record_calls(model_copy, batches)
-    except Exception as exc:
-        raise ValueError(
-            f"the model failed when called with the example inputs ({type(exc).__name__}: {exc}); "
-            "pass example_inputs the way you call the model: a dict of keyword arguments such as the "
-            "tokenizer's output, a tuple of positional arguments, or (args, kwargs)"
-        ) from exc
-    timings["record"] = time.perf_counter() - t
-    modules_by_path = dict(model_copy.named_modules())
-    if insp is None:
-        order = list(recorded)
-        for i, path in enumerate(order):
-            call, info = recorded[path][0]
-            layer = getattr(modules_by_path[path], "layer_idx", None)
-            sites.append(hf.site_from_call(path, modules_by_path[path], call, info, layer if isinstance(layer, int) else i))
-    calls = {}
-    for site in sites:
-        per_module = [s for s in sites if s.module_path == site.module_path]
-        rec = recorded.get(site.module_path, [])
-        if len(per_module) == 1 and len(rec) == len(batches):
-            calls[site.id] = [c for c, _ in rec]
-        elif rec:
-            notes.append(f"site {site.id}: {len(rec)} attention-interface calls for {len(per_module)} sites; not rewritten")
-
-    # HF hands masks in its own spelling (bool keep for sdpa, additive for eager): read them as such.
-    def adapt(site):
-        return replace(site, mask=replace(site.mask, keep_when="zero"))
-
-    def residual(site, anchor, params, calls_by_id):
-        return hf.residual_factors(model_copy, site, anchor, params["rank"], calls_by_id[site.id], calls_by_id[anchor.id])
-
-    t = time.perf_counter()
-    plans = plan_sites(sites, policy)
-    outcomes, modules = decide(sites, plans, calls, policy, tolerance, adapt_site=adapt, residual_fn=residual)
-    timings["plan+verify_sites"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    reuse_cache: dict = {}
-    by_id = {s.id: s for s in sites}
-    for site_id, module in modules.items():
-        target = model_copy.get_submodule(by_id[site_id].module_path)
-        target.attnopt_site = module
-        state = target.__dict__.setdefault("_attnopt_state", hf.ModuleState())
-        state.reuse_cache = reuse_cache
-        if module.anchor_id is not None:
-            anchor_mod = model_copy.get_submodule(by_id[module.anchor_id].module_path)
-            astate = anchor_mod.__dict__.setdefault("_attnopt_state", hf.ModuleState())
-            astate.store_qk, astate.reuse_cache = True, reuse_cache
-            module.anchor_key = id(anchor_mod)
-            if module.residual_A is not None:
-                hf.watch_layer_input(target)
-    with torch.no_grad():
-        outs = [hf.call_model(model_copy, b) for b in batches]
-    e2e = output_drift(outs, ref_outs, [_attention_mask_of(b) for b in batches])
-    timings["verify_end_to_end"] = time.perf_counter() - t
-    return model_copy, sites, near_misses, plans, outcomes, e2e, method
-
-
-def _compile_fx(model_copy, batches, policy, tolerance, timings, notes, name):
-    from attnopt.passes.capture import capture_export
-    from attnopt.passes.detect import detect
-
-    t = time.perf_counter()
-    args, kwargs = batches[0]
-    captured = capture_export(model_copy, args, kwargs, dynamic=True)
-    timings["capture"] = time.perf_counter() - t
-    t = time.perf_counter()
-    det = detect(captured)
-    sites, near_misses = list(det.sites), list(det.near_misses)
-    notes.extend(captured.notes)  # e.g. dynamic export fell back to static shapes
-    timings["detect"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    names = set()
-    for s in sites:
-        names.update(n for n in (s.nodes.query, s.nodes.key, s.nodes.value, s.nodes.output, s.nodes.mask) if n)
-    calls: dict = {s.id: [] for s in sites}
-    ref_outs = []
-    for b_args, b_kwargs in batches:
-        values, out = _record_batch(captured, names, b_args, b_kwargs)
-        ref_outs.append(out)
-        for s in sites:
-            k = values[s.nodes.key]
-            if s.nodes.key_is_transposed:
-                k = k.transpose(-2, -1)
-            calls[s.id].append(SiteCall(values[s.nodes.query], k, values[s.nodes.value],
-                                        values[s.nodes.mask] if s.nodes.mask else None, values[s.nodes.output]))
-    timings["record"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    plans = plan_sites(sites, policy)
-    outcomes, modules = decide(sites, plans, calls, policy, tolerance)
-    timings["plan+verify_sites"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    gm = rewrite_graph(captured.graph_module, sites, modules)
-    compiled = CompiledModule(gm, name)
-    with torch.no_grad():
-        outs = [compiled(*a, **k) for a, k in batches]
-    e2e = output_drift(outs, ref_outs, [_attention_mask_of(b) for b in batches])
-    timings["rewrite+verify_end_to_end"] = time.perf_counter() - t
-    return compiled, sites, near_misses, plans, outcomes, e2e, captured.method
-
-
-def _record_batch(captured, names: set, args: tuple, kwargs: dict):
-    """Run the captured graph on one batch; return ({node name: value} for `names`, the outputs)."""
-    from torch.export._tree_utils import reorder_kwargs
-
-    gm = captured.graph_module
-    if kwargs and captured.in_spec is not None:
-        kwargs = reorder_kwargs(kwargs, captured.in_spec)
-    flat = gm.graph._codegen.process_inputs(tuple(args), kwargs)
-    recorder = NodeRecorder(gm, set(names))
-    with torch.no_grad():
-        out = recorder.run(*flat)
-    if isinstance(out, list):
-        out = gm.graph._codegen.process_outputs(out)
-    return recorder.kept, out
+    def lap(self, step: str) -> None:
+        now = time.perf_counter()
+        self.timings[step] = now - self._t
+        self._t = now
 
 
 def compile(
@@ -322,7 +76,9 @@ def compile(
     method: "auto" (transformers models keep their class via the attention interface, anything
     else is captured with torch.export), "hf" or "fx". The original model is never modified.
     """
-    from attnopt import hf
+    from attnopt.graph import GraphTarget
+    from attnopt.hf.interface import is_hf_model
+    from attnopt.hf.target import HfTarget
     from attnopt.policy import Policy
 
     if not isinstance(model, nn.Module):
@@ -334,42 +90,51 @@ def compile(
         )
     if method not in ("auto", "hf", "fx"):
         raise ValueError(f"method must be 'auto', 'hf' or 'fx'; got {method!r}")
-    if tolerance is not None and not (isinstance(tolerance, (int, float)) and tolerance >= 0):
-        raise ValueError(f"tolerance must be a number >= 0 (relative RMS drift of a site); got {tolerance!r}")
+    if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
+                                  or not 0 <= tolerance < float("inf")):
+        raise ValueError(f"tolerance must be a finite number >= 0 (relative RMS drift of a site); got {tolerance!r}")
     policy = Policy.parse(policy)
-    batches = [_as_batch(example_inputs, "example_inputs")]
-    batches += [_as_batch(b, f"calibration[{i}]") for i, b in enumerate(calibration or [])]
+    batches = [as_batch(example_inputs, "example_inputs")]
+    batches += [as_batch(b, f"calibration[{i}]") for i, b in enumerate(calibration or [])]
     name = name or type(model).__name__
     if method == "auto":
-        method = "hf" if hf.is_hf_model(model) else "fx"
-    if method == "hf" and not hf.is_hf_model(model):
+        method = "hf" if is_hf_model(model) else "fx"
+    if method == "hf" and not is_hf_model(model):
         raise ValueError(f"method='hf' needs a transformers model that uses the attention interface; {name} is not one")
 
-    timings: dict = {}
-    notes: list = []
-    t0 = time.perf_counter()
-    model_copy = _copy.deepcopy(model).eval()
-    timings["copy"] = time.perf_counter() - t0
-    if method == "hf":
-        result, sites, near, plans, outcomes, e2e, cap = _compile_hf(model_copy, batches, policy, tolerance, timings, notes)
-    else:
-        result, sites, near, plans, outcomes, e2e, cap = _compile_fx(model_copy, batches, policy, tolerance, timings, notes, name)
-    timings["total"] = time.perf_counter() - t0
+    timer = _Timer()
+    target = (HfTarget if method == "hf" else GraphTarget)(_copy.deepcopy(model).eval(), name)
+    timer.lap("copy")
+    found = target.detect(batches[:1])
+    timer.lap("capture+detect")
+    recording = target.record(found, batches)
+    timer.lap("record")
+    planning = plan_sites(found.sites, policy)
+    verification = verify_sites(found.sites, planning.plans, target.build_context(found.sites, recording), policy,
+                                tolerance, adapt=target.adapt_site)
+    timer.lap("plan+verify_sites")
+    result, splice_counts = target.splice(found.sites, verification.modules)
+    e2e = output_drift(target.run(result, batches), recording.outputs, [_attention_mask_of(b) for b in batches])
+    timer.lap("splice+verify_end_to_end")
+    timer.timings["total"] = sum(timer.timings.values())
 
-    result.attnopt_report = _build_report(
-        model_name=name, policy=policy, method=cap, sites=sites, near_misses=near, plans=plans,
-        outcomes=outcomes, end_to_end=e2e, timings=timings, notes=notes, example_len=_example_len(sites),
+    counts = {"detect": found.counts, "record": recording.counts, "plan": planning.counts,
+              "verify": verification.counts, "splice": splice_counts}
+    result.attnopt_report = build_report(
+        model_name=name, policy=policy, found=found, plans=planning.plans, outcomes=verification.outcomes,
+        end_to_end=e2e, timings=timer.timings, notes=found.notes + recording.notes, counts=counts,
     )
     return result
 
 
-def _build_report(*, model_name, policy, method, sites, near_misses, plans, outcomes, end_to_end, timings, notes, example_len):
+def build_report(*, model_name, policy, found, plans, outcomes, end_to_end, timings, notes, counts):
     """The report is assembled from exactly what the passes returned; only costs are computed here."""
     from attnopt.passes.cost import cost_curve
     from attnopt.report import CompileReport, SiteRecord
 
+    example_len = next((s.q_len for s in found.sites if isinstance(s.q_len, int)), None)
     records = []
-    for site, plan, outcome in zip(sites, plans, outcomes):
+    for site, plan, outcome in zip(found.sites, plans, outcomes):
         n = site.q_len if isinstance(site.q_len, int) else example_len
         try:
             before = cost_curve(site, "exact", {}, example_len=n)
@@ -379,16 +144,9 @@ def _build_report(*, model_name, policy, method, sites, near_misses, plans, outc
             notes.append(f"site {site.id}: cost not computed ({exc})")
         records.append(SiteRecord(site=site, plan=plan, outcome=outcome, costs_before=before, costs_after=after))
     return CompileReport(
-        model_name=model_name, policy=policy, capture=method, sites=records, near_misses=near_misses,
-        end_to_end=end_to_end, timings=timings, notes=notes,
+        model_name=model_name, policy=policy, capture=found.capture, sites=records, near_misses=found.near_misses,
+        end_to_end=end_to_end, timings=timings, notes=notes, counts=counts,
     )
-
-
-def _example_len(sites) -> Optional[int]:
-    for s in sites:
-        if isinstance(s.q_len, int):
-            return s.q_len
-    return None
 
 
 def backend(policy: Any = "hybrid", *, tolerance: Optional[float] = None):

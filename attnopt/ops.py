@@ -1,24 +1,16 @@
-"""Public ops: each rewrite form as a function over SDPA-layout tensors (q [B, H, N, D], k/v [B, Hkv, N, D]).
+"""Public ops: each rewrite form's kernels as functions over SDPA-layout tensors
+(q [B, H, N, D], k/v [B, Hkv, N, D]).
 
 Each is backed by a `torch.library` custom op (one node under torch.export, fake and autograd
-registered) and has an explicit quadratic reference alongside for testing.
+registered) and has an explicit quadratic reference beside it for testing. The list comes from the
+forms registry (`Form.public_ops`), so a new form's op appears here without editing this file.
 """
 
-from attnopt.kernels.decay import decay_attention, decay_attention_step, retnet_decay
-from attnopt.kernels.feature_maps import favor_projection, make_feature_map
-from attnopt.kernels.linear import linear_attention
-from attnopt.kernels.reuse import init_reuse_factors, reuse_attention, reuse_savings
-from attnopt.kernels.window import window_attention
+from attnopt import forms as _forms
 
-__all__ = [
-    "linear_attention",
-    "window_attention",
-    "decay_attention",
-    "decay_attention_step",
-    "retnet_decay",
-    "reuse_attention",
-    "init_reuse_factors",
-    "reuse_savings",
-    "make_feature_map",
-    "favor_projection",
-]
+__all__ = []
+for _form in _forms.registry().values():
+    for _name, _fn in _form.public_ops().items():
+        globals()[_name] = _fn
+        __all__.append(_name)
+del _form, _name, _fn

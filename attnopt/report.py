@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from attnopt.passes.records import Cost, Drift, OutputDrift, SiteOutcome, SitePlan
+from attnopt.passes.records import Cost, Drift, OutputDrift, SiteOutcome, SitePlan, Status
 from attnopt.passes.site import AttentionSite, MaskInfo, NearMiss, SiteNodes
 
-STATUSES = ("rewritten", "kept", "reverted", "unsupported")
+STATUSES = tuple(s.value for s in Status)
 
 
 def _package_version(name: str) -> str:
@@ -65,6 +65,7 @@ class CompileReport:
     end_to_end: Optional[OutputDrift] = None
     timings: dict = field(default_factory=dict)  # pass name -> seconds
     notes: list = field(default_factory=list)
+    counts: dict = field(default_factory=dict)  # pass name -> what that pass counted
     cost_multipliers: tuple = (1, 4, 16)  # the lengths (× example length) of each SiteRecord.costs_*
     torch_version: str = field(default_factory=lambda: _package_version("torch"))
     attnopt_version: str = field(default_factory=lambda: _package_version("attnopt"))
@@ -138,6 +139,7 @@ class CompileReport:
             "totals": self.totals,
             "timings": dict(self.timings),
             "notes": list(self.notes),
+            "counts": dict(self.counts),
             "cost_multipliers": list(self.cost_multipliers),
             "versions": {"torch": self.torch_version, "attnopt": self.attnopt_version},
         }
@@ -163,6 +165,7 @@ class CompileReport:
             end_to_end=_output_drift_from_dict(d.get("end_to_end")),
             timings=dict(d.get("timings", {})),
             notes=list(d.get("notes", [])),
+            counts=dict(d.get("counts", {})),
             cost_multipliers=tuple(d.get("cost_multipliers", (1, 4, 16))),
             torch_version=versions.get("torch", "unknown"),
             attnopt_version=versions.get("attnopt", "unknown"),
@@ -171,7 +174,9 @@ class CompileReport:
     # ------------------------------------------------------------ text
 
     def to_markdown(self) -> str:
-        return _markdown(self)
+        from attnopt.report_text import markdown
+
+        return markdown(self)
 
     def to_html(self, path: Union[str, Path, None] = None) -> str:
         """One self-contained page (inline CSS and SVG, nothing fetched); written to `path` if given."""
@@ -194,127 +199,6 @@ class CompileReport:
         if self.end_to_end is not None and self.end_to_end.worst is not None:
             line += f"; end-to-end worst rel RMS {self.end_to_end.worst.rel_rms:.3g}"
         return line
-
-
-# ---------------------------------------------------------------- markdown
-
-
-def fmt_num(x: Optional[float], digits: int = 3) -> str:
-    """Short number for tables: '—' for None, 'nan'/'inf' kept, else `digits` significant digits."""
-    if x is None:
-        return "—"
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    return f"{x:.{digits}g}"
-
-
-def fmt_flops(x: float) -> str:
-    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(x) >= scale:
-            return f"{x / scale:.3g} {unit}"
-    return f"{x:.3g} "
-
-
-def _md_cell(text: Any) -> str:
-    return str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
-
-
-def site_row(r: SiteRecord, multipliers: tuple) -> dict[str, str]:
-    """The cells of one site-table row, as plain text, shared by the Markdown and HTML tables."""
-    o, s = r.outcome, r.site
-    drift = o.drift
-    last = len(multipliers) - 1
-    return {
-        "id": s.id,
-        "module": s.module_path or "(top level)",
-        "layer": str(s.layer),
-        "mask": s.mask.kind,
-        "form": o.planned_form if o.planned_form == o.final_form else f"{o.planned_form} → {o.final_form}",
-        "status": o.status,
-        "reason": o.reason,
-        "drift": "—" if drift is None else f"{fmt_num(drift.rel_rms)} / {fmt_num(drift.cosine, 4)}",
-        "tolerance": fmt_num(o.tolerance),
-        "ratio_first": fmt_num(r.flops_ratio(0)),
-        "ratio_last": fmt_num(r.flops_ratio(last)),
-    }
-
-
-SITE_COLUMNS = (
-    ("id", "site"),
-    ("module", "module"),
-    ("layer", "layer"),
-    ("mask", "mask"),
-    ("form", "form planned → final"),
-    ("status", "status"),
-    ("reason", "reason"),
-    ("drift", "drift rel-RMS / cosine"),
-    ("tolerance", "tolerance"),
-    ("ratio_first", "FLOPs ratio @first"),
-    ("ratio_last", "FLOPs ratio @last"),
-)
-
-
-def column_titles(multipliers: tuple) -> list[str]:
-    titles = []
-    for key, title in SITE_COLUMNS:
-        if key == "ratio_first":
-            title = f"FLOPs ratio @{multipliers[0]}×"
-        elif key == "ratio_last":
-            title = f"FLOPs ratio @{multipliers[-1]}×"
-        titles.append(title)
-    return titles
-
-
-def _markdown(rep: CompileReport) -> str:
-    t = rep.totals
-    out = [f"# attnopt report: {_md_cell(rep.model_name)}", ""]
-    out.append(
-        f"Capture: {_md_cell(rep.capture)} · torch {rep.torch_version} · attnopt {rep.attnopt_version}"
-    )
-    out += ["", "## Totals", ""]
-    out.append(
-        f"- sites: {t['sites']} ({t['rewritten']} rewritten, {t['kept']} kept, {t['reverted']} reverted, "
-        f"{t['unsupported']} unsupported); near misses: {t['near_misses']}"
-    )
-    for m, b, a, ratio in zip(rep.cost_multipliers, t["flops_before"], t["flops_after"], t["flops_ratio"]):
-        out.append(f"- attention FLOPs at {m}× length: {fmt_flops(b)}FLOP → {fmt_flops(a)}FLOP (ratio {fmt_num(ratio)})")
-    out += ["", "## End-to-end drift", ""]
-    e2e = rep.end_to_end
-    if e2e is None:
-        out.append("not measured")
-    else:
-        out += ["| output | rel RMS | cosine | max abs | finite |", "|---|---|---|---|---|"]
-        for name, d in e2e.per_output.items():
-            out.append(f"| {_md_cell(name)} | {fmt_num(d.rel_rms)} | {fmt_num(d.cosine, 4)} | {fmt_num(d.max_abs)} | {d.finite} |")
-        if e2e.worst is not None:
-            out.append(f"| **worst** | {fmt_num(e2e.worst.rel_rms)} | {fmt_num(e2e.worst.cosine, 4)} | {fmt_num(e2e.worst.max_abs)} | {e2e.worst.finite} |")
-        if e2e.embedding_cosine is not None:
-            out += ["", f"Mean embedding cosine: {fmt_num(e2e.embedding_cosine, 5)}"]
-    out += ["", "## Sites", ""]
-    if rep.sites:
-        titles = column_titles(rep.cost_multipliers)
-        out.append("| " + " | ".join(titles) + " |")
-        out.append("|" + "---|" * len(titles))
-        for r in rep.sites:
-            row = site_row(r, rep.cost_multipliers)
-            out.append("| " + " | ".join(_md_cell(row[k]) for k, _ in SITE_COLUMNS) + " |")
-    else:
-        out.append("No attention sites found.")
-    out += ["", "## Near misses", ""]
-    if rep.near_misses:
-        out += ["| node | module | code | reason |", "|---|---|---|---|"]
-        for n in rep.near_misses:
-            out.append(f"| {_md_cell(n.node)} | {_md_cell(n.module_path)} | {_md_cell(n.code)} | {_md_cell(n.reason)} |")
-    else:
-        out.append("None.")
-    out += ["", "## Policy", "", "```", rep.policy_text().replace("```", "'''"), "```"]
-    if rep.timings:
-        out += ["", "## Timings", ""]
-        out += [f"- {_md_cell(k)}: {v:.3f} s" for k, v in rep.timings.items()]
-    if rep.notes:
-        out += ["", "## Notes", ""]
-        out += [f"- {_md_cell(n)}" for n in rep.notes]
-    return "\n".join(out) + "\n"
 
 
 # ---------------------------------------------------------------- JSON helpers
@@ -360,17 +244,10 @@ def _site_from_dict(d: dict) -> AttentionSite:
 
 
 def _record_from_dict(d: dict) -> SiteRecord:
-    plan = dict(d["plan"])
-    plan["candidates"] = tuple(tuple(c) for c in plan.get("candidates", ()))
-    out = dict(d["outcome"])
-    out["drift"] = _drift(out.get("drift"))
-    out["tried"] = tuple(
-        tuple(_drift(v) if isinstance(v, dict) and "rel_rms" in v else v for v in t) for t in out.get("tried", ())
-    )
     return SiteRecord(
         site=_site_from_dict(d["site"]),
-        plan=SitePlan(**plan),
-        outcome=SiteOutcome(**out),
+        plan=SitePlan.from_dict(d["plan"]),
+        outcome=SiteOutcome.from_dict(d["outcome"]),
         costs_before=[Cost(**c) for c in d.get("costs_before", [])],
         costs_after=[Cost(**c) for c in d.get("costs_after", [])],
     )

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import html
 import math
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-from attnopt.report import SITE_COLUMNS, column_titles, fmt_flops, fmt_num, site_row
-
-if TYPE_CHECKING:
-    from attnopt.report import CompileReport
+from attnopt.report_text import SITE_COLUMNS, column_titles, fmt_flops, fmt_num, site_row
 
 STATUS_COLOURS = {"rewritten": "#2f9e44", "reverted": "#e8590c", "kept": "#868e96", "unsupported": "#adb5bd"}
 BEFORE_COLOUR, AFTER_COLOUR, TOL_COLOUR = "#495057", "#1c7ed6", "#c92a2a"
@@ -47,7 +44,7 @@ def esc(x: Any) -> str:
 # ---------------------------------------------------------------- plots
 
 
-def drift_svg(rep: "CompileReport", width: int = 560, height: int = 260) -> str:
+def drift_svg(rep, width: int = 560, height: int = 260) -> str:
     """Bars of each site's relative RMS drift in plan order, its tolerance as a red tick, colour by status."""
     left, right, top, bottom = 48, 12, 14, 46
     records = rep.sites
@@ -102,7 +99,7 @@ def drift_svg(rep: "CompileReport", width: int = 560, height: int = 260) -> str:
     return "".join(parts)
 
 
-def cost_svg(rep: "CompileReport", width: int = 520, height: int = 260) -> str:
+def cost_svg(rep, width: int = 520, height: int = 260) -> str:
     """Total attention FLOPs, original vs rewritten, at each length multiplier; both axes log-scale."""
     left, right, top, bottom = 64, 16, 14, 46
     before, after = rep.flops_before, rep.flops_after
@@ -150,7 +147,7 @@ def cost_svg(rep: "CompileReport", width: int = 520, height: int = 260) -> str:
     return "".join(parts)
 
 
-def _lengths(rep: "CompileReport") -> Optional[list]:
+def _lengths(rep) -> Optional[list]:
     """The query lengths behind each multiplier when every site agrees on them, else None."""
     seen = {tuple(c.seq_len for c in r.costs_before) for r in rep.sites if r.costs_before}
     if len(seen) == 1:
@@ -167,7 +164,7 @@ def _card(value: Any, label: str) -> str:
     return f'<div class="card"><b>{esc(value)}</b><span>{esc(label)}</span></div>'
 
 
-def _site_table(rep: "CompileReport") -> str:
+def _site_table(rep) -> str:
     if not rep.sites:
         return "<p>No attention sites found.</p>"
     numeric = {"layer", "drift", "tolerance", "ratio_first", "ratio_last"}
@@ -184,7 +181,7 @@ def _site_table(rep: "CompileReport") -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
-def _near_miss_table(rep: "CompileReport") -> str:
+def _near_miss_table(rep) -> str:
     if not rep.near_misses:
         return "<p>None.</p>"
     rows = "".join(
@@ -194,7 +191,7 @@ def _near_miss_table(rep: "CompileReport") -> str:
     return f"<table><thead><tr><th>node</th><th>module</th><th>code</th><th>reason</th></tr></thead><tbody>{rows}</tbody></table>"
 
 
-def _e2e_table(rep: "CompileReport") -> str:
+def _e2e_table(rep) -> str:
     e2e = rep.end_to_end
     if e2e is None:
         return "<p>Not measured.</p>"
@@ -211,7 +208,7 @@ def _e2e_table(rep: "CompileReport") -> str:
     return table
 
 
-def _totals_table(rep: "CompileReport") -> str:
+def _totals_table(rep) -> str:
     t = rep.totals
     rows = "".join(
         f'<tr><td>{esc(m)}×</td><td class="num">{esc(fmt_flops(b))}FLOP</td><td class="num">{esc(fmt_flops(a))}FLOP</td>'
@@ -224,7 +221,7 @@ def _totals_table(rep: "CompileReport") -> str:
     )
 
 
-def render_html(rep: "CompileReport") -> str:
+def render_html(rep) -> str:
     t = rep.totals
     ratio = t["flops_ratio"][-1] if t["flops_ratio"] else None
     worst = rep.end_to_end.worst.rel_rms if rep.end_to_end is not None and rep.end_to_end.worst is not None else None

@@ -7,9 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from attnopt.passes.forms import form_spec
+from attnopt import forms
+from attnopt.passes.plan import plan_sites
 
-from attnopt.passes.forms import PolicyError
+from attnopt.policy import PolicyError
 from attnopt.passes.site import AttentionSite, MaskInfo, SiteNodes
 from attnopt.policy import Policy, Rule, hybrid_policy
 
@@ -81,17 +82,24 @@ def test_auto_preset_candidates_are_cheapest_first_and_respect_preconditions():
     p = Policy.parse("auto")
     assert p.auto and p.rules == ()
     assert p.choose(make_site(layer=3), NUM_LAYERS) == (None, -1)
-    causal_long = make_site(layer=3, q_len=512, causal=True)
-    forms = [f for f, _ in p.candidates(causal_long, NUM_LAYERS)]
-    assert forms == ["linear", "ssm", "window", "reuse", "exact"]
-    window_params = dict(p.candidates(causal_long, NUM_LAYERS))["window"]
+    assert [f for f, _ in p.auto_candidates()] == ["linear", "ssm", "window", "reuse"]
+    window_params = dict(p.auto_candidates())["window"]
     assert (window_params["window"], window_params["sinks"]) == (64, 4)
+
+    # Applicability is the forms' why_not, asked by the planner (the policy only matches rules).
+    def planned(*sites):
+        return [[f for f, _ in plan.candidates] for plan in plan_sites(list(sites), p).plans]
+
+    anchor = make_site(layer=2, q_len=512, causal=True)
+    causal_long = make_site(layer=3, q_len=512, causal=True)
+    assert planned(anchor, causal_long)[1] == ["linear", "ssm", "window", "reuse"]
     # layer 0: nothing to reuse; kv_len 60 <= 64 + 4: window saves nothing; not causal: no ssm
     first_short = make_site(layer=0, q_len=60, causal=False)
-    assert [f for f, _ in p.candidates(first_short, NUM_LAYERS)] == ["linear", "exact"]
-    assert {f for f, _ in p.excluded(first_short)} == {"ssm", "window", "reuse"}
+    (plan,) = plan_sites([first_short], p).plans
+    assert [f for f, _ in plan.candidates] == ["linear"]
+    assert all(f"{f}:" in plan.reason for f in ("ssm", "window", "reuse"))
     # an arbitrary mask is only honoured by exact attention
-    assert [f for f, _ in p.candidates(make_site(layer=3, q_len=512, arbitrary=True), NUM_LAYERS)] == ["exact"]
+    assert planned(make_site(layer=3, q_len=512, arbitrary=True)) == [[]]
     assert Policy.parse("auto+tolerance:0.2").tolerance == 0.2
 
 
@@ -99,7 +107,7 @@ def test_tolerance_resolution_order():
     p = Policy.parse({"tolerance": 0.1, "rules": [{"form": "linear", "tolerance": 0.5}]})
     assert p.tolerance_for("linear", p.rules[0].params) == 0.5
     assert p.tolerance_for("window", {}) == 0.1
-    assert Policy.parse("linear").tolerance_for("linear", {}) == form_spec("linear").default_tolerance
+    assert Policy.parse("linear").tolerance_for("linear", {}) == forms.get("linear").default_tolerance
     assert Policy.parse("auto").tolerance == 0.3  # auto picks for the user: a tighter default bar
 
 

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from attnopt.passes.cost import cost_curve
-from attnopt.passes.records import Drift, OutputDrift, SiteOutcome, SitePlan
+from attnopt.passes.records import Attempt, Drift, OutputDrift, SiteOutcome, SitePlan, Status, Verdict
 from attnopt.passes.site import AttentionSite, MaskInfo, NearMiss, SiteNodes
 from attnopt.policy import Policy
 from attnopt.report import CompileReport, SiteRecord
@@ -36,9 +36,10 @@ def record(layer, module, planned, final, status, reason, drift=None, tolerance=
     plan = SitePlan(site_id=site.id, form=planned, params=params, rule=f"rule for {module}", reason=f"plan: {reason}",
                     candidates=((planned, params), ("exact", {})))
     outcome = SiteOutcome(
-        site_id=site.id, planned_form=planned, final_form=final, params=params, status=status,
+        site_id=site.id, planned_form=planned, final_form=final, params=params, status=Status(status),
         reason=reason, tolerance=tolerance, drift=drift,
-        tried=((planned, params, drift, status),) if drift is not None else (),
+        tried=(Attempt(planned, params, drift, Verdict.ACCEPTED if status == "rewritten" else Verdict.OVER_TOLERANCE,
+                       reason, tolerance),) if drift is not None else (),
     )
     return SiteRecord(site, plan, outcome, cost_curve(site, "exact", {}), cost_curve(site, final, params))
 

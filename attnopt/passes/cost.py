@@ -16,12 +16,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
 
-from attnopt.passes.forms import form_spec
+from attnopt import forms
+from attnopt.forms.linear import CHUNK, feature_count  # noqa: F401  (re-exported: the cost model's M and C)
 from attnopt.passes.records import Cost
-
-# Causal linear/ssm kernels process the sequence in chunks of C: exact-style masked products inside
-# a chunk, a carried state between chunks (the usual chunked-scan formulation).
-CHUNK = 64
 
 ELEMENT_BYTES = {
     "float64": 8, "double": 8, "complex64": 8,
@@ -37,20 +34,6 @@ def element_bytes(dtype: str) -> int:
     if name not in ELEMENT_BYTES:
         raise ValueError(f"unknown dtype {dtype!r} for the cost model; known: {', '.join(sorted(ELEMENT_BYTES))}")
     return ELEMENT_BYTES[name]
-
-
-def feature_count(feature_map: str, num_features: int, D: int) -> int:
-    """M, the length of φ(x) for a linear-attention feature map (defaults as documented in forms.py)."""
-    if feature_map in ("elu", "relu", "identity"):
-        return D
-    if feature_map == "favor":
-        return num_features or 2 * D
-    if feature_map == "hedgehog":
-        # softmax over [Wx, −Wx]: twice the projected width
-        return 2 * (num_features or D)
-    if feature_map == "taylor":
-        return 1 + D + D * D  # 2nd-order Taylor expansion of exp(qᵀk): 1, x, x⊗x
-    raise ValueError(f"unknown feature map {feature_map!r}; known: elu, relu, identity, favor, hedgehog, taylor")
 
 
 def scaled_lengths(site: Any, seq_len: int) -> tuple[int, int]:
@@ -71,11 +54,6 @@ def _batch(site: Any, batch: Optional[int]) -> int:
     return site.batch if isinstance(site.batch, int) else 1
 
 
-def _io_elems(B: int, H: int, Nq: int, Nk: int, Dqk: int, Dv: int) -> int:
-    """Elements of q, k, v read and o written (k/v counted at H heads, as the kernels expand them)."""
-    return B * H * (Nq * Dqk + Nk * Dqk + Nk * Dv + Nq * Dv)
-
-
 def site_cost(site: Any, form: str, params: Optional[Mapping] = None, seq_len: Optional[int] = None, *, batch: Optional[int] = None) -> Cost:
     """Attention-only FLOPs and bytes of `site` rewritten as `form` at query length `seq_len`.
 
@@ -83,7 +61,7 @@ def site_cost(site: Any, form: str, params: Optional[Mapping] = None, seq_len: O
     so a reverted site can pass its planned params unchanged. `seq_len` defaults to the
     captured q_len, which must then be an int. `batch` overrides a symbolic site.batch (default 1).
     """
-    spec = form_spec(form)
+    spec = forms.get(form)
     # Exact attention has no knobs: a reverted site passes its planned form's params, which do not apply.
     p = spec.validate({} if spec.name == "exact" else dict(params or {}))
     if seq_len is None:
@@ -92,41 +70,11 @@ def site_cost(site: Any, form: str, params: Optional[Mapping] = None, seq_len: O
         seq_len = site.q_len
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
-    B, H = _batch(site, batch), site.heads
-    D, Dv = site.head_dim, site.v_head_dim
     Nq, Nk = scaled_lengths(site, seq_len)
-    elem = element_bytes(site.dtype)
-    name = spec.name
-
-    if name == "exact":
-        flops = 2 * B * H * Nq * Nk * (D + Dv)
-        elems = B * H * Nq * Nk + _io_elems(B, H, Nq, Nk, D, Dv)
-    elif name == "reuse":
-        # Softmax attention over the reused q/k plus a rank-r correction: still quadratic in N.
-        Dqk = D + p["rank"]
-        flops = 2 * B * H * Nq * Nk * (Dqk + Dv)
-        elems = B * H * Nq * Nk + _io_elems(B, H, Nq, Nk, Dqk, Dv)
-    elif name == "window":
-        visible = p["window"] if site.causal else 2 * p["window"] - 1
-        keys = min(visible + p["sinks"], Nk)
-        flops = 2 * B * H * Nq * keys * (D + Dv)
-        elems = B * H * Nq * keys + _io_elems(B, H, Nq, Nk, D, Dv)
-    elif name in ("linear", "ssm"):
-        fmap = p["feature_map"]
-        M = feature_count(fmap, p.get("num_features", 0), D)
-        # state S = Σ φ(k) vᵀ and normaliser z = Σ φ(k) over the keys, then φ(q)ᵀS and φ(q)ᵀz per query
-        flops = 2 * B * H * M * (Dv + 1) * (Nq + Nk)
-        if fmap in ("favor", "hedgehog"):
-            # random / learned projection of q and k to the feature space
-            flops += 2 * B * H * (Nq + Nk) * D * (M // 2 if fmap == "hedgehog" else M)
-        causal = site.causal or name == "ssm"
-        if causal:
-            C = min(CHUNK, Nq)
-            flops += 2 * B * H * Nq * C * (M + Dv)
-        elems = B * H * M * (Dv + 1) + _io_elems(B, H, Nq, Nk, D, Dv)
-    else:  # a form added to the table without a cost entry
-        raise ValueError(f"no cost model for form {name!r}; add one in attnopt/passes/cost.py")
-    return Cost(seq_len=seq_len, flops=float(flops), bytes=float(elems * elem))
+    if Nq < p.get("min_seq_len", 0):  # the site dispatches to exact attention below min_seq_len
+        spec, p = forms.get("exact"), {}
+    c = spec.cost(site, p, _batch(site, batch), Nq, Nk)
+    return Cost(seq_len=seq_len, flops=float(c.flops), bytes=float(c.elements * element_bytes(site.dtype)))
 
 
 def cost_curve(
@@ -155,7 +103,7 @@ def reuse_projection_flops_saved(site: Any, params: Optional[Mapping] = None, se
 
     The model width is taken as H·D (the usual hidden size); the correction adds rank-r q/k projections.
     """
-    p = form_spec("reuse").validate(dict(params or {}))
+    p = forms.get("reuse").validate(dict(params or {}))
     if seq_len is None:
         if not isinstance(site.q_len, int):
             raise ValueError(f"site {site.id}: q_len is symbolic ({site.q_len!r}); pass seq_len explicitly")

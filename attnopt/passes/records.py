@@ -1,9 +1,52 @@
-"""Plain data the planner and the verifier produce; the report is built from exactly these."""
+"""Plain data the passes exchange; the report is built from exactly these."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import enum
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
+
+import torch
+
+
+class Status(str, enum.Enum):
+    """What became of a site. A str, so reports and JSON read the plain word."""
+
+    REWRITTEN = "rewritten"  # the planned form runs, verified within tolerance
+    KEPT = "kept"  # the plan chose exact
+    REVERTED = "reverted"  # the form was built and verified, and failed its tolerance
+    UNSUPPORTED = "unsupported"  # the form cannot serve this site (the reason says why): exact
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Verdict(str, enum.Enum):
+    """How one attempt of one form on one site ended."""
+
+    ACCEPTED = "accepted"
+    OVER_TOLERANCE = "over_tolerance"
+    NOT_FINITE = "not_finite"
+    UNSUPPORTED = "unsupported"  # the form could not be built here (SiteUnsupported)
+    FAILED = "failed"  # building or running it raised
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class SiteCall:
+    """One recorded call of a site: its inputs in the site's layout and the exact output."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: Optional[torch.Tensor]
+    out: torch.Tensor  # [B, H, Nq, Dv] (or the site's rank-3 layout)
+    x: Optional[torch.Tensor] = None  # the layer's input to its q projection [B, N, C], when recorded
+
+    def detached(self) -> "SiteCall":
+        return replace(self, q=self.q.detach(), k=self.k.detach(), v=self.v.detach(), out=self.out.detach())
 
 
 @dataclass(frozen=True)
@@ -11,15 +54,21 @@ class SitePlan:
     """What the planner chose for one site, and why."""
 
     site_id: str
-    form: str  # a key of attnopt.passes.forms.FORMS ("exact" = keep)
+    form: str  # a registered form name (attnopt.forms; "exact" = keep)
     params: dict  # validated parameters of the form, defaults filled in
     rule: Optional[str]  # text of the policy rule that chose it (None: no rule matched -> exact)
     reason: str  # plain words: "rule 2 (layers 1..4) chose window", "mask is arbitrary: kept exact", ...
-    candidates: tuple = ()  # for "auto": forms to try cheapest-first, each a (form, params) pair
+    candidates: tuple = ()  # forms to try in order, each a (form, params) pair (one for a rule, several for auto)
     unsupported: bool = False  # `form` cannot replace this site (`reason` says why): it stays exact
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SitePlan":
+        d = dict(d)
+        d["candidates"] = tuple(tuple(c) for c in d.get("candidates", ()))
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -36,6 +85,31 @@ class Drift:
 
 
 @dataclass(frozen=True)
+class Attempt:
+    """One form tried on one site: its parameters, measured drift, verdict and the reason in words."""
+
+    form: str
+    params: dict
+    drift: Optional["Drift"]
+    verdict: Verdict
+    reason: str
+    tolerance: Optional[float] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["verdict"] = self.verdict.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Attempt":
+        d = dict(d)
+        drift = d.get("drift")
+        d["drift"] = Drift(**drift) if isinstance(drift, dict) else None
+        d["verdict"] = Verdict(d["verdict"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
 class SiteOutcome:
     """The final decision for one site after verification."""
 
@@ -43,14 +117,25 @@ class SiteOutcome:
     planned_form: str
     final_form: str  # == planned_form when accepted, "exact" when reverted
     params: dict
-    status: str  # "rewritten" | "kept" (planned exact) | "reverted" | "unsupported"
+    status: Status
     reason: str  # plain words, e.g. "drift 0.41 > tolerance 0.35: reverted to exact"
     tolerance: Optional[float] = None
     drift: Optional[Drift] = None  # site drift given the ORIGINAL upstream activations
-    tried: tuple = ()  # for "auto": ((form, params, Drift|None, verdict), ...)
+    tried: tuple = ()  # every Attempt, in the order tried
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["status"] = Status(self.status).value
+        d["tried"] = [a.to_dict() for a in self.tried]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SiteOutcome":
+        d = dict(d)
+        d["status"] = Status(d["status"])
+        d["drift"] = Drift(**d["drift"]) if isinstance(d.get("drift"), dict) else None
+        d["tried"] = tuple(Attempt.from_dict(a) for a in d.get("tried", ()))
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -79,3 +164,14 @@ class OutputDrift:
             "worst": self.worst.to_dict() if self.worst else None,
             "embedding_cosine": self.embedding_cosine,
         }
+
+
+@dataclass
+class Detection:
+    """What capture + detection found: the sites, the near misses, how the graph was captured."""
+
+    sites: list = field(default_factory=list)  # list[AttentionSite], in layer order
+    near_misses: list = field(default_factory=list)  # list[NearMiss]
+    capture: str = ""  # e.g. "torch.export", "export+hf", "hf"
+    notes: list = field(default_factory=list)
+    counts: dict = field(default_factory=dict)

@@ -91,6 +91,7 @@ class AttentionSite:
     dtype: str  # e.g. "float32"
     nodes: SiteNodes
     spelling: tuple = ()  # tags of the alternatives that matched, e.g. ("scale:div", "mask:masked_fill")
+    softcap: Optional[float] = None  # logits pass through softcap·tanh(s/softcap) first (Gemma-2)
 
     @property
     def gqa_groups(self) -> int:

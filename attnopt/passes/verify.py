@@ -1,4 +1,4 @@
-"""Verify pass: how far each rewritten site and the whole model moved, and which sites to revert.
+"""Verify pass: build each planned form, measure its drift, and accept it or keep the site exact.
 
 Per site, the rewritten op runs on the ORIGINAL upstream activations recorded from the exact model
 (q, k, v, mask of that site), so a site's drift is its own approximation error, not the sum of
@@ -7,40 +7,15 @@ everything upstream. End to end, the rewritten model runs on the same inputs as 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional
 
 import torch
 import torch.utils._pytree as pytree
 
-from attnopt.passes.records import Drift, OutputDrift
-
-
-@dataclass
-class SiteCall:
-    """One recorded call of a site: its inputs in the site's layout and the exact output."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    mask: Optional[torch.Tensor]
-    out: torch.Tensor  # [B, H, Nq, Dv] (or the site's rank-3 layout)
-    x: Optional[torch.Tensor] = None  # the layer's input to its q projection [B, N, C], when recorded
-
-
-class NodeRecorder(torch.fx.Interpreter):
-    """Runs a whole graph and keeps the values of the named nodes (the sites' inputs and outputs)."""
-
-    def __init__(self, gm: torch.fx.GraphModule, names: set):
-        super().__init__(gm, garbage_collect_values=True)
-        self.names = names
-        self.kept: dict = {}
-
-    def run_node(self, n: torch.fx.Node) -> Any:
-        value = super().run_node(n)
-        if n.name in self.names:
-            self.kept[n.name] = value
-        return value
+from attnopt import forms
+from attnopt.forms.base import BuildContext, SiteUnsupported
+from attnopt.passes.records import Attempt, Drift, OutputDrift, SiteCall, SiteOutcome, Status, Verdict
 
 
 def drift(out: torch.Tensor, ref: torch.Tensor) -> Drift:
@@ -84,13 +59,97 @@ def site_drift(module: torch.nn.Module, calls: list[SiteCall], anchor_calls: Opt
     return worst(drifts)
 
 
-def judge(d: Drift, tolerance: float) -> tuple[bool, str]:
+def judge(d: Drift, tolerance: float) -> tuple[Verdict, str]:
     """Accept or revert a site drift, with the reason in words."""
     if not d.finite:
-        return False, "output has NaN/Inf: reverted to exact"
+        return Verdict.NOT_FINITE, "output has NaN/Inf: reverted to exact"
     if d.rel_rms > tolerance:
-        return False, f"drift {d.rel_rms:.3g} > tolerance {tolerance:.3g}: reverted to exact"
-    return True, f"drift {d.rel_rms:.3g} <= tolerance {tolerance:.3g}"
+        return Verdict.OVER_TOLERANCE, f"drift {d.rel_rms:.3g} > tolerance {tolerance:.3g}: reverted to exact"
+    return Verdict.ACCEPTED, f"drift {d.rel_rms:.3g} <= tolerance {tolerance:.3g}"
+
+
+@dataclass
+class SiteVerification:
+    """Every site's outcome, the accepted site modules by site id, and the counts per status."""
+
+    outcomes: list = field(default_factory=list)  # list[SiteOutcome], in site order
+    modules: dict = field(default_factory=dict)  # site id -> SiteModule (accepted sites only)
+    counts: dict = field(default_factory=dict)
+
+
+def tolerance_of(form: str, params: dict, tolerance: Optional[float], policy) -> float:
+    """A rule's own tolerance, else compile(tolerance=...), else the policy's, else the form's default."""
+    if tolerance is not None and params.get("tolerance") is None:
+        return float(tolerance)
+    return float(policy.tolerance_for(form, params))
+
+
+def try_form(site, form: str, params: dict, context: BuildContext, tol: float) -> tuple[Attempt, Any]:
+    """Build one form for one site, fit it, verify it: (the Attempt, the module if accepted else None)."""
+    spec = forms.get(form)
+    calls = context.calls[site.id]
+    try:
+        module = spec.build(site, params, context)
+        # Fitted on the example batch only: calibration batches stay held out for the verdict.
+        fit = spec.fit(module, calls[:1])
+        anchor_calls = context.calls.get(module.anchor_id) if module.uses_anchor_qk else None
+        d = site_drift(module, calls, anchor_calls)
+    except SiteUnsupported as exc:
+        return Attempt(form, params, None, Verdict.UNSUPPORTED, f"unsupported: {exc}", tol), None
+    except Exception as exc:  # a failed rewrite leaves the site exact, and says why
+        return Attempt(form, params, None, Verdict.FAILED, f"rewrite failed: {type(exc).__name__}: {exc}", tol), None
+    verdict, reason = judge(d, tol)
+    if fit is not None:
+        reason = (f"{fit.what} fitted to this site's softmax outputs "
+                  f"(rel RMS {fit.rel_rms_before:.3g} -> {fit.rel_rms_after:.3g}); {reason}")
+    return Attempt(form, params, d, verdict, reason, tol), (module if verdict is Verdict.ACCEPTED else None)
+
+
+def verify_sites(sites, plans, context: BuildContext, policy, tolerance: Optional[float] = None,
+                 adapt: Callable = lambda s: s) -> SiteVerification:
+    """Build, verify and accept or revert every planned site; `adapt` gives the mechanism's view of a site."""
+    outcomes, modules = [], {}
+    adapted = [adapt(s) for s in sites]
+    context = replace(context, sites=adapted)
+    for site, plan in zip(adapted, plans):
+        outcome, module = _decide(site, plan, context, policy, tolerance)
+        outcomes.append(outcome)
+        if module is not None:
+            modules[site.id] = module
+    counts = {str(s): 0 for s in Status}
+    for o in outcomes:
+        counts[str(o.status)] += 1
+    counts["attempts"] = sum(len(o.tried) for o in outcomes)
+    return SiteVerification(outcomes, modules, counts)
+
+
+def _decide(site, plan, context, policy, tolerance) -> tuple[SiteOutcome, Any]:
+    if plan.unsupported:
+        return SiteOutcome(site.id, plan.form, "exact", plan.params, Status.UNSUPPORTED, plan.reason), None
+    if not plan.candidates:  # planned exact, or auto with nothing cheaper
+        return SiteOutcome(site.id, "exact", "exact", plan.params, Status.KEPT, plan.reason), None
+    first_form, first_params = plan.candidates[0]
+    if not context.calls.get(site.id):
+        return SiteOutcome(site.id, first_form, "exact", first_params, Status.UNSUPPORTED,
+                           "the site was not reached on the example inputs, so it cannot be verified: kept exact"), None
+    tried = []
+    for form, params in plan.candidates:
+        attempt, module = try_form(site, form, params, context, tolerance_of(form, params, tolerance, policy))
+        tried.append(attempt)
+        if module is not None:
+            reason = (f"auto: {form} is the cheapest form within tolerance ({attempt.reason})" if plan.rule == "auto"
+                      else f"{plan.reason}; {attempt.reason}")
+            return SiteOutcome(site.id, first_form, form, params, Status.REWRITTEN, reason, attempt.tolerance,
+                               attempt.drift, tuple(tried)), module
+    last = tried[-1]
+    if plan.rule == "auto":
+        status = Status.REVERTED
+        reason = "auto: no form within tolerance (" + "; ".join(f"{t.form}: {t.reason}" for t in tried) + "): kept exact"
+    else:
+        status = Status.UNSUPPORTED if last.verdict is Verdict.UNSUPPORTED else Status.REVERTED
+        reason = last.reason
+    return SiteOutcome(site.id, first_form, "exact", first_params, status, reason, last.tolerance, last.drift,
+                       tuple(tried)), None
 
 
 def _leaves(output: Any) -> list[tuple[str, torch.Tensor]]:

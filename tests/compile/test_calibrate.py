@@ -4,10 +4,12 @@ import torch
 import torch.nn.functional as F
 
 import attnopt
-from attnopt.passes.calibrate import fit_feature_map
-from attnopt.passes.forms import form_spec
-from attnopt.passes.rewrite import RewrittenSite
-from attnopt.passes.verify import SiteCall, site_drift
+from attnopt import forms
+from attnopt.forms.base import BuildContext
+from attnopt.passes.records import SiteCall
+from attnopt.passes.verify import site_drift
+
+LINEAR = forms.get("linear")
 
 
 class Sdpa(torch.nn.Module):
@@ -23,18 +25,18 @@ def _inputs(seed):
 def test_hedgehog_fit_reduces_drift_and_only_moves_the_map():
     q, k, v = _inputs(0)
     (site,) = attnopt.inspect(Sdpa(), q, k, v, dynamic=False).sites
-    params = form_spec("linear").validate({"feature_map": "hedgehog"})
-    module = RewrittenSite(site, "linear", params)
+    params = LINEAR.validate({"feature_map": "hedgehog"})
+    module = LINEAR.build(site, params, BuildContext())
     calls = [SiteCall(q, k, v, None, Sdpa()(q, k, v))]
     before = site_drift(module, calls).rel_rms
-    fit = fit_feature_map(module, calls, steps=80)
+    fit = LINEAR.fit(module, calls, steps=80)
     after = site_drift(module, calls).rel_rms
     assert abs(fit.rel_rms_before - before) < 1e-4 and abs(fit.rel_rms_after - after) < 1e-4
     assert after < 0.85 * before, (before, after)
     # Held-out inputs from the same distribution improve too (the map learnt the kernel, not the data).
     q2, k2, v2 = _inputs(1)
     held = [SiteCall(q2, k2, v2, None, Sdpa()(q2, k2, v2))]
-    fresh = RewrittenSite(site, "linear", params)
+    fresh = LINEAR.build(site, params, BuildContext())
     assert site_drift(module, held).rel_rms < site_drift(fresh, held).rel_rms
     assert not any(p.requires_grad for p in module.parameters())
 
@@ -42,5 +44,5 @@ def test_hedgehog_fit_reduces_drift_and_only_moves_the_map():
 def test_fixed_maps_have_nothing_to_fit():
     q, k, v = _inputs(0)
     (site,) = attnopt.inspect(Sdpa(), q, k, v, dynamic=False).sites
-    params = form_spec("linear").validate({"feature_map": "elu"})
-    assert fit_feature_map(RewrittenSite(site, "linear", params), [SiteCall(q, k, v, None, v)]) is None
+    params = LINEAR.validate({"feature_map": "elu"})
+    assert LINEAR.fit(LINEAR.build(site, params, BuildContext()), [SiteCall(q, k, v, None, v)]) is None

@@ -64,7 +64,7 @@ def test_every_site_rewritten_and_model_runs_at_other_shapes(policy, form):
     out = opt(_x(n=50, b=3, seed=2))  # dynamic batch and length
     assert set(out) == {"probs", "hidden"} and out["hidden"].shape == (3, 50, C)
     assert torch.isfinite(out["hidden"]).all()
-    # Each rewritten site leaves one RewrittenSite module in the graph; the softmax chains are gone.
+    # Each rewritten site leaves one SiteModule in the graph; the softmax chains are gone.
     gm = opt.graph_module
     assert sum(1 for n in gm.graph.nodes if n.op == "call_module" and "attnopt_site" in str(n.target)) == 3
     assert sum(1 for n in gm.graph.nodes if "softmax" in str(n.target)) == 1

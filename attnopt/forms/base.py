@@ -1,0 +1,290 @@
+"""The contract every rewrite form implements, and the few pieces all forms share.
+
+A form is one module in `attnopt/forms/` that holds everything about one way of computing a site:
+its parameters (types, ranges, defaults, preset syntax), the one applicability check `why_not` that
+explicit rules and `auto` both use, its cost model, the site module it builds, and its optional fit
+step. `attnopt.forms` discovers those modules, so a new form is one kernel file plus one forms file.
+
+Letters: B batch, H query heads, Hkv key/value heads, Nq/Nk query/key length, D head dim of q and
+k, Dv head dim of v. Tensors are in SDPA layout [B, H, N, D] unless a name says otherwise.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+from attnopt.passes.masks import exact_attention, key_keep
+from attnopt.passes.records import SiteCall
+from attnopt.passes.site import AttentionSite
+from attnopt.policy.errors import PolicyError
+
+
+class SiteUnsupported(ValueError):
+    """A planned form cannot be built for this site by this rewrite mechanism; the message says why."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of a form: its type, default and (optionally) the allowed values or bounds."""
+
+    type: type | tuple  # int, float, str, bool, or a tuple of accepted types
+    default: Any
+    choices: Optional[tuple] = None
+    minimum: Optional[float] = None
+    maximum: Optional[float] = None
+    doc: str = ""
+
+    def check(self, form: str, name: str, value: Any) -> Any:
+        types = self.type if isinstance(self.type, tuple) else (self.type,)
+        if float in types and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if bool not in types and isinstance(value, bool):
+            raise PolicyError(f"form {form!r}: parameter {name!r} got {value!r}; expected {_type_names(types)}")
+        if not isinstance(value, types):
+            raise PolicyError(
+                f"form {form!r}: parameter {name!r} got {value!r} ({type(value).__name__}); expected {_type_names(types)}"
+            )
+        if self.choices is not None and value not in self.choices:
+            raise PolicyError(
+                f"form {form!r}: parameter {name!r} got {value!r}; allowed values: " + ", ".join(repr(c) for c in self.choices)
+            )
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if value != value:  # NaN passes every comparison below
+                raise PolicyError(f"form {form!r}: parameter {name!r} got nan; expected a number")
+            if self.minimum is not None and value < self.minimum:
+                raise PolicyError(f"form {form!r}: parameter {name!r} got {value!r}; must be >= {self.minimum:g}")
+            if self.maximum is not None and value > self.maximum:
+                raise PolicyError(f"form {form!r}: parameter {name!r} got {value!r}; must be <= {self.maximum:g}")
+        return value
+
+
+def _type_names(types: tuple) -> str:
+    return " or ".join("null" if t is type(None) else t.__name__ for t in types)
+
+
+# Parameters every form accepts: run-time fallback to exact below `min_seq_len`, and a per-rule
+# drift tolerance (relative RMS of the site output) overriding the form's default.
+COMMON_PARAMS: dict[str, Param] = {
+    "min_seq_len": Param(int, 0, minimum=0, doc="below this query length the site runs exact attention"),
+    "tolerance": Param((float, type(None)), None, minimum=0.0, doc="max relative RMS drift of the site output"),
+}
+
+
+@dataclass(frozen=True)
+class SiteGeometry:
+    """What a rewritten site must know about the attention it replaces (copied from AttentionSite)."""
+
+    site_id: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    causal: bool
+    model_window: Optional[int]  # the model's own sliding window, if any
+    keep_when: str
+
+    @classmethod
+    def of(cls, site: AttentionSite) -> "SiteGeometry":
+        return cls(
+            site_id=site.id, heads=site.heads, kv_heads=site.kv_heads, head_dim=site.head_dim,
+            scale=float(site.scale), causal=bool(site.causal), model_window=site.window,
+            keep_when=site.mask.keep_when,
+        )
+
+
+@dataclass
+class BuildContext:
+    """What building a site may need beyond the site: the other sites, recorded calls, the mechanism.
+
+    `projections(site)` returns the site's own (q_proj, k_proj) nn.Linear pair where the mechanism
+    can read them (transformers modules), else None: the reuse residual is fitted from them.
+    """
+
+    sites: Sequence[AttentionSite] = ()
+    calls: Mapping[str, list] = field(default_factory=dict)  # site id -> [SiteCall]
+    projections: Optional[Callable[[AttentionSite], Optional[tuple]]] = None
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """Relative RMS of the site output before and after fitting, and the steps taken."""
+
+    what: str  # e.g. "hedgehog map"
+    rel_rms_before: float
+    rel_rms_after: float
+    steps: int
+
+
+class SiteModule(nn.Module, abc.ABC):
+    """One site in a cheap form; exact below `min_seq_len`. Takes and returns the site's own layout.
+
+    Subclasses implement `attend` on 4-D tensors; this class handles the bmm spelling [B·H, N, D],
+    the run-time key padding read from the site's mask, and the exact fallback.
+    """
+
+    form: ClassVar[str] = ""
+    uses_anchor_qk: ClassVar[bool] = False  # called with an earlier site's q and k (reuse)
+    needs_layer_input: ClassVar[bool] = False  # called with x, the layer's input (reuse residual)
+
+    def __init__(self, site: AttentionSite, params: Mapping[str, Any]):
+        super().__init__()
+        self.geometry = SiteGeometry.of(site)
+        self.params = dict(params)
+        self.min_seq_len = int(self.params.get("min_seq_len", 0) or 0)
+        # Set by the reuse form: the id of the site whose q and k this one reads (None otherwise).
+        self.anchor_id: Optional[str] = None
+
+    def extra_repr(self) -> str:
+        return f"site={self.geometry.site_id!r}, form={self.form!r}, params={self.params}"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                x: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if q.shape[-2] < self.min_seq_len:
+            return self.exact(q, k, v, mask)
+        g = self.geometry
+        folded = q.dim() == 3
+        if folded:  # bmm spelling [B*H, N, D]: heads are folded into the batch
+            q, k, v = self.unfold_heads(q), self.unfold_heads(k), self.unfold_heads(v)
+        keep = None
+        if mask is not None:  # padding may appear at run time even if the example had none
+            keep = key_keep(mask, g.keep_when, q.shape[0], k.shape[-2], rank=3 if folded else 4)
+            if folded and keep is not None and keep.shape[0] != q.shape[0]:
+                keep = keep.reshape(q.shape[0], -1, k.shape[-2])[:, 0]
+        out = self.attend(q, k, v, keep, None if folded else mask, x)
+        return out.reshape(-1, out.shape[-2], out.shape[-1]) if folded else out
+
+    @abc.abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: Optional[torch.Tensor],
+               mask: Optional[torch.Tensor], x: Optional[torch.Tensor]) -> torch.Tensor:
+        """The form's attention on q [B, H, Nq, D], k/v [B, Hkv, Nk, D]; keep [B, Nk] bool or None."""
+
+    def unfold_heads(self, x_XND: torch.Tensor) -> torch.Tensor:
+        h = self.geometry.heads if x_XND.shape[0] % max(self.geometry.heads, 1) == 0 else 1
+        return x_XND.reshape(x_XND.shape[0] // h, h, x_XND.shape[-2], x_XND.shape[-1])
+
+    def exact(self, q, k, v, mask, scale: Optional[float] = None):
+        g = self.geometry
+        # No mask tensor on a causal site: causality came as a flag (SDPA is_causal, or HF skipping
+        # a mask it could prove unneeded).
+        return exact_attention(q, k, v, mask, keep_when=g.keep_when, is_causal=mask is None and g.causal,
+                               scale=g.scale if scale is None else scale)
+
+
+def io_elements(B: int, H: int, Nq: int, Nk: int, Dqk: int, Dv: int) -> int:
+    """Elements of q, k, v read and o written (k/v counted at H heads, as the kernels expand them)."""
+    return B * H * (Nq * Dqk + Nk * Dqk + Nk * Dv + Nq * Dv)
+
+
+@dataclass(frozen=True)
+class CostAt:
+    """Attention-only work of one site at one length: FLOPs (multiply-adds × 2) and elements moved."""
+
+    flops: float
+    elements: float
+
+
+class Form(abc.ABC):
+    """One rewrite form. Subclasses set the class attributes and implement the abstract hooks."""
+
+    name: ClassVar[str]
+    aliases: ClassVar[tuple] = ()
+    summary: ClassVar[str]  # one line for the CLI help and the README policy table
+    presets: ClassVar[tuple] = ()  # example preset strings, shown in the help
+    params: ClassVar[Mapping[str, Param]] = {}
+    preset_arg: ClassVar[Optional[str]] = None  # the positional knob: "window:64" sets window=64
+    preset_keys: ClassVar[Mapping[str, str]] = {}  # short keys allowed in presets: {"map": "feature_map"}
+    required: ClassVar[tuple] = ()
+    # Max relative RMS drift of the site output (given the original inputs) before it reverts.
+    default_tolerance: ClassVar[float]
+    cost_rank: ClassVar[int]  # order "auto" tries forms in: lower is cheaper at long lengths
+    auto_params: ClassVar[Optional[Mapping[str, Any]]] = None  # what "auto" tries; None: never tried
+
+    # -- parameters
+
+    def all_params(self) -> dict[str, Param]:
+        return {**self.params, **COMMON_PARAMS}
+
+    def validate(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """Fill defaults and check every value; raise PolicyError naming the field and allowed values."""
+        allowed = self.all_params()
+        out: dict[str, Any] = {}
+        for key, value in params.items():
+            key = self.preset_keys.get(key, key)
+            if key not in allowed:
+                raise PolicyError(f"form {self.name!r} has no parameter {key!r}; allowed: {', '.join(sorted(allowed))}")
+            if key in out:
+                raise PolicyError(f"form {self.name!r}: parameter {key!r} given twice; give it once")
+            out[key] = allowed[key].check(self.name, key, value)
+        for key in self.required:
+            if key not in out:
+                raise PolicyError(f"form {self.name!r} needs parameter {key!r} ({allowed[key].doc})")
+        for key, p in allowed.items():
+            out.setdefault(key, p.default)
+        self.check_params(out)
+        return out
+
+    def check_params(self, params: dict) -> None:
+        """Cross-field checks after defaults are filled; raise PolicyError. Default: none."""
+
+    def preset_rule(self, params: dict) -> tuple[dict, Optional[tuple]]:
+        """(params, layers) of the one rule a preset string makes; a form may restrict its layers."""
+        return params, None
+
+    # -- applicability
+
+    def why_not(self, site: AttentionSite, params: Mapping[str, Any], sites: Sequence[AttentionSite] = ()) -> Optional[str]:
+        """None when this form can replace `site`; otherwise the reason in plain words.
+
+        The one check: explicit rules, `auto` and `hf.register` all ask it.
+        """
+        if site.dropout_p > 0:
+            return f"the site applies dropout p={site.dropout_p:g} (training mode); rewrites are for inference"
+        runtime = getattr(site, "runtime_inputs", ())
+        if runtime:
+            return (f"the site's {', '.join(runtime)} comes from a forward input and changes per call; "
+                    "a rewrite would freeze the example's value, so only exact attention honours it")
+        if getattr(site, "softcap", None):
+            return f"the site caps its logits (softcap {site.softcap:g}); no cheap form honours a softcap"
+        return self.check_site(site, params, sites)
+
+    @abc.abstractmethod
+    def check_site(self, site: AttentionSite, params: Mapping[str, Any], sites: Sequence[AttentionSite]) -> Optional[str]:
+        """The form's own conditions on a site (after the checks shared by all forms)."""
+
+    def acts_at(self, site: AttentionSite, params: Mapping[str, Any], q_len: int, kv_len: int) -> bool:
+        """Whether the form computes anything different from exact attention at these lengths."""
+        return q_len >= int(params.get("min_seq_len", 0) or 0)
+
+    # -- cost
+
+    @abc.abstractmethod
+    def cost(self, site: AttentionSite, params: Mapping[str, Any], B: int, Nq: int, Nk: int) -> CostAt:
+        """Attention-only FLOPs and elements moved at these lengths (projections excluded)."""
+
+    # -- building
+
+    @abc.abstractmethod
+    def build(self, site: AttentionSite, params: Mapping[str, Any], context: BuildContext) -> SiteModule:
+        """The site module; raise SiteUnsupported when this mechanism cannot build it for the site."""
+
+    def fit(self, module: SiteModule, calls: list[SiteCall]) -> Optional[FitResult]:
+        """Fit the module's own parameters to the recorded calls (in place); None when nothing to fit."""
+        return None
+
+    # -- public API
+
+    def public_ops(self) -> dict[str, Callable]:
+        """The functions `attnopt.ops` exports for this form (its kernels and their helpers)."""
+        return {}
+
+
+def no_arbitrary_mask(site: AttentionSite) -> Optional[str]:
+    """The condition every form that recomputes the scores shares: causal, window or padding masks only."""
+    if site.mask.arbitrary:
+        return f"the site's mask ({site.mask.form}) is not causal, windowed or padding; only exact attention honours it"
+    return None

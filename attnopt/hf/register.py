@@ -1,0 +1,56 @@
+"""`attnopt.hf.register`: `attn_implementation="attnopt"` applying a policy per layer, unverified.
+
+    attnopt.hf.register("window:64+sinks:4")
+    model = AutoModel.from_pretrained(path, attn_implementation="attnopt")
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+from attnopt import forms
+from attnopt.forms.base import BuildContext
+from attnopt.hf.interface import ModuleState, register_names
+from attnopt.hf.sites import site_from_call
+from attnopt.passes.records import SiteCall
+
+
+def register(policy="exact") -> None:
+    """Register `attn_implementation="attnopt"` (and its mask function) applying `policy` per layer.
+
+    Each attention module is planned on its first call from what HF passes (layer_idx, heads,
+    scaling, causality, sliding window). No verification happens here: use `attnopt.compile`
+    to measure drift and revert sites. Calling `register` again replaces the policy.
+    """
+    from attnopt.policy import Policy
+
+    policy = Policy.parse(policy)
+    if getattr(policy, "auto", False):
+        raise ValueError(
+            "policy 'auto' picks forms by measuring drift on example inputs; register() has none. "
+            "Use attnopt.compile(model, 'auto', example_inputs=...) instead."
+        )
+    if any(r.form == "reuse" for r in policy.rules):
+        warnings.warn("attnopt.hf.register: reuse needs each site's anchor wired in by attnopt.compile; "
+                      "register() keeps reuse sites exact. Use attnopt.compile(model, policy, example_inputs=...)",
+                      stacklevel=2)
+    register_names(functools.partial(plan_on_first_call, policy=policy))
+
+
+def plan_on_first_call(module, query, key, value, attention_mask, scaling, is_causal, kwargs, *, policy):
+    """register() mode: describe the site from this call, plan it with the policy, attach its module."""
+    layer = int(getattr(module, "layer_idx", 0) or 0)
+    call = SiteCall(query, key, value, attention_mask, query)
+    info = (scaling, is_causal, kwargs.get("sliding_window"), kwargs.get("softcap"))
+    site = site_from_call(type(module).__name__, module, call, info, layer)
+    n_layers = int(getattr(getattr(module, "config", None), "num_hidden_layers", layer + 1) or layer + 1)
+    rule, _ = policy.choose(site, n_layers)
+    site_module = None
+    if rule is not None and rule.form not in ("exact", "reuse"):
+        form = forms.get(rule.form)
+        if form.why_not(site, rule.params, [site]) is None:
+            site_module = form.build(site, rule.params, BuildContext(sites=[site])).to(query.device)
+            module.attnopt_site = site_module
+    module.__dict__["_attnopt_state"] = ModuleState()
+    return site_module

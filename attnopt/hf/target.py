@@ -1,0 +1,99 @@
+"""The transformers mechanism of `attnopt.compile`: the model keeps its class (generate(), caches,
+any length) and its attention modules are pointed at attnopt's registered attention function.
+
+Sites come from torch.export detection when the model exports, else from the attention-interface
+calls themselves; verification inputs are recorded through the same interface.
+"""
+
+from __future__ import annotations
+
+import inspect as pyinspect
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from attnopt.forms.base import BuildContext
+from attnopt.hf.install import install
+from attnopt.hf.interface import implementation_for, switch
+from attnopt.hf.record import call_model, qk_projections, record_calls
+from attnopt.hf.sites import site_from_call
+from attnopt.passes.record import Recording
+from attnopt.passes.records import Detection
+
+
+def forward_params(model: nn.Module) -> set:
+    try:
+        return set(pyinspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+class HfTarget:
+    """detect → record → (plan, verify elsewhere) → install, on a transformers model copy."""
+
+    def __init__(self, model: nn.Module, name: str):
+        self.model = model
+        self.name = name
+
+    def detect(self, batches: list) -> Detection:
+        from attnopt.inspection import inspect as _inspect
+
+        args, kwargs = batches[0]
+        if "use_cache" not in kwargs and "use_cache" in forward_params(self.model):
+            kwargs = {**kwargs, "use_cache": False}  # a KV-cache object is not an exportable output
+        try:
+            insp = _inspect(self.model, *args, dynamic=False, **kwargs)
+        except Exception as exc:  # the attention interface still shows every site; say why export failed
+            return Detection(capture="hf", notes=[
+                f"torch.export capture failed ({type(exc).__name__}: {str(exc)[:300]}); sites were described "
+                "from the attention interface calls"])
+        return Detection(list(insp.sites), list(insp.near_misses), "export+hf", [], dict(insp.counts))
+
+    def record(self, found: Detection, batches: list) -> Recording:
+        """Record every attention call on every batch; fills `found.sites` when export showed none."""
+        switch(self.model, implementation_for(self.model))
+        try:
+            recorded, outputs = record_calls(self.model, batches)
+        except Exception as exc:
+            raise ValueError(
+                f"the model failed when called with the example inputs ({type(exc).__name__}: {exc}); "
+                "pass example_inputs the way you call the model: a dict of keyword arguments such as the "
+                "tokenizer's output, a tuple of positional arguments, or (args, kwargs)"
+            ) from exc
+        modules = dict(self.model.named_modules())
+        if found.capture == "hf":
+            for i, path in enumerate(recorded):
+                call, info = recorded[path][0]
+                layer = getattr(modules[path], "layer_idx", None)
+                found.sites.append(site_from_call(path, modules[path], call, info, layer if isinstance(layer, int) else i))
+        rec = Recording(outputs=outputs)
+        for j, site in enumerate(found.sites):
+            calls = recorded.get(site.module_path, [])
+            softcap = next((info[3] for _, info in calls if info[3] is not None), None)
+            if softcap is not None:  # Gemma-2 caps logits inside the attention function: say so on the site
+                found.sites[j] = site = replace(site, softcap=float(softcap))
+            per_module = sum(1 for s in found.sites if s.module_path == site.module_path)
+            if per_module == 1 and len(calls) == len(batches):
+                rec.calls[site.id] = [c for c, _ in calls]
+            elif calls:
+                rec.notes.append(f"site {site.id}: {len(calls)} attention-interface calls for {per_module} sites; not rewritten")
+        rec.counts = {"batches": len(batches), "sites": len(found.sites), "calls": sum(len(c) for c in rec.calls.values())}
+        return rec
+
+    def build_context(self, sites: list, recording: Recording) -> BuildContext:
+        modules = dict(self.model.named_modules())
+        return BuildContext(sites=sites, calls=recording.calls,
+                            projections=lambda s: qk_projections(modules[s.module_path]))
+
+    @staticmethod
+    def adapt_site(site):
+        # HF hands masks in its own spelling (bool keep for sdpa, additive for eager): read them as such.
+        return replace(site, mask=replace(site.mask, keep_when="zero"))
+
+    def splice(self, sites: list, modules: dict) -> tuple[nn.Module, dict]:
+        return self.model, install(self.model, sites, modules)
+
+    def run(self, module: nn.Module, batches: list) -> list:
+        with torch.no_grad():
+            return [call_model(module, b) for b in batches]

@@ -1,0 +1,129 @@
+"""The report as text: number formats, the site-table cells, and the Markdown page.
+
+The HTML page (`report_html`) builds on these; nothing here imports the report classes, which are
+read by attribute.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+
+def fmt_num(x: Optional[float], digits: int = 3) -> str:
+    """Short number for tables: '—' for None, 'nan'/'inf' kept, else `digits` significant digits."""
+    if x is None:
+        return "—"
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return f"{x:.{digits}g}"
+
+
+def fmt_flops(x: float) -> str:
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.3g} "
+
+
+def _md_cell(text: Any) -> str:
+    return str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
+def site_row(r, multipliers: tuple) -> dict[str, str]:
+    """The cells of one site-table row, as plain text, shared by the Markdown and HTML tables."""
+    o, s = r.outcome, r.site
+    drift = o.drift
+    last = len(multipliers) - 1
+    return {
+        "id": s.id,
+        "module": s.module_path or "(top level)",
+        "layer": str(s.layer),
+        "mask": s.mask.kind,
+        "form": o.planned_form if o.planned_form == o.final_form else f"{o.planned_form} → {o.final_form}",
+        "status": str(o.status),
+        "reason": o.reason,
+        "drift": "—" if drift is None else f"{fmt_num(drift.rel_rms)} / {fmt_num(drift.cosine, 4)}",
+        "tolerance": fmt_num(o.tolerance),
+        "ratio_first": fmt_num(r.flops_ratio(0)),
+        "ratio_last": fmt_num(r.flops_ratio(last)),
+    }
+
+
+SITE_COLUMNS = (
+    ("id", "site"),
+    ("module", "module"),
+    ("layer", "layer"),
+    ("mask", "mask"),
+    ("form", "form planned → final"),
+    ("status", "status"),
+    ("reason", "reason"),
+    ("drift", "drift rel-RMS / cosine"),
+    ("tolerance", "tolerance"),
+    ("ratio_first", "FLOPs ratio @first"),
+    ("ratio_last", "FLOPs ratio @last"),
+)
+
+
+def column_titles(multipliers: tuple) -> list[str]:
+    titles = []
+    for key, title in SITE_COLUMNS:
+        if key == "ratio_first":
+            title = f"FLOPs ratio @{multipliers[0]}×"
+        elif key == "ratio_last":
+            title = f"FLOPs ratio @{multipliers[-1]}×"
+        titles.append(title)
+    return titles
+
+
+def markdown(rep) -> str:
+    """The whole report as one Markdown page."""
+    t = rep.totals
+    out = [f"# attnopt report: {_md_cell(rep.model_name)}", ""]
+    out.append(
+        f"Capture: {_md_cell(rep.capture)} · torch {rep.torch_version} · attnopt {rep.attnopt_version}"
+    )
+    out += ["", "## Totals", ""]
+    out.append(
+        f"- sites: {t['sites']} ({t['rewritten']} rewritten, {t['kept']} kept, {t['reverted']} reverted, "
+        f"{t['unsupported']} unsupported); near misses: {t['near_misses']}"
+    )
+    for m, b, a, ratio in zip(rep.cost_multipliers, t["flops_before"], t["flops_after"], t["flops_ratio"]):
+        out.append(f"- attention FLOPs at {m}× length: {fmt_flops(b)}FLOP → {fmt_flops(a)}FLOP (ratio {fmt_num(ratio)})")
+    out += ["", "## End-to-end drift", ""]
+    e2e = rep.end_to_end
+    if e2e is None:
+        out.append("not measured")
+    else:
+        out += ["| output | rel RMS | cosine | max abs | finite |", "|---|---|---|---|---|"]
+        for name, d in e2e.per_output.items():
+            out.append(f"| {_md_cell(name)} | {fmt_num(d.rel_rms)} | {fmt_num(d.cosine, 4)} | {fmt_num(d.max_abs)} | {d.finite} |")
+        if e2e.worst is not None:
+            out.append(f"| **worst** | {fmt_num(e2e.worst.rel_rms)} | {fmt_num(e2e.worst.cosine, 4)} | {fmt_num(e2e.worst.max_abs)} | {e2e.worst.finite} |")
+        if e2e.embedding_cosine is not None:
+            out += ["", f"Mean embedding cosine: {fmt_num(e2e.embedding_cosine, 5)}"]
+    out += ["", "## Sites", ""]
+    if rep.sites:
+        titles = column_titles(rep.cost_multipliers)
+        out.append("| " + " | ".join(titles) + " |")
+        out.append("|" + "---|" * len(titles))
+        for r in rep.sites:
+            row = site_row(r, rep.cost_multipliers)
+            out.append("| " + " | ".join(_md_cell(row[k]) for k, _ in SITE_COLUMNS) + " |")
+    else:
+        out.append("No attention sites found.")
+    out += ["", "## Near misses", ""]
+    if rep.near_misses:
+        out += ["| node | module | code | reason |", "|---|---|---|---|"]
+        for n in rep.near_misses:
+            out.append(f"| {_md_cell(n.node)} | {_md_cell(n.module_path)} | {_md_cell(n.code)} | {_md_cell(n.reason)} |")
+    else:
+        out.append("None.")
+    out += ["", "## Policy", "", "```", rep.policy_text().replace("```", "'''"), "```"]
+    if rep.timings:
+        out += ["", "## Timings", ""]
+        out += [f"- {_md_cell(k)}: {v:.3f} s" for k, v in rep.timings.items()]
+    if rep.notes:
+        out += ["", "## Notes", ""]
+        out += [f"- {_md_cell(n)}" for n in rep.notes]
+    return "\n".join(out) + "\n"
