@@ -6,8 +6,12 @@ INCLUDING ITSELF:
 * causal:      query i sees keys j with  i - W < j <= i       (W keys: i-W+1 .. i)
 * non-causal:  query i sees keys j with  |i - j| < W          (2W - 1 keys: i-W+1 .. i+W-1)
 
-plus the first `sinks` keys (j < sinks), which obey causality (a sink j is hidden from query i when
-causal and j > i). A sink that already lies inside the band is counted once.
+plus `sinks` = S attention sinks: per batch row, the first S keys that `key_mask` keeps (the first S
+real tokens; keys 0..S-1 when there is no mask). Counting real tokens rather than positions is what
+makes a left-padded row equal the same row run alone: with positions, the sinks of a left-padded
+row would be pad tokens (batched Llama generate diverged that way). A row with fewer than S real
+keys has that many sinks. Sinks obey causality (a sink j is hidden from query i when causal and
+j > i). A sink that already lies inside the band is counted once.
 
 Mapping to runtimes that name the window differently:
 
@@ -26,7 +30,9 @@ gets an all-zero output row instead of SDPA's NaN / undefined row.
 Cost: O(N * (W + sinks)) time and memory, never Nq x Nk. Queries are split into blocks of Bq; each
 block takes the band of keys its queries can see (a slice of length L = Bq + W - 1 causal,
 Bq + 2W - 2 otherwise) and runs a masked softmax within the band, jointly with the sink keys that
-lie outside it (sinks inside the band are read once, through the band). Many blocks run per step
+lie outside it (sinks inside the band are read once, through the band). The S sink keys of each row
+are gathered once ([B, Hkv, S, D]); their positions come from a search in the running count of kept
+keys, O(B·(Nk + S·log Nk)). Many blocks run per step
 (up to SCORES_PER_STEP scores), so the op count stays small.
 
 Registered as the custom op `torch.ops.attnopt.window_attention` (fake + autograd; the backward
@@ -54,6 +60,8 @@ __all__ = [
     "window_attention_reference",
     "window_visibility_mask",
     "default_window_block_size",
+    "first_real_keys",
+    "sink_key_mask",
 ]
 
 
@@ -67,6 +75,30 @@ def _check_int(name: str, value, minimum: int) -> int:
     if value < minimum:
         raise ValueError(f"window_attention: {name} must be >= {minimum}, got {value}")
     return value
+
+
+def first_real_keys(key_mask_BN: Optional[Tensor], sinks: int, B: int, Nk: int, device=None) -> tuple[Tensor, Tensor]:
+    """Positions [B, S] of each row's sinks -- its first S kept keys -- and which of them exist [B, S].
+
+    S = min(sinks, Nk). Without a mask the sinks are keys 0..S-1 in every row. A row with r < S kept
+    keys has its first r slots valid; the others point at key 0 (a harmless index) and are invalid.
+    """
+    S = min(sinks, Nk)
+    if key_mask_BN is None:
+        j_BS = torch.arange(S, device=device).expand(B, S)
+        return j_BS, torch.ones(B, S, dtype=torch.bool, device=device)
+    kept_BN = key_mask_BN.cumsum(dim=1)  # kept keys up to and including j (non-decreasing)
+    rank_BS = torch.arange(1, S + 1, device=key_mask_BN.device).expand(B, S).contiguous()
+    j_BS = torch.searchsorted(kept_BN, rank_BS)  # first j whose running count reaches rank s + 1
+    valid_BS = j_BS < Nk
+    return torch.where(valid_BS, j_BS, 0), valid_BS
+
+
+def sink_key_mask(key_mask_BN: Optional[Tensor], sinks: int, B: int, Nk: int, device=None) -> Tensor:
+    """Bool [B, Nk]: True where key j is one of its row's sinks (see `first_real_keys`). N-sized, not N x N."""
+    if key_mask_BN is None:
+        return (torch.arange(Nk, device=device) < sinks).expand(B, Nk)
+    return key_mask_BN & (key_mask_BN.cumsum(dim=1) <= sinks)
 
 
 def default_window_block_size(window: int, causal: bool) -> int:
@@ -140,9 +172,15 @@ def _window_forward(
     band_Bq_L = (rel >= 0) & (rel <= lo + hi)  # row r of a block sees band columns r .. r+lo+hi
     hidden_static = ~band_Bq_L[:, None, :]  # [Bq, 1, L]: interior steps without key_mask
     if S > 0:
-        k_sink = k_BHkvND[:, :, :S].to(cdt).transpose(-1, -2)[:, :, None]  # [B,Hkv,1,D,S]
-        v_sink = v_BHkvND[:, :, :S].to(cdt)[:, :, None]
-        j_S = torch.arange(S, device=device)
+        # Sinks are the first S kept keys of each row: under left padding keys 0..S-1 are pads.
+        j_BS, sink_ok_BS = first_real_keys(key_mask_BN, S, B, Nk, device)
+        if key_mask_BN is None:
+            k_sink, v_sink = k_BHkvND[:, :, :S], v_BHkvND[:, :, :S]
+        else:
+            k_sink = torch.take_along_dim(k_BHkvND, j_BS[:, None, :, None], dim=2)  # [B, Hkv, S, D]
+            v_sink = torch.take_along_dim(v_BHkvND, j_BS[:, None, :, None], dim=2)
+        k_sink = k_sink.to(cdt).transpose(-1, -2)[:, :, None]  # [B, Hkv, 1, D, S]
+        v_sink = v_sink.to(cdt)[:, :, None]
     # Without sinks, padding or queries before key 0, every row sees at least itself: the fused
     # softmax is exact there. Otherwise rows may see nothing and the explicit path gives them 0
     # (softmax would give NaN, and NaN gradients into every key).
@@ -182,13 +220,11 @@ def _window_forward(
         if S > 0:
             # Sink j adds a column for position p only where the band does not already hold it.
             p_n_Bq = off + (b0 + torch.arange(n, device=device))[:, None] * Bq + r[None, :]
-            d = p_n_Bq[..., None] - j_S
+            d = p_n_Bq[None, :, :, None] - j_BS[:, None, None, :]  # [B, n, Bq, S]
             ok = ~((d >= 0) & (d < W) if causal else (d.abs() < W))
             if causal:
                 ok = ok & (d >= 0)
-            ok = ok[None]
-            if key_mask_BN is not None:
-                ok = ok & key_mask_BN[:, None, None, :S]
+            ok = ok & sink_ok_BS[:, None, None, :]
             ss = torch.matmul(q_blk, k_sink).reshape(B, Hkv, n, Bq, G, S)
             ss.masked_fill_(~ok[:, None, :, :, None, :], float("-inf"))
             with torch.no_grad():
@@ -247,13 +283,15 @@ def window_attention(
     key_mask: Optional[Tensor] = None,
     block_size: Optional[int] = None,
 ) -> Tensor:
-    """Exact softmax attention restricted to a window of keys (+ `sinks` first keys), O(N·W).
+    """Exact softmax attention restricted to a window of keys (+ `sinks` sinks), O(N·W).
 
     q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv] -> [B, H, Nq, Dv] in q's dtype.
     `window` counts visible keys INCLUDING self: causal i-W < j <= i, non-causal |i-j| < W
     (ORT GQA local_window_size = window; ONNX Attention left_window_size = window - 1).
     Queries are bottom-right aligned (query i at position Nk - Nq + i). `key_mask` [B, Nk] bool,
-    True = keep. A query with no visible key returns zeros. `scale` defaults to 1/sqrt(D).
+    True = keep; the sinks are each row's first `sinks` kept keys (its first real tokens, also under
+    left padding), visible to every query (causal: to queries at or after them). A query with no
+    visible key returns zeros. `scale` defaults to 1/sqrt(D).
     `block_size` is the query block (default `default_window_block_size`); it does not change
     the result. Runs as the custom op `torch.ops.attnopt.window_attention`.
     """
@@ -284,15 +322,18 @@ def window_visibility_mask(
     key_mask: Optional[Tensor] = None,
     device=None,
 ) -> Tensor:
-    """Boolean [B|1, 1, Nq, Nk] mask (True = visible) of the window + sinks rule, N×N: for oracles."""
+    """Boolean [B|1, 1, Nq, Nk] mask (True = visible) of the window + sinks rule, N×N: for oracles.
+
+    Sinks are each row's first `sinks` kept keys, so with a key_mask the result has B rows."""
     p = (Nk - Nq) + torch.arange(Nq, device=device)[:, None]
     j = torch.arange(Nk, device=device)[None, :]
     d = p - j
     band = ((d >= 0) & (d < window)) if causal else (d.abs() < window)
-    sink = j < sinks
+    B = 1 if key_mask is None else key_mask.shape[0]
+    sink = sink_key_mask(key_mask, sinks, B, Nk, device)[:, None, :]  # [B|1, 1, Nk]
     if causal:
         sink = sink & (d >= 0)
-    vis = (band | sink)[None, None]
+    vis = (band | sink)[:, None]
     if key_mask is not None:
         vis = vis & key_mask[:, None, None, :]
     return vis

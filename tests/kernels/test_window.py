@@ -29,13 +29,14 @@ def _loop_mask(B, Nq, Nk, W, causal, sinks, key_mask):
     """The visibility rule spelled out element by element (independent of the module's mask)."""
     m = torch.zeros(B, 1, Nq, Nk, dtype=torch.bool)
     for b in range(B):
+        real = [j for j in range(Nk) if key_mask is None or bool(key_mask[b, j])]
+        sink_set = set(real[:sinks])  # the row's first `sinks` real tokens
         for i in range(Nq):
             p = Nk - Nq + i  # bottom-right alignment
             for j in range(Nk):
                 in_band = (p - W < j <= p) if causal else abs(p - j) < W
-                is_sink = j < sinks and (j <= p or not causal)
-                keep = key_mask is None or bool(key_mask[b, j])
-                m[b, 0, i, j] = (in_band or is_sink) and keep
+                is_sink = j in sink_set and (j <= p or not causal)
+                m[b, 0, i, j] = (in_band or is_sink) and j in real
     return m
 
 
@@ -82,10 +83,111 @@ def test_matches_sdpa_with_band_and_sinks_mask(shape):
 
 
 def test_visibility_mask_helper_matches_the_rule():
-    km = torch.tensor([[True, False, True, True, True, True, False]])
-    for causal, sinks, W, Nq in itertools.product([True, False], [0, 2], [1, 3], [7, 4]):
+    km = torch.tensor([[True, False, True, True, True, True, False], [False, False, False, True, False, True, True]])
+    for causal, sinks, W, Nq in itertools.product([True, False], [0, 2, 5], [1, 3], [7, 4]):
         got = window_visibility_mask(Nq, 7, window=W, causal=causal, sinks=sinks, key_mask=km)
-        assert torch.equal(got, _loop_mask(1, Nq, 7, W, causal, sinks, km))
+        assert torch.equal(got, _loop_mask(2, Nq, 7, W, causal, sinks, km))
+    # row 1's sinks with S = 2 are its first real tokens 3 and 5, never the pads 0 and 1
+    got = window_visibility_mask(7, 7, window=1, causal=True, sinks=2, key_mask=km)
+    assert got[1, 0, 6].nonzero().flatten().tolist() == [3, 5, 6]
+
+
+# ------------------------------------------------------------- sinks are the first real tokens
+
+
+def _dense_oracle(q, k, v, W, causal, sinks, key_mask):
+    """Softmax over the loop-built visibility, by hand (no SDPA): zero rows where nothing is seen."""
+    mask = _loop_mask(q.shape[0], q.shape[2], k.shape[2], W, causal, sinks, key_mask)
+    G = q.shape[1] // k.shape[1]
+    kr, vr = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    s = (q @ kr.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~mask, float("-inf"))
+    e = torch.exp(s - s.amax(-1, keepdim=True).clamp_min(-1e300))
+    den = e.sum(-1, keepdim=True)
+    return torch.where(den > 0, (e @ vr) / torch.where(den > 0, den, 1.0), 0.0)
+
+
+def _run_alone(q, k, v, b, keep, **kw):
+    """Row b with only its kept keys (and the matching query rows) as an unpadded batch of one."""
+    idx = keep.nonzero().flatten()
+    return window_attention(q[b : b + 1, :, idx], k[b : b + 1, :, idx], v[b : b + 1, :, idx], **kw)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("Hkv", [3, 1], ids=["mha", "gqa"])
+def test_padded_rows_equal_the_same_rows_unpadded(causal, Hkv):
+    # Row 0 left-padded by 4, row 1 right-padded by 3, row 2 unpadded, row 3 left 1 + right 2,
+    # row 4 has 2 real tokens (< sinks): every real query row equals the row run alone.
+    B, H, N, D, Dv = 5, 6, 13, 4, 7
+    q, k, v = _inputs(B, H, Hkv, N, N, D, Dv, seed=21)
+    km = torch.ones(B, N, dtype=torch.bool)
+    km[0, :4] = False
+    km[1, -3:] = False
+    km[3, :1] = False
+    km[3, -2:] = False
+    km[4, :] = False
+    km[4, 5:7] = True
+    for W, sinks in [(3, 3), (2, 4), (5, 1)]:
+        kw = dict(window=W, causal=causal, sinks=sinks)
+        out = window_attention(q, k, v, key_mask=km, block_size=4, **kw)
+        worst = 0.0
+        for b in range(B):
+            alone = _run_alone(q, k, v, b, km[b], **kw)
+            worst = max(worst, (out[b : b + 1, :, km[b]] - alone).abs().max().item())
+        assert worst <= 1e-12, (W, sinks, worst)
+        assert (out - _dense_oracle(q, k, v, W, causal, sinks, km)).abs().max().item() <= 1e-12
+
+
+def test_left_padding_moves_the_sinks_off_the_pads():
+    # The old rule (keys 0..S-1 as sinks) gives pad keys to a left-padded row: it then misses its
+    # first real tokens. The first-real-token rule must differ from that rule by a visible margin.
+    q, k, v = _inputs(1, 2, 2, 10, 10, 4, 3, seed=22)
+    km = torch.tensor([[False] * 3 + [True] * 7])
+    out = window_attention(q, k, v, window=2, causal=True, sinks=2, key_mask=km)
+    alone = window_attention(q[:, :, 3:], k[:, :, 3:], v[:, :, 3:], window=2, causal=True, sinks=2)
+    assert (out[:, :, 3:] - alone).abs().max().item() <= 1e-12
+    positional = _sdpa_oracle(q, k, v, window_visibility_mask(10, 10, window=2, causal=True) & km)
+    assert (out[:, :, 6:] - positional[:, :, 6:]).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("per_step", [1, None])
+def test_sinks_per_row_padding_with_bottom_right_queries(monkeypatch, per_step):
+    # Nq < Nk (decode-style), per-row padding, GQA; one block per step hits sinks left of the band.
+    if per_step is not None:
+        monkeypatch.setattr(window_module, "SCORES_PER_STEP", per_step)
+    q, k, v = _inputs(3, 4, 2, 5, 11, 3, 2, seed=23)
+    km = torch.tensor(
+        [[False] * 4 + [True] * 7, [True] * 6 + [False] * 5, [False, True, False, True] + [True] * 7]
+    )
+    for causal, sinks in itertools.product([True, False], [1, 3, 9]):
+        out = window_attention(q, k, v, window=2, causal=causal, sinks=sinks, key_mask=km, block_size=2)
+        ref = _dense_oracle(q, k, v, 2, causal, sinks, km)
+        assert (out - ref).abs().max().item() <= 1e-12, (causal, sinks)
+
+
+def test_all_masked_rows_are_zero_with_finite_gradients():
+    q, k, v = _inputs(3, 4, 2, 7, 7, 3, 2, seed=24)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    km = torch.ones(3, 7, dtype=torch.bool)
+    km[1] = False
+    km[2, :5] = False
+    for causal in (True, False):
+        out = window_attention(q, k, v, window=2, causal=causal, sinks=2, key_mask=km, block_size=3)
+        assert torch.all(out[1] == 0) and torch.isfinite(out).all()
+        if causal:  # row 2: queries 0..4 see neither band nor sinks (both real keys come later)
+            assert torch.all(out[2, :, :5] == 0)
+        grads = torch.autograd.grad((out * torch.linspace(-1, 1, 2, dtype=F64)).sum(), (q, k, v))
+        assert all(torch.isfinite(g).all() for g in grads)
+        assert torch.all(grads[0][1] == 0) and torch.all(grads[1][1] == 0) and torch.all(grads[2][1] == 0)
+
+
+def test_gradcheck_sinks_under_left_padding():
+    q, k, v = _inputs(2, 4, 2, 6, 6, 3, 2, seed=25)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    km = torch.tensor([[False, False, True, True, True, True], [True, True, True, True, False, False]])
+    for causal in (True, False):
+        fn = lambda a, b, c: window_attention(a, b, c, window=1, causal=causal, sinks=2, key_mask=km, block_size=4)
+        assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
 def test_window_counts_keys_including_self():
