@@ -30,7 +30,8 @@ def adam_fit(what: str, params: Sequence[torch.nn.Parameter], loss: Callable[[bo
     opt = torch.optim.Adam(params, lr=lr)
     with torch.no_grad():
         before = float(loss(False)) ** 0.5
-    best = (before, [p.detach().clone() for p in params])  # the start counts as a step
+    start = [p.detach().clone() for p in params]
+    best = (before, start)  # the start counts as a step
     for _ in range(steps):
         opt.zero_grad()
         value = loss(True)
@@ -43,6 +44,10 @@ def adam_fit(what: str, params: Sequence[torch.nn.Parameter], loss: Callable[[bo
         for p, kept in zip(params, best[1]):
             p.copy_(kept)
         after = float(loss(False)) ** 0.5
+        if not after <= before:  # a subsample misled the steps: never hand back a worse module
+            for p, kept in zip(params, start):
+                p.copy_(kept)
+            after = before
     for p in params:
         p.requires_grad_(False)
     return FitResult(what, before, after, steps)
