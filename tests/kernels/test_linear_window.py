@@ -1,8 +1,8 @@
 """linear_window_attention against the formula written out row by row, in fp64.
 
 The oracle below builds each query's window and linear key sets as Python lists and its own φ
-(elu, relu, FAVOR+ and hedgehog from the module's weights), then evaluates the unshifted formula
-directly. It shares nothing with the kernel but the feature-map weights.
+(elu, relu, FAVOR+ and hedgehog from the module's weights; taylor's kernel in closed form), then
+evaluates the unshifted formula directly. It shares nothing with the kernel but the feature-map weights.
 
 Letters: B batch, H query heads, Hkv kv heads, Nq/Nk lengths, D head dim, Dv value dim, W window,
 S sinks, β the per-head linear weight.
@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import attnopt.kernels.linear_window as linear_window_module
 from attnopt.kernels.feature_maps import make_feature_map
 from attnopt.kernels.linear_window import linear_window_attention, linear_window_attention_reference
 from attnopt.kernels.window import window_attention
@@ -53,8 +54,11 @@ def _oracle(q, k, v, *, window, causal, sinks=0, name="elu", fmap=None, beta=1.0
         sink = real[:sinks]  # the first S real tokens of this row
         for h in range(H):
             kv = h // (H // Hkv)
-            phi_q = _phi_by_hand(name, q[b, h], scale, fmap, h)
-            phi_k = _phi_by_hand(name, k[b, kv], scale, fmap, h)
+            if name == "taylor":  # its kernel in closed form: 1 + t + t²/2, t = s·q·k
+                t = scale * (q[b, h] @ k[b, kv].T)
+                kernel = 1 + t + t * t / 2
+            else:
+                kernel = _phi_by_hand(name, q[b, h], scale, fmap, h) @ _phi_by_hand(name, k[b, kv], scale, fmap, h).T
             for i in range(Nq):
                 p = Nk - Nq + i
                 win = [
@@ -64,7 +68,7 @@ def _oracle(q, k, v, *, window, causal, sinks=0, name="elu", fmap=None, beta=1.0
                 ]
                 lin = [j for j in real if (j <= p or not causal) and j not in win]
                 w_win = torch.exp(scale * (k[b, kv, win] @ q[b, h, i]))
-                w_lin = beta[h] * (phi_k[lin] @ phi_q[i])
+                w_lin = beta[h] * kernel[i, lin]
                 den = w_win.sum() + w_lin.sum()
                 if den > 0:
                     out[b, h, i] = (w_win @ v[b, kv, win] + w_lin @ v[b, kv, lin]) / den
@@ -114,7 +118,7 @@ CASES = [  # (window, sinks, per-head β, padding)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
-@pytest.mark.parametrize("name", ["elu", "relu", "hedgehog", "favor"])
+@pytest.mark.parametrize("name", ["elu", "relu", "hedgehog", "favor", "taylor"])
 @pytest.mark.parametrize("window,sinks,per_head_beta,padding", CASES)
 def test_matches_the_formula_row_by_row(name, causal, window, sinks, per_head_beta, padding):
     B, H, Hkv, Nq, Nk, D, Dv = DECODE if causal else SELF
@@ -130,8 +134,10 @@ def test_matches_the_formula_row_by_row(name, causal, window, sinks, per_head_be
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
 def test_other_shapes_and_default_blocks(causal):
-    # The other shape per mode; default block/chunk sizes; decode Nq = 1; a long-window case.
-    for (B, H, Hkv, Nq, Nk, D, Dv), window in [(SELF if causal else DECODE, 3), ((3, 4, 2, 1, 9, 5, 6), 2)]:
+    # The other shape per mode, decode Nq = 1, and Nq > Nk (causal: the first queries sit before
+    # key 0 and see nothing); default block and chunk sizes.
+    shapes = [(SELF if causal else DECODE, 3), ((3, 4, 2, 1, 9, 5, 6), 2), ((2, 3, 1, 9, 5, 4, 6), 2)]
+    for (B, H, Hkv, Nq, Nk, D, Dv), window in shapes:
         fm = _fmap("hedgehog", D, H)
         q, k, v = _inputs(B, H, Hkv, Nq, Nk, D, Dv, seed=Nk)
         km = _mask("rows", B, Nk)
@@ -239,6 +245,23 @@ def test_half_precision_keeps_dtype_and_computes_in_fp32():
         assert out.dtype == dtype and (out.double() - ref).abs().max().item() < 3e-2
 
 
+def test_favor_fp32_with_large_stabilisers_matches_fp64():
+    # |q|, |k| ~ 30: FAVOR+ exponents reach -280, so e^{c_q + c_k} underflows fp32. Queries 9..12
+    # have an empty window (keys 8..12 padded) and live on the linear part alone; their common
+    # factor must be taken as 1 there, not underflow to a 0/0 row.
+    q, k, v = _inputs(1, 2, 1, 16, 16, 8, 3, seed=16)
+    q, k = q * 10, k * 10
+    km = torch.ones(1, 16, dtype=torch.bool)
+    km[0, 8:13] = False
+    fm = _fmap("favor", 8, 2)
+    kw = dict(window=2, causal=True, key_mask=km)
+    ref = _oracle(q, k, v, name="favor", fmap=fm, **kw)
+    assert ref[0, :, 9:13].abs().amax(-1).min() > 0.1  # the linear-only rows carry real values
+    out = linear_window_attention(q.float(), k.float(), v.float(), feature_map=fm.float(), **kw)
+    assert out.dtype == torch.float32
+    _assert_rel(out.double(), ref, tol=1e-5)
+
+
 def test_export_keeps_one_op_node():
     fm = make_feature_map("hedgehog", 4, 2)
 
@@ -261,14 +284,18 @@ def test_opcheck_schema_fake_and_autograd_registration():
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
 def test_never_materialises_n_by_n(causal):
-    B, H, N, D, W, C = 1, 2, 2048, 4, 32, 64
-    q, k, v = _inputs(B, H, H, N, N, D, D, seed=15)
+    # The probe runs on the op's plain-PyTorch body: a dispatch mode sees a custom op as one call
+    # (only its output), so probing the public call would pass even with an N x N inside.
+    B, H, N, D, W, S, Bq, C = 1, 2, 2048, 4, 32, 4, 32, 64
+    q, k, v = (t.requires_grad_(True) for t in _inputs(B, H, H, N, N, D, D, seed=15))
+    beta = torch.ones(H, dtype=F64, requires_grad=True)
     with MaxNumel() as probe:
-        out = linear_window_attention(q, k, v, window=W, causal=causal, sinks=4, feature_map="elu", chunk_size=C)
-    assert torch.isfinite(out).all()
-    Bq = 32  # default block for these windows
-    band = Bq + (W - 1 if causal else 2 * W - 2) + 4  # band + sinks per query
-    assert probe.max_numel <= B * H * N * max(band, C, D + 1)  # O(N·(W + C))
+        out = linear_window_module._forward(q, k, v, None, W, causal, S, 0.5, "elu", None, beta, Bq, C)
+        out.sin().sum().backward()
+    assert torch.isfinite(q.grad).all() and beta.grad.abs().min() > 0
+    band_scores = B * H * N * (Bq + (W - 1 if causal else 2 * W - 2))  # every block against its band
+    assert probe.max_numel >= band_scores  # the probe does see inside
+    assert probe.max_numel <= max(band_scores + B * H * N * S, B * H * N * C)  # O(N·(W + S + C))
     assert probe.max_numel < B * H * N * N // 16
 
 
