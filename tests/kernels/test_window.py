@@ -291,13 +291,23 @@ def test_property_matches_reference(dims, N, W, sinks, causal, bs, seed):
     _assert_close_on_seen_rows(out, _sdpa_oracle(q, k, v, mask), mask)
 
 
-def test_never_materialises_n_by_n():
-    B, H, N, D, W = 1, 2, 1024, 4, 16
-    q, k, v = _inputs(B, H, H, N, N, D, D, seed=9)
-    with MaxNumel() as probe:
-        window_attention(q, k, v, window=W, causal=True, sinks=4)
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "key-mask"])
+def test_never_materialises_n_by_n(masked):
+    # Probes the op's plain-PyTorch body, forward and backward: a dispatch mode sees the custom op
+    # itself as one call (only its output), so probing window_attention would prove nothing.
+    B, H, N, D, W, S = 1, 2, 1024, 4, 16, 4
+    q, k, v = (t.requires_grad_(True) for t in _inputs(B, H, H, N, N, D, D, seed=9))
+    km = None
+    if masked:  # the per-row sink gather
+        km = torch.ones(B, N, dtype=torch.bool)
+        km[:, :5] = False
     bs = default_window_block_size(W, True)
+    with MaxNumel() as probe:
+        out = window_module._window_forward(q, k, v, km, W, True, S, 0.5, bs)
+        out.sin().sum().backward()
+    assert torch.isfinite(q.grad).all()
     all_bands = B * H * N * (bs + W - 1)  # scores of every query block against its key band
+    assert probe.max_numel >= all_bands  # the probe does see inside
     assert probe.max_numel <= max(B * H * N * D, all_bands)  # O(N·W)
     assert probe.max_numel < B * H * N * N // 8
 
