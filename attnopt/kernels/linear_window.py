@@ -129,9 +129,9 @@ def _window_sums(
     band_Bq_L = (rel >= 0) & (rel <= lo + hi)  # row r of a block sees band columns r .. r + lo + hi
     if S > 0:
         j_BS, sink_ok_BS = first_real_keys(key_mask_BN, S, B, Nk, device)
-        k_sink = torch.take_along_dim(k_BHkvND, j_BS[:, None, :, None], dim=2)  # [B, Hkv, S, D]
-        v_sink = torch.take_along_dim(v_BHkvND, j_BS[:, None, :, None], dim=2)[:, :, None]
-        k_sink = k_sink.transpose(-1, -2)[:, :, None]  # [B, Hkv, 1, D, S]
+        # One [n·Bq·G, D] @ [D, S] product per kv head (a broadcast over blocks would copy k_sink n times).
+        k_sink = torch.take_along_dim(k_BHkvND, j_BS[:, None, :, None], dim=2).transpose(-1, -2)  # [B, Hkv, D, S]
+        v_sink = torch.take_along_dim(v_BHkvND, j_BS[:, None, :, None], dim=2)  # [B, Hkv, S, Dv]
     nums, dens, maxs = [], [], []
     for b0 in range(0, nb, n_step):
         n = min(nb, b0 + n_step) - b0
@@ -142,7 +142,8 @@ def _window_sums(
         seen_B_n_Bq_L = band_Bq_L & keep[:, a:e].unfold(1, L, Bq)[:, :, None, :]
         q_blk = q[:, :, b0 * Bq : (b0 + n) * Bq].reshape(B, Hkv, n, Bq * G, D)
         s = torch.matmul(q_blk, k_band).reshape(B, Hkv, n, Bq, G, L)
-        s = s.masked_fill(~seen_B_n_Bq_L[:, None, :, :, None, :], float("-inf"))
+        # In place, as in window.py: neither matmul nor masked_fill reads these scores in backward.
+        s.masked_fill_(~seen_B_n_Bq_L[:, None, :, :, None, :], float("-inf"))
         with torch.no_grad():
             m = s.amax(dim=-1)
         if S > 0:
@@ -153,17 +154,17 @@ def _window_sums(
             ok = ~in_band & sink_ok_BS[:, None, None, :]
             if causal:
                 ok = ok & (d >= 0)
-            ss = torch.matmul(q_blk, k_sink).reshape(B, Hkv, n, Bq, G, S)
-            ss = ss.masked_fill(~ok[:, None, :, :, None, :], float("-inf"))
+            ss = torch.matmul(q_blk.reshape(B, Hkv, n * Bq * G, D), k_sink).reshape(B, Hkv, n, Bq, G, S)
+            ss.masked_fill_(~ok[:, None, :, :, None, :], float("-inf"))
             with torch.no_grad():
                 m = torch.maximum(m, ss.amax(dim=-1))
         m = torch.where(torch.isfinite(m), m, 0.0)  # empty window: m = 0, all its exps are 0
-        p = torch.exp(s - m[..., None])
+        p = s.sub_(m[..., None]).exp_()
         num = torch.matmul(p.reshape(B, Hkv, n, Bq * G, L), v_band)
         den = p.sum(dim=-1)
         if S > 0:
-            ps = torch.exp(ss - m[..., None])
-            num = num + torch.matmul(ps.reshape(B, Hkv, n, Bq * G, S), v_sink)
+            ps = ss.sub_(m[..., None]).exp_()
+            num = num + torch.matmul(ps.reshape(B, Hkv, n * Bq * G, S), v_sink).reshape(num.shape)
             den = den + ps.sum(dim=-1)
         nums.append(num.reshape(B, Hkv, n, Bq, G, Dv))
         dens.append(den)
