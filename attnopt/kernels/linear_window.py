@@ -353,7 +353,9 @@ def _beta_tensor(linear_weight, H: int, q: Tensor) -> Tensor:
             )
         return linear_weight
     if isinstance(linear_weight, bool) or not isinstance(linear_weight, (int, float)):
-        raise TypeError(f"{_WHO}: linear_weight (β) must be a number or a tensor [H], got {type(linear_weight).__name__}")
+        raise TypeError(
+            f"{_WHO}: linear_weight (β) must be a number or a tensor [H], got {type(linear_weight).__name__}"
+        )
     if not (math.isfinite(linear_weight) and linear_weight >= 0):
         raise ValueError(f"{_WHO}: linear_weight (β) must be finite and >= 0, got {linear_weight}")
     return torch.full((H,), float(linear_weight), dtype=compute_dtype(q.dtype), device=q.device)
@@ -447,7 +449,8 @@ def linear_window_attention_reference(
     m = logits.masked_fill(~in_window, float("-inf")).amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, 0.0)
     weights = torch.where(in_window, torch.exp(logits - m), 0.0)
-    weights = weights + torch.where(in_linear, beta[None, :, None, None] * (phi_q @ phi_k.transpose(-1, -2)), 0.0) * torch.exp(-m)
+    kernel = beta[None, :, None, None] * (phi_q @ phi_k.transpose(-1, -2))  # φ(q)·φ(k), true units
+    weights = weights + torch.where(in_linear, kernel, 0.0) * torch.exp(-m)
     den = weights.sum(dim=-1, keepdim=True)
     out = (weights @ v.repeat_interleave(G, dim=1)) / torch.where(den > 0, den, 1.0)
     return out.to(out_dtype)

@@ -61,11 +61,8 @@ def _oracle(q, k, v, *, window, causal, sinks=0, name="elu", fmap=None, beta=1.0
                 kernel = _phi_by_hand(name, q[b, h], scale, fmap, h) @ _phi_by_hand(name, k[b, kv], scale, fmap, h).T
             for i in range(Nq):
                 p = Nk - Nq + i
-                win = [
-                    j
-                    for j in real
-                    if ((p - window < j <= p) if causal else abs(p - j) < window) or (j in sink and (j <= p or not causal))
-                ]
+                in_band = lambda j: (p - window < j <= p) if causal else abs(p - j) < window
+                win = [j for j in real if in_band(j) or (j in sink and (j <= p or not causal))]
                 lin = [j for j in real if (j <= p or not causal) and j not in win]
                 w_win = torch.exp(scale * (k[b, kv, win] @ q[b, h, i]))
                 w_lin = beta[h] * kernel[i, lin]
@@ -244,11 +241,12 @@ def test_gradcheck_q_k_v_beta_and_hedgehog_weight():
         assert torch.autograd.gradcheck(fn, leaves, fast_mode=True)
 
 
-def test_gradients_reach_tensor_beta_and_favor_weight_via_public_api():
+def test_gradients_reach_tensor_beta_and_hedgehog_weight_via_public_api():
     q, k, v = _inputs(1, 2, 1, 9, 9, 3, 2, seed=11)
     beta = torch.ones(2, dtype=F64, requires_grad=True)
     fm = _fmap("hedgehog", 3, 2)
-    linear_window_attention(q, k, v, window=2, causal=True, feature_map=fm, linear_weight=beta).square().sum().backward()
+    out = linear_window_attention(q, k, v, window=2, causal=True, feature_map=fm, linear_weight=beta)
+    out.square().sum().backward()
     assert beta.grad is not None and beta.grad.abs().min() > 0
     assert fm.weight_HDP.grad is not None and fm.weight_HDP.grad.abs().sum() > 0
 
@@ -257,7 +255,8 @@ def test_half_precision_keeps_dtype_and_computes_in_fp32():
     q, k, v = _inputs(1, 2, 2, 30, 30, 8, 8, seed=12)
     ref = linear_window_attention(q, k, v, window=6, causal=True, sinks=1, feature_map="favor")
     for dtype in (torch.float16, torch.bfloat16):
-        out = linear_window_attention(q.to(dtype), k.to(dtype), v.to(dtype), window=6, causal=True, sinks=1, feature_map="favor")
+        lo = (t.to(dtype) for t in (q, k, v))
+        out = linear_window_attention(*lo, window=6, causal=True, sinks=1, feature_map="favor")
         assert out.dtype == dtype and (out.double() - ref).abs().max().item() < 3e-2
 
 
@@ -284,7 +283,8 @@ def test_export_keeps_one_op_node():
     def fn(q, k, v):
         return linear_window_attention(q, k, v, window=3, causal=True, sinks=1, feature_map=fm) * 2.0
 
-    assert_exports_as_one_node(fn, torch.ops.attnopt.linear_window_attention.default, _inputs(1, 2, 1, 8, 8, 4, 3, seed=13))
+    op = torch.ops.attnopt.linear_window_attention.default
+    assert_exports_as_one_node(fn, op, _inputs(1, 2, 1, 8, 8, 4, 3, seed=13))
 
 
 # Schema, fake-tensor and autograd-registration checks. opcheck's AOT-dispatch trace of the
@@ -331,7 +331,7 @@ def test_never_materialises_n_by_n(causal):
         (dict(window=2, linear_weight=torch.ones(3, dtype=F64)), ValueError, r"shape \[H\] = \(2,\)"),
         (dict(window=2, linear_weight=torch.ones(2, 1, dtype=F64)), ValueError, r"shape \[H\]"),
         (dict(window=2, linear_weight="1"), TypeError, "number or a tensor"),
-        (dict(window=2, key_mask=torch.ones(1, 5, dtype=torch.bool)), ValueError, r"key_mask must have shape \[B, Nk\]"),
+        (dict(window=2, key_mask=torch.ones(1, 5, dtype=torch.bool)), ValueError, r"key_mask must have shape"),
         (dict(window=2, key_mask=torch.ones(1, 4)), TypeError, "key_mask must be a bool tensor"),
         (dict(window=2, feature_map="cosine"), ValueError, "unknown feature map 'cosine'"),
         (dict(window=2, scale=0.0), ValueError, "scale must be a finite number > 0"),
