@@ -18,7 +18,23 @@ import torch
 from torch import nn
 
 from attnopt.passes.plan import plan_sites
-from attnopt.passes.verify import output_drift, verify_sites
+from attnopt.passes.records import Status
+from attnopt.passes.verify import BudgetStep, output_drift, revert_for_budget, verification_length, verify_sites
+
+# Default end-to-end budget: the worst relative RMS drift of any model output, and for sentence
+# embeddings (mean-pooled last_hidden_state) a mean cosine of at least 1 − e2e_tolerance/5 too:
+# on real MiniLM a worst relative RMS of 0.45 came with cosines from 0.87 (FAVOR+) to 0.96
+# (window+sinks), so the relative RMS alone does not bound what an embedding user sees.
+E2E_TOLERANCE = 0.5
+
+
+def within_budget(e2e, budget: Optional[float]) -> bool:
+    """Whether the end-to-end drift `e2e` (an OutputDrift) holds the budget."""
+    if budget is None or e2e.worst is None:
+        return True
+    if not e2e.worst.rel_rms < budget:
+        return False
+    return e2e.embedding_cosine is None or e2e.embedding_cosine >= 1.0 - budget / 5.0
 
 Batch = tuple  # (args: tuple, kwargs: dict)
 
@@ -63,7 +79,9 @@ def compile(
     example_inputs: Any = None,
     *,
     tolerance: Optional[float] = None,
+    e2e_tolerance: Optional[float] = E2E_TOLERANCE,
     calibration: Optional[Sequence[Any]] = None,
+    verify_inputs: Optional[Sequence[Any]] = None,
     method: str = "auto",
     name: Optional[str] = None,
 ) -> nn.Module:
@@ -72,8 +90,12 @@ def compile(
     example_inputs: how the model is called (a tensor, a tuple of args, a dict of kwargs, or
     (args, kwargs)); the rewritten model is called the same way. calibration: more such batches;
     per-site drift is the worst over all batches. tolerance: max relative RMS drift of a site's
-    output (default per form; a rule's own `tolerance` wins); sites above it revert to exact.
-    method: "auto" (transformers models keep their class via the attention interface, anything
+    output (default per form; a rule's own `tolerance` wins); sites at or above it revert to exact.
+    e2e_tolerance: the budget for the worst relative RMS drift of the model's outputs (default
+    0.5; None: no budget), and for sentence embeddings a mean cosine >= 1 - e2e_tolerance/5; while
+    it is exceeded the worst rewritten site reverts. verify_inputs:
+    batches used only to verify, e.g. inputs long enough for a window to act (a transformers
+    model gets one built from the example when none is). method: "auto" (transformers models keep their class via the attention interface, anything
     else is captured with torch.export), "hf" or "fx". The original model is never modified.
     """
     from attnopt.graph import GraphTarget
@@ -93,9 +115,14 @@ def compile(
     if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
                                   or not 0 <= tolerance < float("inf")):
         raise ValueError(f"tolerance must be a finite number >= 0 (relative RMS drift of a site); got {tolerance!r}")
+    if e2e_tolerance is not None and (isinstance(e2e_tolerance, bool) or not isinstance(e2e_tolerance, (int, float))
+                                      or not 0 < e2e_tolerance < float("inf")):
+        raise ValueError(f"e2e_tolerance must be a finite number > 0 (relative RMS drift of the outputs) or None; "
+                         f"got {e2e_tolerance!r}")
     policy = Policy.parse(policy)
     batches = [as_batch(example_inputs, "example_inputs")]
     batches += [as_batch(b, f"calibration[{i}]") for i, b in enumerate(calibration or [])]
+    batches += [as_batch(b, f"verify_inputs[{i}]") for i, b in enumerate(verify_inputs or [])]
     name = name or type(model).__name__
     if method == "auto":
         method = "hf" if is_hf_model(model) else "fx"
@@ -108,26 +135,66 @@ def compile(
     found = target.detect(batches[:1])
     timer.lap("capture+detect")
     recording = target.record(found, batches)
-    timer.lap("record")
     planning = plan_sites(found.sites, policy)
+    notes = list(found.notes)
+    need = verification_length(found.sites, planning.plans, recording.calls)
+    if need is not None:  # some form changes nothing at the example length: verify where it acts
+        longer, why = target.longer_batch(batches[0], need)
+        if longer is None:
+            notes.append(f"some planned forms act only from about {need} tokens and no input that long was given "
+                         f"({why}); pass verify_inputs=: those sites stay exact, reported unverified")
+        else:
+            batches.append(longer)
+            recording = target.record(found, batches)
+            notes.append(f"verification also ran on a {longer[1]['input_ids'].shape[1]}-token input built from the "
+                         f"example's tokens (repeated), for forms that act only on inputs longer than the example "
+                         f"(about {need} tokens wanted)")
+    timer.lap("record")
     verification = verify_sites(found.sites, planning.plans, target.build_context(found.sites, recording), policy,
                                 tolerance, adapt=target.adapt_site)
     timer.lap("plan+verify_sites")
-    result, splice_counts = target.splice(found.sites, verification.modules)
-    e2e = output_drift(target.run(result, batches), recording.outputs, [_attention_mask_of(b) for b in batches])
+    outcomes, modules = list(verification.outcomes), dict(verification.modules)
+    masks = [_attention_mask_of(b) for b in batches]
+    result, splice_counts = target.splice(found.sites, modules)
+    e2e = output_drift(target.run(result, batches), recording.outputs, masks)
+    steps = []
+    while modules and not within_budget(e2e, e2e_tolerance):
+        # The worst site goes first: its own drift is the best single predictor of its share.
+        index = {o.site_id: i for i, o in enumerate(outcomes)}
+        worst = max(modules, key=lambda sid: outcomes[index[sid]].drift.rel_rms)
+        outcomes[index[worst]] = revert_for_budget(outcomes[index[worst]], e2e.worst.rel_rms, e2e_tolerance)
+        del modules[worst]
+        result, splice_counts = target.splice(found.sites, modules)
+        before, e2e = e2e, output_drift(target.run(result, batches), recording.outputs, masks)
+        steps.append(BudgetStep(worst, outcomes[index[worst]].drift.rel_rms, before.worst.rel_rms, e2e.worst.rel_rms))
     timer.lap("splice+verify_end_to_end")
     timer.timings["total"] = sum(timer.timings.values())
+    _warn_if_nothing_rewritten(name, planning.plans, outcomes, steps, e2e_tolerance)
 
     counts = {"detect": found.counts, "record": recording.counts, "plan": planning.counts,
-              "verify": verification.counts, "splice": splice_counts}
+              "verify": verification.counts, "splice": splice_counts,
+              "budget": {"e2e_tolerance": e2e_tolerance, "reverted": len(steps)}}
     result.attnopt_report = build_report(
-        model_name=name, policy=policy, found=found, plans=planning.plans, outcomes=verification.outcomes,
-        end_to_end=e2e, timings=timer.timings, notes=found.notes + recording.notes, counts=counts,
+        model_name=name, policy=policy, found=found, plans=planning.plans, outcomes=outcomes,
+        end_to_end=e2e, timings=timer.timings, notes=notes + recording.notes, counts=counts, budget_steps=steps,
     )
     return result
 
 
-def build_report(*, model_name, policy, found, plans, outcomes, end_to_end, timings, notes, counts):
+def _warn_if_nothing_rewritten(name, plans, outcomes, steps, budget) -> None:
+    """A policy that asked for rewrites and got none says so, with the reasons (never silence)."""
+    import warnings
+
+    asked = [o for p, o in zip(plans, outcomes) if p.candidates or p.unsupported]
+    if not asked or any(o.status is Status.REWRITTEN for o in outcomes):
+        return
+    why = "; ".join(sorted({str(o.status) for o in asked}))
+    extra = f"; {len(steps)} reverted to hold e2e_tolerance {budget:g}" if steps else ""
+    warnings.warn(f"attnopt.compile({name}): the policy asked for {len(asked)} rewrites and none was kept "
+                  f"({why}{extra}); see the report's reasons, or relax tolerance / e2e_tolerance", stacklevel=3)
+
+
+def build_report(*, model_name, policy, found, plans, outcomes, end_to_end, timings, notes, counts, budget_steps=()):
     """The report is assembled from exactly what the passes returned; only costs are computed here."""
     from attnopt.passes.cost import cost_curve
     from attnopt.report import CompileReport, SiteRecord
@@ -146,10 +213,11 @@ def build_report(*, model_name, policy, found, plans, outcomes, end_to_end, timi
     return CompileReport(
         model_name=model_name, policy=policy, capture=found.capture, sites=records, near_misses=found.near_misses,
         end_to_end=end_to_end, timings=timings, notes=notes, counts=counts,
+        budget_steps=[s.to_dict() for s in budget_steps],
     )
 
 
-def backend(policy: Any = "hybrid", *, tolerance: Optional[float] = None):
+def backend(policy: Any = "hybrid", *, tolerance: Optional[float] = None, e2e_tolerance: Optional[float] = E2E_TOLERANCE):
     """A torch.compile backend: `torch.compile(model, backend=attnopt.backend("window:64"))`.
 
     Each graph Dynamo hands over is rewritten on its first real call (verification needs real
@@ -165,7 +233,8 @@ def backend(policy: Any = "hybrid", *, tolerance: Optional[float] = None):
 
         def run(*args):
             if "module" not in compiled:
-                mod = compile(gm, policy, example_inputs=tuple(args), tolerance=tolerance, method="fx", name="dynamo graph")
+                mod = compile(gm, policy, example_inputs=tuple(args), tolerance=tolerance, e2e_tolerance=e2e_tolerance,
+                              method="fx", name="dynamo graph")
                 reports.append(mod.attnopt_report)
                 compiled["module"] = mod
             return compiled["module"](*args)

@@ -3,6 +3,8 @@ are replaced in the captured graph, and the result is called like the original m
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -68,8 +70,12 @@ class GraphTarget:
         return site
 
     def splice(self, sites: list, modules: dict) -> tuple[nn.Module, dict]:
-        spliced = splice_graph(self.captured.graph_module, sites, modules)
+        # On a copy: the end-to-end budget may splice again with fewer sites.
+        spliced = splice_graph(copy.deepcopy(self.captured.graph_module), sites, modules)
         return CompiledModule(spliced.graph_module, self.name), spliced.counts
+
+    def longer_batch(self, batch, length: int):
+        return None, "a graph-path model's inputs have no known sequence axis"
 
     def run(self, module: nn.Module, batches: list) -> list:
         with torch.no_grad():

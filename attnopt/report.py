@@ -66,6 +66,7 @@ class CompileReport:
     timings: dict = field(default_factory=dict)  # pass name -> seconds
     notes: list = field(default_factory=list)
     counts: dict = field(default_factory=dict)  # pass name -> what that pass counted
+    budget_steps: list = field(default_factory=list)  # sites reverted to hold the end-to-end budget, in order
     cost_multipliers: tuple = (1, 4, 16)  # the lengths (× example length) of each SiteRecord.costs_*
     torch_version: str = field(default_factory=lambda: _package_version("torch"))
     attnopt_version: str = field(default_factory=lambda: _package_version("attnopt"))
@@ -140,6 +141,7 @@ class CompileReport:
             "timings": dict(self.timings),
             "notes": list(self.notes),
             "counts": dict(self.counts),
+            "budget_steps": list(self.budget_steps),
             "cost_multipliers": list(self.cost_multipliers),
             "versions": {"torch": self.torch_version, "attnopt": self.attnopt_version},
         }
@@ -166,6 +168,7 @@ class CompileReport:
             timings=dict(d.get("timings", {})),
             notes=list(d.get("notes", [])),
             counts=dict(d.get("counts", {})),
+            budget_steps=list(d.get("budget_steps", [])),
             cost_multipliers=tuple(d.get("cost_multipliers", (1, 4, 16))),
             torch_version=versions.get("torch", "unknown"),
             attnopt_version=versions.get("attnopt", "unknown"),
@@ -191,7 +194,7 @@ class CompileReport:
         t = self.totals
         line = (
             f"attnopt report for {self.model_name}: {t['sites']} attention sites — "
-            f"{t['rewritten']} rewritten, {t['kept']} kept, {t['reverted']} reverted, {t['unsupported']} unsupported"
+            f"{t['rewritten']} rewritten, {t['kept']} kept, {t['reverted']} reverted, {t['unsupported']} unsupported, {t['unverified']} unverified"
         )
         ratios = self.flops_ratio
         if ratios and ratios[-1] is not None:

@@ -12,7 +12,8 @@ from typing import Any, Optional
 
 from attnopt.report_text import SITE_COLUMNS, column_titles, fmt_flops, fmt_num, site_row
 
-STATUS_COLOURS = {"rewritten": "#2f9e44", "reverted": "#e8590c", "kept": "#868e96", "unsupported": "#adb5bd"}
+STATUS_COLOURS = {"rewritten": "#2f9e44", "reverted": "#e8590c", "kept": "#868e96", "unsupported": "#adb5bd",
+                  "unverified": "#f59f00"}
 BEFORE_COLOUR, AFTER_COLOUR, TOL_COLOUR = "#495057", "#1c7ed6", "#c92a2a"
 
 CSS = """
@@ -30,7 +31,7 @@ table{border-collapse:collapse;background:#fff;width:100%;font-size:13px}
 th,td{border:1px solid #dee2e6;padding:4px 7px;text-align:left;vertical-align:top}
 th{background:#f1f3f5}td.num{text-align:right;font-variant-numeric:tabular-nums}
 tr.rewritten td.st{color:#2f9e44;font-weight:600}tr.reverted td.st{color:#e8590c;font-weight:600}
-tr.kept td.st,tr.unsupported td.st{color:#868e96}
+tr.kept td.st,tr.unsupported td.st{color:#868e96}tr.unverified td.st{color:#f59f00;font-weight:600}
 code,pre{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12px}
 pre{background:#fff;border:1px solid #dee2e6;border-radius:8px;padding:10px;overflow-x:auto}
 svg text{font-family:system-ui,sans-serif;font-size:11px;fill:#495057}
@@ -91,7 +92,7 @@ def drift_svg(rep, width: int = 560, height: int = 260) -> str:
     parts.append(f'<line x1="{left}" x2="{width - right}" y1="{top + plot_h}" y2="{top + plot_h}" stroke="#868e96"/>')
     parts.append(f'<text x="{left + plot_w / 2:.1f}" y="{height - 18}" text-anchor="middle">layer (one bar per site, plan order)</text>')
     lx = left
-    for status in ("rewritten", "reverted", "kept"):
+    for status in ("rewritten", "reverted", "unverified", "kept"):
         parts.append(f'<rect x="{lx}" y="{height - 11}" width="10" height="10" fill="{STATUS_COLOURS[status]}"/><text x="{lx + 14}" y="{height - 2}">{status}</text>')
         lx += 90
     parts.append(f'<line x1="{lx}" x2="{lx + 16}" y1="{height - 6}" y2="{height - 6}" stroke="{TOL_COLOUR}" stroke-width="2" stroke-dasharray="4 2"/><text x="{lx + 20}" y="{height - 2}">tolerance</text>')
@@ -205,6 +206,19 @@ def _e2e_table(rep) -> str:
     table = f"<table><thead><tr><th>output</th><th>rel RMS</th><th>cosine</th><th>max abs</th><th>finite</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
     if e2e.embedding_cosine is not None:
         table += f"<p>Mean embedding cosine: <b>{fmt_num(e2e.embedding_cosine, 5)}</b></p>"
+    budget = (rep.counts or {}).get("budget", {})
+    if budget.get("e2e_tolerance") is not None:
+        tol = budget["e2e_tolerance"]
+        table += (f"<p>End-to-end budget: worst output relative RMS &lt; {fmt_num(tol)} (and mean embedding "
+                  f"cosine &ge; {fmt_num(1 - tol / 5)} where measured).</p>")
+    steps = "".join(
+        f'<tr><td>{i + 1}</td><td><code>{esc(s["site_id"])}</code></td><td class="num">{fmt_num(s["site_drift"])}</td>'
+        f'<td class="num">{fmt_num(s["e2e_before"])}</td><td class="num">{fmt_num(s["e2e_after"])}</td></tr>'
+        for i, s in enumerate(rep.budget_steps or [])
+    )
+    if steps:
+        table += ("<table><thead><tr><th>step</th><th>site reverted</th><th>its drift</th><th>end-to-end before</th>"
+                  f"<th>after</th></tr></thead><tbody>{steps}</tbody></table>")
     return table
 
 
@@ -232,6 +246,7 @@ def render_html(rep) -> str:
             _card(t["kept"], "kept exact"),
             _card(t["reverted"], "reverted"),
             _card(t["unsupported"], "unsupported"),
+            _card(t["unverified"], "unverified"),
             _card(t["near_misses"], "near misses"),
             _card(fmt_num(ratio), f"FLOPs ratio @{rep.cost_multipliers[-1]}×" if rep.cost_multipliers else "FLOPs ratio"),
             _card(fmt_num(worst), "end-to-end worst rel RMS"),

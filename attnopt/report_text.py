@@ -86,7 +86,7 @@ def markdown(rep) -> str:
     out += ["", "## Totals", ""]
     out.append(
         f"- sites: {t['sites']} ({t['rewritten']} rewritten, {t['kept']} kept, {t['reverted']} reverted, "
-        f"{t['unsupported']} unsupported); near misses: {t['near_misses']}"
+        f"{t['unsupported']} unsupported, {t['unverified']} unverified); near misses: {t['near_misses']}"
     )
     for m, b, a, ratio in zip(rep.cost_multipliers, t["flops_before"], t["flops_after"], t["flops_ratio"]):
         out.append(f"- attention FLOPs at {m}× length: {fmt_flops(b)}FLOP → {fmt_flops(a)}FLOP (ratio {fmt_num(ratio)})")
@@ -102,6 +102,14 @@ def markdown(rep) -> str:
             out.append(f"| **worst** | {fmt_num(e2e.worst.rel_rms)} | {fmt_num(e2e.worst.cosine, 4)} | {fmt_num(e2e.worst.max_abs)} | {e2e.worst.finite} |")
         if e2e.embedding_cosine is not None:
             out += ["", f"Mean embedding cosine: {fmt_num(e2e.embedding_cosine, 5)}"]
+    budget = rep.counts.get("budget", {}) if isinstance(getattr(rep, "counts", None), dict) else {}
+    if budget.get("e2e_tolerance") is not None:
+        tol = budget["e2e_tolerance"]
+        out += ["", f"End-to-end budget: worst output relative RMS < {fmt_num(tol)} (and mean embedding cosine "
+                    f">= {fmt_num(1 - tol / 5)} where measured)."]
+    for i, s in enumerate(getattr(rep, "budget_steps", []) or []):
+        out.append(f"- step {i + 1}: reverted {_md_cell(s['site_id'])} (site drift {fmt_num(s['site_drift'])}): "
+                   f"end-to-end {fmt_num(s['e2e_before'])} → {fmt_num(s['e2e_after'])}")
     out += ["", "## Sites", ""]
     if rep.sites:
         titles = column_titles(rep.cost_multipliers)

@@ -199,7 +199,11 @@ class Form(abc.ABC):
     preset_arg: ClassVar[Optional[str]] = None  # the positional knob: "window:64" sets window=64
     preset_keys: ClassVar[Mapping[str, str]] = {}  # short keys allowed in presets: {"map": "feature_map"}
     required: ClassVar[tuple] = ()
-    # Max relative RMS drift of the site output (given the original inputs) before it reverts.
+    # Relative RMS drift of the site output (given the original inputs) at which it reverts. Every
+    # default is below 1 with a margin: an all-zero output has drift exactly 1 and an output
+    # uncorrelated with the reference at least 1 in expectation, so both always revert. The
+    # defaults only stop a site that is broken on its own (window 0.6, linear/ssm/reuse 0.8);
+    # quality is the end-to-end budget's job (compile(e2e_tolerance=...)).
     default_tolerance: ClassVar[float]
     cost_rank: ClassVar[int]  # order "auto" tries forms in: lower is cheaper at long lengths
     auto_params: ClassVar[Optional[Mapping[str, Any]]] = None  # what "auto" tries; None: never tried
@@ -259,6 +263,11 @@ class Form(abc.ABC):
     def acts_at(self, site: AttentionSite, params: Mapping[str, Any], q_len: int, kv_len: int) -> bool:
         """Whether the form computes anything different from exact attention at these lengths."""
         return q_len >= int(params.get("min_seq_len", 0) or 0)
+
+    def acting_length(self, site: AttentionSite, params: Mapping[str, Any]) -> int:
+        """A sequence length at which to verify the form when the example inputs are too short for it
+        to act: where it acts, and long enough for its approximation to show."""
+        return max(1, int(params.get("min_seq_len", 0) or 0))
 
     # -- cost
 

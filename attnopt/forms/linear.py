@@ -104,7 +104,7 @@ class LinearForm(Form):
     }
     preset_arg = "feature_map"
     preset_keys = {"map": "feature_map"}
-    default_tolerance = 1.0
+    default_tolerance = 0.8
     cost_rank = 0
     auto_params = {"feature_map": "elu"}
 

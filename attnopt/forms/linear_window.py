@@ -15,7 +15,7 @@ import torch
 from attnopt.forms.base import CostAt, Form, Param, SiteModule, io_elements, no_arbitrary_mask
 from attnopt.forms.fitting import adam_fit, relative_mse
 from attnopt.forms.linear import LINEAR_PARAMS, feature_count, kernel_flops
-from attnopt.forms.window import WINDOW_PARAMS, aligned_positions_reason, covers_every_key, effective_window, visible_keys
+from attnopt.forms.window import WINDOW_PARAMS, aligned_positions_reason, effective_window, visible_keys
 from attnopt.kernels.feature_maps import make_feature_map
 from attnopt.kernels.linear_window import linear_window_attention
 from attnopt.passes.masks import key_keep
@@ -119,10 +119,13 @@ class LinearWindowForm(Form):
     auto_params = None  # its fit is a compile-time cost "auto" should not pay per site and form
 
     def check_site(self, site, params, sites):
-        return no_arbitrary_mask(site) or aligned_positions_reason(site) or covers_every_key(site, params)
+        return no_arbitrary_mask(site) or aligned_positions_reason(site)
 
     def acts_at(self, site, params, q_len, kv_len):
         return super().acts_at(site, params, q_len, kv_len) and kv_len > params["window"] + params["sinks"]
+
+    def acting_length(self, site, params):
+        return max(super().acting_length(site, params), 4 * (params["window"] + params["sinks"]))
 
     def cost(self, site, params, B, Nq, Nk):
         H, D, Dv = site.heads, site.head_dim, site.v_head_dim

@@ -50,7 +50,7 @@ class SsmForm(Form):
         "normalize": Param(bool, True, doc="divide by the decayed φ(q)ᵀz, as linear attention does"),
     }
     preset_arg = "decay"
-    default_tolerance = 1.0
+    default_tolerance = 0.8
     cost_rank = 1
     auto_params = {}
 

@@ -13,8 +13,23 @@ from attnopt.hf.interface import ModuleState
 from attnopt.hf.record import watch_layer_input
 
 
+def uninstall(model: nn.Module) -> int:
+    """Detach every site module and its hooks: the model runs its original attention again."""
+    removed = 0
+    for m in model.modules():
+        if "attnopt_site" in m._modules:
+            del m._modules["attnopt_site"]
+            removed += 1
+        state = m.__dict__.pop("_attnopt_state", None)
+        for h in getattr(state, "hooks", ()):
+            h.remove()
+    return removed
+
+
 def install(model: nn.Module, sites: list, modules: dict) -> dict:
-    """Attach `modules` (site id -> SiteModule) to their attention modules; return the counts."""
+    """Attach `modules` (site id -> SiteModule) to their attention modules, replacing any earlier
+    install; return the counts."""
+    uninstall(model)
     reuse_cache: dict = {}
     by_id = {s.id: s for s in sites}
     anchors = watched = 0
@@ -30,5 +45,8 @@ def install(model: nn.Module, sites: list, modules: dict) -> dict:
             state.anchor_key = id(anchor_mod)
             anchors += 1
             if module.needs_layer_input:
-                watched += watch_layer_input(target) is not None
+                hook = watch_layer_input(target)
+                if hook is not None:
+                    state.hooks.append(hook)
+                    watched += 1
     return {"installed": len(modules), "reuse_anchors": anchors, "layer_inputs_watched": watched}

@@ -33,6 +33,7 @@ class ModuleState:
     anchor_key: Optional[int] = None  # reuse site: the reuse_cache key of its anchor module
     last_x: Optional[torch.Tensor] = None  # this forward's input to the q projection (reuse residual)
     x_cache: Optional[torch.Tensor] = None  # layer inputs of every token so far, when decoding with reuse
+    hooks: list = field(default_factory=list)  # forward hooks install() added (removed by uninstall)
 
 
 def original_attention(module: nn.Module) -> Callable:

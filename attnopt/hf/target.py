@@ -94,6 +94,43 @@ class HfTarget:
     def splice(self, sites: list, modules: dict) -> tuple[nn.Module, dict]:
         return self.model, install(self.model, sites, modules)
 
+    def longer_batch(self, batch, length: int):
+        """(a batch of `length` tokens built from the example, None) or (None, why it cannot be built).
+
+        Row 0's real tokens repeated to the length, within the model's position limit: enough for
+        a form to act, and text-like enough for the attention pattern to be the model's own.
+        """
+        args, kwargs = batch
+        cfg = getattr(self.model, "config", None)
+        limit = next((getattr(cfg, n) for n in ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx")
+                      if isinstance(getattr(cfg, n, None), int)), None)
+        if limit is not None:
+            length = min(length, limit)
+        ids = kwargs.get("input_ids")
+        if args or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            return None, "the example inputs are not keyword input_ids [B, N] to extend"
+        B, N = ids.shape
+        if length <= N:
+            return None, f"the model's position limit ({limit}) is not beyond the example length {N}"
+        am = kwargs.get("attention_mask")
+        real = ids[0][am[0].bool()] if isinstance(am, torch.Tensor) and am.shape == ids.shape else ids[0]
+        reps = -(-length // max(1, real.numel()))
+        out = {}
+        for key, value in kwargs.items():
+            if key == "input_ids":
+                out[key] = real.repeat(reps)[:length][None]
+            elif key == "attention_mask":
+                out[key] = torch.ones(1, length, dtype=value.dtype)
+            elif key == "token_type_ids":
+                out[key] = torch.zeros(1, length, dtype=value.dtype)
+            elif key == "position_ids":
+                out[key] = torch.arange(length, dtype=value.dtype)[None]
+            elif isinstance(value, torch.Tensor):
+                return None, f"the example input {key!r} cannot be extended to {length} tokens"
+            else:
+                out[key] = value
+        return ((), out), None
+
     def run(self, module: nn.Module, batches: list) -> list:
         with torch.no_grad():
             return [call_model(module, b) for b in batches]

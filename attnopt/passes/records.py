@@ -16,6 +16,7 @@ class Status(str, enum.Enum):
     KEPT = "kept"  # the plan chose exact
     REVERTED = "reverted"  # the form was built and verified, and failed its tolerance
     UNSUPPORTED = "unsupported"  # the form cannot serve this site (the reason says why): exact
+    UNVERIFIED = "unverified"  # the form changes nothing on any verification input: kept exact
 
     def __str__(self) -> str:
         return self.value
@@ -29,6 +30,7 @@ class Verdict(str, enum.Enum):
     NOT_FINITE = "not_finite"
     UNSUPPORTED = "unsupported"  # the form could not be built here (SiteUnsupported)
     FAILED = "failed"  # building or running it raised
+    UNVERIFIED = "unverified"  # no verification input is long enough for the form to act
 
     def __str__(self) -> str:
         return self.value

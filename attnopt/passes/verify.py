@@ -63,9 +63,16 @@ def judge(d: Drift, tolerance: float) -> tuple[Verdict, str]:
     """Accept or revert a site drift, with the reason in words."""
     if not d.finite:
         return Verdict.NOT_FINITE, "output has NaN/Inf: reverted to exact"
-    if d.rel_rms > tolerance:
-        return Verdict.OVER_TOLERANCE, f"drift {d.rel_rms:.3g} > tolerance {tolerance:.3g}: reverted to exact"
-    return Verdict.ACCEPTED, f"drift {d.rel_rms:.3g} <= tolerance {tolerance:.3g}"
+    # >=: a tolerance is the first drift refused, so an all-zero output (drift exactly 1) never
+    # passes a tolerance of 1 or below.
+    if d.rel_rms >= tolerance:
+        return Verdict.OVER_TOLERANCE, f"drift {d.rel_rms:.3g} >= tolerance {tolerance:.3g}: reverted to exact"
+    return Verdict.ACCEPTED, f"drift {d.rel_rms:.3g} < tolerance {tolerance:.3g}"
+
+
+def call_lengths(call: SiteCall) -> tuple[int, int]:
+    """(query length, key length) of a recorded call."""
+    return call.q.shape[-2], call.k.shape[-2]
 
 
 @dataclass
@@ -88,17 +95,31 @@ def try_form(site, form: str, params: dict, context: BuildContext, tol: float) -
     """Build one form for one site, fit it, verify it: (the Attempt, the module if accepted else None)."""
     spec = forms.get(form)
     calls = context.calls[site.id]
+    # Only inputs the form changes count: a window as wide as the input, or a length below
+    # min_seq_len, runs exact attention and would verify with drift 0.
+    acting = [i for i, c in enumerate(calls) if spec.acts_at(site, params, *call_lengths(c))]
+    if not acting:
+        lengths = sorted({call_lengths(c)[1] for c in calls})
+        need = spec.acting_length(site, params)
+        return Attempt(form, params, None, Verdict.UNVERIFIED,
+                       f"unverified: {form} changes nothing at the verification lengths {lengths}; it acts from "
+                       f"about {need} tokens: pass verify_inputs= at that length (kept exact)", tol), None
     try:
         module = spec.build(site, params, context)
         # Fitted on the example batch only: calibration batches stay held out for the verdict.
         fit = spec.fit(module, calls[:1])
         anchor_calls = context.calls.get(module.anchor_id) if module.uses_anchor_qk else None
-        d = site_drift(module, calls, anchor_calls)
+        d = site_drift(module, [calls[i] for i in acting], [anchor_calls[i] for i in acting] if anchor_calls else None)
     except SiteUnsupported as exc:
         return Attempt(form, params, None, Verdict.UNSUPPORTED, f"unsupported: {exc}", tol), None
     except Exception as exc:  # a failed rewrite leaves the site exact, and says why
         return Attempt(form, params, None, Verdict.FAILED, f"rewrite failed: {type(exc).__name__}: {exc}", tol), None
     verdict, reason = judge(d, tol)
+    if d.finite and d.rel_rms == 0.0:  # acted in principle, changed nothing in fact: nothing was verified
+        verdict, reason = Verdict.UNVERIFIED, (f"unverified: {form} gave exactly the exact output on every "
+                                               "verification input, so its drift says nothing (kept exact)")
+    if len(acting) < len(calls):
+        reason += f" (on the {len(acting)} of {len(calls)} verification inputs where {form} acts)"
     if fit is not None:
         reason = (f"{fit.what} fitted to this site's softmax outputs "
                   f"(rel RMS {fit.rel_rms_before:.3g} -> {fit.rel_rms_after:.3g}); {reason}")
@@ -143,10 +164,11 @@ def _decide(site, plan, context, policy, tolerance) -> tuple[SiteOutcome, Any]:
                                attempt.drift, tuple(tried)), module
     last = tried[-1]
     if plan.rule == "auto":
-        status = Status.REVERTED
+        status = Status.UNVERIFIED if all(t.verdict is Verdict.UNVERIFIED for t in tried) else Status.REVERTED
         reason = "auto: no form within tolerance (" + "; ".join(f"{t.form}: {t.reason}" for t in tried) + "): kept exact"
     else:
-        status = Status.UNSUPPORTED if last.verdict is Verdict.UNSUPPORTED else Status.REVERTED
+        status = {Verdict.UNSUPPORTED: Status.UNSUPPORTED, Verdict.UNVERIFIED: Status.UNVERIFIED}.get(
+            last.verdict, Status.REVERTED)
         reason = last.reason
     return SiteOutcome(site.id, first_form, "exact", first_params, status, reason, last.tolerance, last.drift,
                        tuple(tried)), None
@@ -201,3 +223,37 @@ def output_drift(outs: list[Any], refs: list[Any], attention_masks: list[Optiona
         worst=worst_leaf,
         embedding_cosine=sum(cosines) / len(cosines) if cosines else None,
     )
+
+
+def verification_length(sites, plans, calls: dict) -> Optional[int]:
+    """The length a longer verification input needs so every planned form acts somewhere; None if
+    the recorded inputs already suffice."""
+    need = []
+    for site, plan in zip(sites, plans):
+        for form, params in plan.candidates:
+            spec = forms.get(form)
+            recorded = calls.get(site.id) or []
+            if recorded and not any(spec.acts_at(site, params, *call_lengths(c)) for c in recorded):
+                need.append(spec.acting_length(site, params))
+    return max(need) if need else None
+
+
+@dataclass(frozen=True)
+class BudgetStep:
+    """One revert made to hold the end-to-end budget: which site, and the model drift before/after."""
+
+    site_id: str
+    site_drift: float
+    e2e_before: float
+    e2e_after: float
+
+    def to_dict(self) -> dict:
+        return {"site_id": self.site_id, "site_drift": self.site_drift, "e2e_before": self.e2e_before,
+                "e2e_after": self.e2e_after}
+
+
+def revert_for_budget(outcome: SiteOutcome, e2e_drift: float, budget: float) -> SiteOutcome:
+    """The outcome of a site reverted because the whole model drifted too far with it."""
+    return replace(outcome, final_form="exact", status=Status.REVERTED,
+                   reason=(f"{outcome.reason}; end-to-end drift {e2e_drift:.3g} >= e2e_tolerance {budget:.3g}: "
+                           "reverted as the worst remaining site"))

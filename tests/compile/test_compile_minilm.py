@@ -30,7 +30,7 @@ def test_window_with_sinks_keeps_embeddings(window_sinks, english_256):
 
 def test_window_without_sinks_drifts_more(minilm, english_256, window_sinks):
     model, _ = minilm
-    plain = attnopt.compile(model, "window:64", example_inputs=english_256, tolerance=10.0)
+    plain = attnopt.compile(model, "window:64", example_inputs=english_256, tolerance=0.99, e2e_tolerance=None)
     with_sinks = window_sinks.attnopt_report.end_to_end.embedding_cosine
     without = plain.attnopt_report.end_to_end.embedding_cosine
     assert without < with_sinks - 0.03, (without, with_sinks)  # sinks matter on BERT-style encoders
@@ -38,11 +38,14 @@ def test_window_without_sinks_drifts_more(minilm, english_256, window_sinks):
 
 def test_linear_reports_its_drift_and_auto_reverts_it(minilm, english_256):
     model, _ = minilm
-    linear = attnopt.compile(model, "linear", example_inputs=english_256)
+    linear = attnopt.compile(model, "linear", example_inputs=english_256, tolerance=0.99, e2e_tolerance=None)
     rep = linear.attnopt_report
     assert [r.outcome.final_form for r in rep.sites] == ["linear"] * 6
     assert all(r.outcome.drift.rel_rms > 0.4 for r in rep.sites)  # honest: ELU+1 is far from softmax
     assert rep.end_to_end.embedding_cosine < 0.8
+    # Under the default budgets the same preset keeps only what the model can afford.
+    safe = attnopt.compile(model, "linear", example_inputs=english_256).attnopt_report
+    assert 0 < safe.count("rewritten") < 6 and safe.end_to_end.embedding_cosine >= 0.9
 
     auto = attnopt.compile(model, "auto", example_inputs=english_256)
     arep = auto.attnopt_report
@@ -62,7 +65,7 @@ def test_original_model_untouched(minilm, english_256):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         out_before = model(**english_256).last_hidden_state.clone()
-    attnopt.compile(model, "window:16", example_inputs=english_256, tolerance=10.0)
+    attnopt.compile(model, "window:16", example_inputs=english_256, tolerance=0.99, e2e_tolerance=None)
     assert model.config._attn_implementation == "sdpa"
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -89,11 +92,14 @@ def test_exact_policy_is_bit_identical(minilm, english_256):
 
 def test_reuse_residual_recovers_what_pure_reuse_loses(minilm, english_256):
     model, _ = minilm
-    pure = attnopt.compile(model, "reuse:-1+rank:0", example_inputs=english_256, tolerance=10.0)
-    resid = attnopt.compile(model, "reuse", example_inputs=english_256, tolerance=10.0)  # rank 8
+    pure = attnopt.compile(model, "reuse:-1+rank:0", example_inputs=english_256, e2e_tolerance=None)
+    resid = attnopt.compile(model, "reuse", example_inputs=english_256, e2e_tolerance=None)  # rank 8
     p, r = pure.attnopt_report, resid.attnopt_report
-    assert [x.outcome.status for x in r.sites] == ["kept"] + ["rewritten"] * 5
+    # Training-free reuse fails on a trained model: every site drifts as far as an unrelated output.
+    assert [str(x.outcome.status) for x in p.sites] == ["kept"] + ["reverted"] * 5
+    assert all(x.outcome.drift.rel_rms >= 0.8 for x in p.sites[1:])
+    assert [str(x.outcome.status) for x in r.sites] == ["kept"] + ["rewritten"] * 5
     assert all(x.outcome.params["rank"] == 8 for x in r.sites[1:])
     for a, b in zip(p.sites[1:], r.sites[1:]):
         assert b.outcome.drift.rel_rms < a.outcome.drift.rel_rms  # the residual helps every layer
-    assert p.end_to_end.embedding_cosine < 0.6 < 0.85 < r.end_to_end.embedding_cosine
+    assert r.end_to_end.embedding_cosine > 0.85
