@@ -65,6 +65,9 @@ class SiteNodes:
     mask: Optional[str] = None  # same as MaskInfo.node
     members: tuple = ()  # every node of the matched chain (removed by a rewrite when dead)
     rank: int = 4  # 3 for bmm spellings over [B*H, N, D]
+    # > 1 when the graph repeats kv heads before its head transpose: no [B, Hkv, N, D] node exists,
+    # so `key` / `value` hold H = kv_heads * kv_repeated heads (each kv head repeated in place)
+    kv_repeated: int = 1
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,11 @@ class AttentionSite:
     dtype: str  # e.g. "float32"
     nodes: SiteNodes
     spelling: tuple = ()  # tags of the alternatives that matched, e.g. ("scale:div", "mask:masked_fill")
+    # Factors of the scores (other than the mask) whose value the graph reads at run time, e.g.
+    # ("scale",) when the scale is a forward argument: `scale` then holds only the example's value,
+    # so such a site must be kept exact (a rewrite would freeze it). `runtime_reason` says why.
+    runtime_inputs: tuple = ()
+    runtime_reason: str = ""
 
     @property
     def gqa_groups(self) -> int:
