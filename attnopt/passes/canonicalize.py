@@ -252,7 +252,7 @@ def strip_factors(node: Node, where: str) -> tuple[Node, list[Factor], list[Node
     return node, factors, members
 
 
-def scale_folded_upstream(node: Node, depth: int = 8) -> Optional[Factor]:
+def scale_folded_upstream(node: Node, depth: int = 8, where: str = "query") -> Optional[Factor]:
     """A scalar factor applied to `node`'s values before a head split / transpose (OPT and Whisper
     scale q right after its projection, in [B, N, H*D]): no unscaled [B, H, N, D] tensor exists,
     so the site's scale is relative to the already scaled node. Returned only to say so."""
@@ -261,11 +261,11 @@ def scale_folded_upstream(node: Node, depth: int = 8) -> Optional[Factor]:
         if name in ("mul", "div", "true_divide"):
             for cand in node.args[:2]:
                 if isinstance(cand, fx.Node) and same_shape(cand, node):
-                    f = as_factor(node, cand, "query")
+                    f = as_factor(node, cand, where)
                     if f is not None:
                         return f
             return None
-        if name in RESHAPE_OPS or name in COPY_OPS or name in ("transpose", "permute") or is_cast(node):
+        if name in RESHAPE_OPS or name in COPY_OPS or perm_of(node) is not None or is_cast(node):
             node = node.args[0]
             continue
         return None

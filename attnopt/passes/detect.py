@@ -188,7 +188,7 @@ def _wanted(candidates: list[Candidate]) -> set[str]:
             names.add(c.sdpa_mask.name)
         if isinstance(c.sdpa_scale, fx.Node):
             names.add(c.sdpa_scale.name)
-        for f in c.factors():
+        for f in c.factors() + c.folded_factors:
             if isinstance(f.value, fx.Node):
                 names.add(f.value.name)
         for kind, x in c.score_steps + c.prob_steps:
@@ -237,7 +237,10 @@ def _check(c: Candidate, values: dict, oracle: StructureOracle) -> Union[NearMis
         return mask
     # heads and head dims are model constants: report the example's value even where export kept
     # the dim symbolic (Dim.AUTO on an input tensor the model never reshapes)
-    return {"scale": scale, "heads": heads, "kv_heads": kv_heads, "mask": mask,
+    folded = 1.0
+    for f in c.folded_factors:
+        folded *= f.resolve(values)
+    return {"scale": scale, "folded_scale": folded, "heads": heads, "kv_heads": kv_heads, "mask": mask,
             "head_dim": int(q.shape[-1]), "v_head_dim": int(v.shape[-1])}
 
 
@@ -485,8 +488,25 @@ def _split_batch_heads(c: Candidate) -> tuple[Dim, int]:
             s = cz.shape(cur)
             if s is not None and len(s) == 4 and isinstance(s[1], int) and cz.same_dim(s[0] * s[1], g):
                 return _dim(s[0]), int(s[1])
+    for operand in (c.key, c.value):  # q may be flattened from [B, N, H*D]; k or v may still show H
+        lifted = cz.unflatten_heads(operand)
+        s = cz.shape(lifted[0]) if lifted is not None else None
+        if s is not None and isinstance(s[1], int):
+            return _dim(s[0]), int(s[1])
     split = _head_split_view(c.query, g)
     return split if split is not None else (_dim(g), 1)
+
+
+def _rank3_kv_repeat(c: Candidate, heads: int) -> int:
+    """How often k and v repeat each kv head before being flattened to [B*H, N, D] (1: not seen)."""
+    repeats = []
+    for operand in (c.key, c.value):
+        lifted = cz.unflatten_heads(operand)
+        if lifted is None or cz.shape(lifted[0])[1] != heads:
+            return 1
+        repeats.append(cz.head_repeat(lifted[0], 1))
+    r = repeats[0]
+    return r if r == repeats[1] and r > 1 and heads % r == 0 else 1
 
 
 def _head_split_view(query: fx.Node, g) -> Optional[tuple[Dim, int]]:
@@ -527,7 +547,7 @@ def _graph_inputs_behind(node: fx.Node, limit: int = 4096) -> list[str]:
 
 def _runtime_inputs(c: Candidate) -> tuple[tuple, str]:
     """("scale",) and a reason when a factor of the scores is read from the graph's inputs."""
-    nodes = [f.value for f in c.factors() if isinstance(f.value, fx.Node)]
+    nodes = [f.value for f in c.factors() + c.folded_factors if isinstance(f.value, fx.Node)]
     if isinstance(c.sdpa_scale, fx.Node):
         nodes.append(c.sdpa_scale)
     inputs = sorted({name for n in nodes for name in _graph_inputs_behind(n)})
@@ -556,7 +576,7 @@ def _build_sites(gm: fx.GraphModule, checked: list[tuple[Candidate, dict]]) -> l
                 kv_heads //= c.kv_repeated
         else:
             batch, heads = _split_batch_heads(c)
-            kv_heads = heads
+            kv_heads = heads // _rank3_kv_repeat(c, heads) if heads > 1 else heads
         k = per_module[c.module_path]
         per_module[c.module_path] += 1
         site_id = f"{c.module_path or 'graph'}#{k}"
@@ -584,9 +604,11 @@ def _build_sites(gm: fx.GraphModule, checked: list[tuple[Candidate, dict]]) -> l
             dtype=str(cz.val(c.query).dtype).replace("torch.", ""),
             nodes=SiteNodes(query=c.query.name, key=c.key.name, value=c.value.name, output=c.output.name,
                             key_is_transposed=c.key_is_transposed, mask=mask.node, members=members,
-                            rank=c.rank, kv_repeated=c.kv_repeated if kv_heads != heads else 1),
+                            rank=c.rank, kv_repeated=heads // kv_heads if c.rank == 3 else
+                            (c.kv_repeated if kv_heads != heads else 1)),
             spelling=tuple(c.spelling) + (("mask:" + mask.form,) if mask.form != "none" else ()),
             runtime_inputs=runtime,
             runtime_reason=runtime_reason,
+            folded_scale=float(info["folded_scale"]),
         ))
     return sites

@@ -47,6 +47,9 @@ class Candidate:
     # kv heads the key/value NODES already repeat (the graph repeats before its head transpose, so no
     # [B, Hkv, N, D] node exists): the site's kv_heads is H / kv_repeated though k, v hold H heads
     kv_repeated: int = 1
+    # scalar factors applied to q or k before a head split / transpose: inside the query / key
+    # nodes (no unscaled [B, H, N, D] node exists), so excluded from the site's scale
+    folded_factors: list = field(default_factory=list)
     enable_gqa: bool = False
     dropout_p: float = 0.0
     members: list = field(default_factory=list)
@@ -459,11 +462,13 @@ class ExplicitChainMatcher:
         kv_repeated = _repeated_heads(key, value) if rq == 4 and groups == 1 else 1
         if kv_repeated > 1:
             spelling.append("gqa:repeated_before_layout")
+        folded = _folded_factors(query, key)
         path, mtype, in_mha = module_of(softmax)
         return Candidate(
             anchor=softmax, source="mha" if in_mha else "explicit", query=query, key=key, value=value,
             output=output, rank=rq, key_is_transposed=key_is_transposed, qk_factors=q_factors + k_factors,
-            score_steps=steps, prob_steps=prob_steps, groups=groups, kv_repeated=kv_repeated, dropout_p=dropout_p,
+            score_steps=steps, prob_steps=prob_steps, groups=groups, kv_repeated=kv_repeated,
+            folded_factors=folded, dropout_p=dropout_p,
             members=_unique(members), spelling=_unique(spelling), module_path=path, module_type=mtype,
         )
 
@@ -539,6 +544,12 @@ def _frame_disagrees(query: Node, key: Node, key_is_transposed: bool, steps: lis
             return (f"the mask {_describe(x.node)} is spelled on [B*H, Nq, Nk] {list(shape(x.node) or ())}; "
                     "a rank-4 site has no [B, H] reading of it")
     return ""
+
+
+def _folded_factors(query: Node, key: Node) -> list[Factor]:
+    """Scale factors already inside the query / key nodes (applied before their layout ops)."""
+    found = [cz.scale_folded_upstream(query, where="query"), cz.scale_folded_upstream(key, where="key")]
+    return [f for f in found if f is not None]
 
 
 def _repeated_heads(key: Node, value: Node) -> int:
@@ -670,7 +681,7 @@ class SdpaMatcher:
         return Candidate(
             anchor=node, source="mha" if in_mha else "sdpa", query=q, key=k, value=v, output=output, rank=r,
             sdpa_scale=scale, sdpa_mask=mask if isinstance(mask, fx.Node) else None, is_causal=is_causal,
-            groups=groups, kv_repeated=kv_repeated, enable_gqa=enable_gqa,
+            groups=groups, kv_repeated=kv_repeated, folded_factors=_folded_factors(q, k), enable_gqa=enable_gqa,
             dropout_p=float(a.get("dropout_p", 0.0) or 0.0),
             members=members, spelling=spelling, module_path=path, module_type=mtype,
         )

@@ -99,6 +99,10 @@ class AttentionSite:
     # so such a site must be kept exact (a rewrite would freeze it). `runtime_reason` says why.
     runtime_inputs: tuple = ()
     runtime_reason: str = ""
+    # A factor the graph applies to q or k before splitting heads (OPT and Whisper scale the
+    # [B, N, H*D] projection): no unscaled [B, H, N, D] node exists, so it stays inside the query /
+    # key nodes and `scale` excludes it. The model's full scale on q kᵀ is scale * folded_scale.
+    folded_scale: float = 1.0
 
     @property
     def gqa_groups(self) -> int:
