@@ -3,8 +3,9 @@
 Nothing here edits the graph (the rewrite pass needs the node names the detector reports); instead
 each helper answers "what does this node mean, once its spelling is normalised": a cast, clone or
 eval-mode dropout is transparent; `x * c`, `x / c` and `baddbmm(alpha=)` are scale factors; `+ m`,
-`masked_fill` and `where` are mask terms; `repeat_kv` / `repeat_interleave` are a GQA group count;
-chains of permute/transpose compose into one axis permutation.
+`masked_fill` and `where` are mask terms (in-place `+=`, `mul_`, `div_`, `masked_fill_` alike);
+`repeat_kv` / `repeat_interleave` are a GQA group count; chains of permute/transpose/`.mT` compose
+into one axis permutation; a [B*H, N, D] view is lifted to the [B, H, N, D] tensor it flattens.
 
 Letters: B batch, H query heads, Hkv key/value heads, N tokens, D head dim.
 """

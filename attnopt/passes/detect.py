@@ -5,7 +5,8 @@
 Every softmax / SDPA node is an anchor. A structural match (matchers.py) becomes a site only
 after the graph has been run once on the example inputs and the matched pieces, pushed through
 softmax(scale · q kᵀ + mask) v, reproduce the recorded output. Anything that fails is a NearMiss
-with a reason.
+with a reason. Attention inside a higher-order op's submodule (export's no_grad / autocast /
+checkpoint regions) is matched too and reported as a near miss: the splice step cannot reach it.
 
 Letters: B batch, H query heads, Hkv key/value heads, Nq/Nk query/key length, D/Dv head dims.
 """
@@ -54,6 +55,9 @@ def detect(captured: CapturedGraph) -> DetectionResult:
     counts = {"softmax": 0, "sdpa": 0, "log_softmax": 0, "inside_higher_order_op": 0}
     candidates, misses = _match_graph(gm.graph, counts)
     misses += _inside_higher_order_ops(gm, counts)
+    mutated = {id(c): _mutated_outside_chain(c) for c in candidates}
+    misses += [m for m in mutated.values() if m is not None]
+    candidates = [c for c in candidates if mutated[id(c)] is None]
     t_match = time.perf_counter()
 
     checked: list[tuple[Candidate, dict]] = []
@@ -98,6 +102,25 @@ def _match_graph(graph: fx.Graph, counts: dict) -> tuple[list[Candidate], list[N
                     misses.append(got)
                 break
     return candidates, misses
+
+
+def _mutated_outside_chain(c: Candidate) -> Optional[NearMiss]:
+    """An in-place op outside the matched chain that writes a tensor the site reads: the chain as
+    matched would not be what runs (and the recorded values would be the mutated ones)."""
+    chain = {n.name for n in c.members}
+    read = list(c.members) + [c.query, c.key, c.value] + [t.node for t in c.mask_terms]
+    read += [c.sdpa_mask] if c.sdpa_mask is not None else []
+    for node in read:
+        if not isinstance(node, fx.Node):
+            continue
+        for user in node.users:
+            schema = getattr(user.target, "_schema", None)
+            if (user.name not in chain and schema is not None and schema.is_mutable and user.args
+                    and user.args[0] is node):
+                return _candidate_miss(c, f"{cz.op_name(user)} ({user.name}) writes in place into {node.name}, "
+                                          "which the attention reads, outside the matched chain",
+                                       "mutated_in_place", node=node.name, writer=user.name)
+    return None
 
 
 # ---- higher-order ops: export moves no_grad / autocast / checkpoint regions into submodules ------
@@ -529,33 +552,44 @@ def _head_split_view(query: fx.Node, g) -> Optional[tuple[Dim, int]]:
     return None
 
 
-def _graph_inputs_behind(node: fx.Node, limit: int = 4096) -> list[str]:
-    """Names of the placeholders `node`'s value depends on, through values and sizes alike (a scale
-    computed from a dynamic dim changes with the input as much as one passed as an argument)."""
+def _values_behind(node: fx.Node, limit: int = 4096) -> list[str]:
+    """What `node`'s value is read from at run time: graph inputs ("input 'x'") and trainable
+    parameters ("parameter 'w'"), through values and sizes alike (a scale computed from a dynamic
+    dim changes with the input as much as one passed as an argument). Buffers and literals are
+    constants and are not listed."""
+    gm = node.graph.owning_module
     seen, stack, found = {node.name}, [node], []
     while stack and len(seen) < limit:
         cur = stack.pop()
         if cur.op == "placeholder":
-            found.append(cur.name)
+            found.append(f"input '{cur.target}'")
+            continue
+        if cur.op == "get_attr":
+            try:
+                attr = operator.attrgetter(cur.target)(gm)
+            except AttributeError:
+                attr = None
+            if isinstance(attr, torch.nn.Parameter) and attr.requires_grad:
+                found.append(f"parameter '{cur.target}'")
             continue
         for inp in cur.all_input_nodes:
             if inp.name not in seen:
                 seen.add(inp.name)
                 stack.append(inp)
-    return sorted(found)
+    return sorted(set(found))
 
 
 def _runtime_inputs(c: Candidate) -> tuple[tuple, str]:
-    """("scale",) and a reason when a factor of the scores is read from the graph's inputs."""
+    """("scale",) and a reason when a factor of the scores is read from the graph's inputs or
+    trainable parameters rather than being a constant of the graph."""
     nodes = [f.value for f in c.factors() + c.folded_factors if isinstance(f.value, fx.Node)]
     if isinstance(c.sdpa_scale, fx.Node):
         nodes.append(c.sdpa_scale)
-    inputs = sorted({name for n in nodes for name in _graph_inputs_behind(n)})
-    if not inputs:
+    sources = sorted({src for n in nodes for src in _values_behind(n)})
+    if not sources:
         return (), ""
-    named = ", ".join(f"'{n}'" for n in inputs)
-    return ("scale",), (f"the scale is computed at run time from the graph input(s) {named}; the site's "
-                        "scale is only the example's value, so the site must stay exact")
+    return ("scale",), (f"the scale is computed at run time from {', '.join(sources)}; the site's scale is "
+                        "only the example's value, so the site must stay exact")
 
 
 def _build_sites(gm: fx.GraphModule, checked: list[tuple[Candidate, dict]]) -> list[AttentionSite]:

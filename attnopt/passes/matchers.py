@@ -1,4 +1,5 @@
-"""Attention matchers: one rich rule for explicit softmax chains, one for SDPA calls.
+"""Attention matchers: one rich rule for explicit softmax chains, one for SDPA calls (and its
+backend-specific variants).
 
 Each rule has `anchors` (the ops it starts from), `match` (walk the graph through the canonical
 view of `canonicalize`, tagging which alternative of each part matched) and leaves the numeric
@@ -447,16 +448,11 @@ class ExplicitChainMatcher:
         output = pv
         steps = list(reversed(steps_back))
         if mixed:
-            if rank(pv) == 3:
-                lifted = cz.heads_view_of(pv)
-                if lifted is None:
-                    return _miss(softmax, "P·V is a bmm over [B*H, Nq, Dv] after a 4-D softmax, and its result "
-                                          "is never viewed as [B, H, Nq, Dv]", "no_value_matmul")
-                output, m = lifted
-                members += m
-            bad = _frame_disagrees(query, key, key_is_transposed, steps + prob_steps)
-            if bad:
-                return _miss(softmax, bad, "mixed_rank")
+            got = self._lift_output(softmax, pv, query, key, key_is_transposed, steps + prob_steps)
+            if isinstance(got, NearMiss):
+                return got
+            output, m = got
+            members += m
             prob_steps = []  # views between [B*H, ..] and [B, H, ..] only: nothing to replay in 4-D
             rq = 4
         kv_repeated = _repeated_heads(key, value) if rq == 4 and groups == 1 else 1
@@ -488,6 +484,22 @@ class ExplicitChainMatcher:
         return q4, k4, fq + fk, mq + mk
 
     @staticmethod
+    def _lift_output(softmax: Node, pv: Node, query: Node, key: Node, key_is_transposed: bool, steps: list):
+        """The [B, H, Nq, Dv] node a mixed-rank chain's P·V is read as, after checking that every
+        score / probability frame agrees with the lifted q·kᵀ: (output, members) or a NearMiss."""
+        output, members = pv, []
+        if rank(pv) == 3:
+            lifted = cz.heads_view_of(pv)
+            if lifted is None:
+                return _miss(softmax, "P·V is a bmm over [B*H, Nq, Dv] after a 4-D softmax, and its result "
+                                      "is never viewed as [B, H, Nq, Dv]", "no_value_matmul")
+            output, members = lifted
+        bad = _frame_disagrees(query, key, key_is_transposed, steps)
+        if bad:
+            return _miss(softmax, bad, "mixed_rank")
+        return output, members
+
+    @staticmethod
     def _weights_reused(softmax: Node, user: Node) -> NearMiss:
         _, _, in_mha = module_of(softmax)
         what = "returned" if user.op == "output" else f"used by {_describe(user)}"
@@ -517,6 +529,10 @@ class ExplicitChainMatcher:
         shown = tuple(cz.perm_of(outer)) if outer is not None else perm
         if len(q_perm) == r and perm == cz.swap_last_two(q_perm) and _same_role_sizes(q_base, base, q_perm):
             return key_t, True, layout, "key:permute"
+        if cz.perm_of(key_t) == cz.swap_last_two(ident):
+            # kᵀ is k.transpose(-2, -1) of a k whose own layout came from elsewhere (expanded or
+            # repeated as [B, N, Hkv, D], then transposed): that k is the key, whatever its source
+            return key_t.args[0], False, [key_t], "key:transpose"
         def text(p):
             return "(" + ",".join(str(d) for d in p) + ")"
 

@@ -82,18 +82,20 @@ class MixedRank(nn.Module):
     def forward(self, q, k, v, mask=None):
         if self.gqa:
             k, v = repeat_kv(k, GROUPS), repeat_kv(v, GROUPS)
-        flat = lambda x: x.reshape(B * H, x.shape[-2], x.shape[-1])  # noqa: E731
+        b, h, n, d = q.shape  # sizes read from the inputs, so a dynamic capture keeps them related
+        dv = v.shape[-1]
+        flat = lambda x: x.reshape(b * h, x.shape[-2], x.shape[-1])  # noqa: E731
         if self.kind == "bmm_scores":  # Inductor's pattern: bmm q·kᵀ viewed to 4-D, 4-D softmax and P·V
-            s = torch.bmm(flat(q) * D**-0.5, flat(k).transpose(1, 2)).view(B, H, N, N)
+            s = torch.bmm(flat(q) * D**-0.5, flat(k).transpose(1, 2)).view(b, h, n, n)
         elif self.kind == "bmm_scores_flat_key_t":  # kᵀ flattened from [B, H, D, N]
-            s = torch.bmm(flat(q), k.transpose(-1, -2).reshape(B * H, D, N)).view(B, H, N, N) * 0.3
+            s = torch.bmm(flat(q), k.transpose(-1, -2).reshape(b * h, d, n)).view(b, h, n, n) * 0.3
         else:  # "bmm_values": 4-D scores and softmax, P·V as a bmm on [B*H, ..] viewed back
             s = (q @ k.transpose(-1, -2)) / math.sqrt(D)
         if mask is not None:
             s = s + mask
         p = s.softmax(-1)
         if self.kind == "bmm_values":
-            return torch.bmm(p.view(B * H, N, N), flat(v)).view(B, H, N, DV)
+            return torch.bmm(p.view(b * h, n, n), flat(v)).view(b, h, n, dv)
         return p @ v
 
 
@@ -510,3 +512,79 @@ def test_rank3_site_without_a_head_split_claims_no_heads():
     flat = lambda x: x.reshape(B * H, N, x.shape[-1]).clone()  # noqa: E731
     site = one_site(Rank3Inputs(), flat(Q_BHND), flat(K_BHND), flat(V_BHND))
     assert (site.batch, site.heads, site.kv_heads) == (B * H, 1, 1)
+
+
+# ---- the sites above are safe to splice: an exact rewrite from their nodes matches on new inputs ---
+
+SPLICED = {
+    "mixed_bmm_scores_gqa_padding": lambda: (MixedRank("bmm_scores", True), (Q_BHND, K_BHkvND, V_BHkvND, padding_B11N())),
+    "mixed_bmm_values_padding": lambda: (MixedRank("bmm_values"), (Q_BHND, K_BHND, V_BHND, padding_B11N())),
+    "mixed_flat_key_t": lambda: (MixedRank("bmm_scores_flat_key_t"), (Q_BHND, K_BHND, V_BHND)),
+    "gqa_repeat_before_transpose_mT": lambda: (GqaSpelled("repeat_interleave_before_transpose", "mT"),
+                                               (Q_BNHD, K_BNHkvD, V_BNHkvD)),
+    "gqa_expand_before_transpose_sdpa": lambda: (GqaSpelled("expand_reshape_before_transpose", "transpose", True),
+                                                 (Q_BNHD, K_BNHkvD, V_BNHkvD)),
+    "inplace_mul_add": lambda: (InPlace("mul_"), (Q_BHND, K_BHND, V_BHND, padding_B11N())),
+    "rank3_gqa": lambda: (Rank3(True), (Q_BHND, K_BHkvND, V_BHkvND)),
+    "flash_for_cpu": lambda: (FlashForCpu(scale=0.3), (Q_BHND, K_BHND, V_BHND_D)),
+    "split_three_factors": lambda: (SplitScale("three_factors"), (Q_BHND, K_BHkvND, V_BHkvND)),
+    "scaled_before_head_split": lambda: (ScaledBeforeHeadSplit(False), (Q_BNHD.reshape(B, N, H * D), K_BHND)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPLICED))
+def test_site_spliced_as_exact_matches_the_model_on_new_inputs(case):
+    from attnopt.passes.rewrite import RewrittenSite, rewrite_graph
+
+    module, args = SPLICED[case]()
+    inspection = inspect(module, *args)  # dynamic, as attnopt.compile captures
+    [site] = inspection.sites
+    gm = inspection.captured.graph_module
+    rewrite_graph(gm, [site], {site.id: RewrittenSite(site, "exact", {})})
+    assert sum(1 for n in gm.graph.nodes if n.op == "call_module" and str(n.target).startswith("attnopt_site")) == 1
+    gen = torch.Generator().manual_seed(11)
+    fresh = tuple(a if a.dtype == torch.bool or a.shape[1] == 1 else torch.randn(a.shape, generator=gen) for a in args)
+    with torch.no_grad():
+        assert (gm(*fresh) - module(*fresh)).abs().max() < 1e-5
+
+
+def test_in_place_write_outside_the_chain_is_a_near_miss():
+    """A graph where the softmax reads the scores node that an add_ mutates in place (the FX view of
+    `s = q@kᵀ * c; s.add_(m); softmax(s)` with the write not threaded through): taking the chain
+    without the add_ would drop the mask, so it must be a near miss, never a site."""
+    from attnopt.passes.capture import capture_export
+    from attnopt.passes.detect import detect
+
+    captured = capture_export(InPlace("mul_"), (Q_BHND, K_BHND, V_BHND, padding_B11N()), dynamic=False)
+    graph = captured.graph_module.graph
+    add_ = next(n for n in graph.nodes if n.target is torch.ops.aten.add_.Tensor)
+    softmax = next(n for n in graph.nodes if "softmax" in str(n.target))
+    softmax.replace_input_with(add_, add_.args[0])
+    captured.graph_module.recompile()
+    result = detect(captured)
+    assert result.sites == []
+    assert [m.code for m in result.near_misses] == ["mutated_in_place"]
+    assert "add_" in result.near_misses[0].reason
+
+
+class MqaExpanded(nn.Module):
+    """One key/value head expanded over all query heads (multi-query attention), before or after
+    the head transpose."""
+
+    def __init__(self, before_transpose: bool):
+        super().__init__()
+        self.before = before_transpose
+
+    def forward(self, q, k_BN1D, v_BN1D):
+        if self.before:
+            k, v = (x.expand(B, N, H, x.shape[-1]).transpose(1, 2) for x in (k_BN1D, v_BN1D))
+        else:
+            k, v = (x.transpose(1, 2).expand(B, H, N, x.shape[-1]) for x in (k_BN1D, v_BN1D))
+        return ((q @ k.transpose(-1, -2)) * 0.25).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["expand_then_transpose", "transpose_then_expand"])
+def test_mqa_by_expand_has_one_kv_head(before):
+    site = one_site(MqaExpanded(before), Q_BHND, K_BNHkvD[:, :, :1], V_BNHkvD[:, :, :1])
+    assert (site.batch, site.heads, site.kv_heads) == (B, H, 1)
+    assert site.scale == pytest.approx(0.25, abs=1e-6)

@@ -114,14 +114,14 @@ def test_tensor_scale_argument_is_a_runtime_input():
     inspection = inspect(TensorScale(), Q, K, V, torch.tensor(0.3), dynamic=False)
     [site] = inspection.sites
     assert site.runtime_inputs == ("scale",)
-    assert "'scale'" in site.runtime_reason and "exact" in site.runtime_reason
+    assert "input 'scale'" in site.runtime_reason and "exact" in site.runtime_reason
     assert site.scale == pytest.approx(0.3, abs=1e-6)  # the example's value, for the record only
 
 
 def test_factor_on_query_from_an_argument_is_a_runtime_input():
     inspection = inspect(ScaleOnQuery(), Q, K, V, torch.tensor(2.0), dynamic=False)
     [site] = inspection.sites
-    assert site.runtime_inputs == ("scale",) and "'temperature'" in site.runtime_reason
+    assert site.runtime_inputs == ("scale",) and "input 'temperature'" in site.runtime_reason
     assert site.scale == pytest.approx(0.5, abs=1e-6)
 
 
@@ -209,3 +209,28 @@ def test_capture_error_on_the_dynamo_route_does_not_suggest_dynamo():
     else:  # a torch that re-exports the checkpoint region: its attention must not go unreported
         inspection = inspect(CheckpointedAttention(), Q, K, V, method="dynamo")
         assert len(graphs) >= 1 and len(inspection.sites) + len(inspection.near_misses) >= 1
+
+
+class LearnedTemperature(nn.Module):
+    """A trainable temperature: constant today, but training moves it, so it is not frozen."""
+
+    def __init__(self, trainable: bool):
+        super().__init__()
+        t = torch.tensor(0.5)
+        if trainable:
+            self.log_t = nn.Parameter(t.log())
+        else:
+            self.register_buffer("log_t", t.log())
+
+    def forward(self, q, k, v):
+        return explicit(q, k, v, scale=self.log_t.exp())
+
+
+@pytest.mark.parametrize("trainable", [True, False], ids=["parameter", "buffer"])
+def test_learned_temperature_is_a_runtime_value_but_a_buffer_is_not(trainable):
+    [site] = inspect(LearnedTemperature(trainable), Q, K, V, dynamic=False).sites
+    assert site.scale == pytest.approx(0.5, abs=1e-6)
+    if trainable:
+        assert site.runtime_inputs == ("scale",) and "parameter 'log_t'" in site.runtime_reason
+    else:
+        assert site.runtime_inputs == ()
