@@ -15,6 +15,7 @@ detector uses it for numeric checks and the verifier can reuse it.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
@@ -152,8 +153,8 @@ class _NamedGuards(torch.nn.Module):
             return self.guards(*args)
         except AssertionError as exc:
             text = str(exc)
-            named = [n for n in self.scalars if n in text] or list(self.scalars)
-            if not named:
+            named = [n for n in self.scalars if re.search(rf"\b{re.escape(n)}\b", text)]
+            if not named:  # a guard on something else (a tensor's shape): export's message stands
                 raise
             which = ", ".join(f"{n}={self.scalars[n]!r}" for n in named)
             raise SpecializedInputError(

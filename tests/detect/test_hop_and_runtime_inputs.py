@@ -234,3 +234,16 @@ def test_learned_temperature_is_a_runtime_value_but_a_buffer_is_not(trainable):
         assert site.runtime_inputs == ("scale",) and "parameter 'log_t'" in site.runtime_reason
     else:
         assert site.runtime_inputs == ()
+
+
+class FloatScaleFixedBatch(nn.Module):
+    def forward(self, q, k, v, sc):
+        return F.scaled_dot_product_attention(q, k, v, scale=sc).reshape(B, -1)  # pins the batch size
+
+
+def test_a_guard_on_a_tensor_shape_keeps_its_own_message():
+    captured = capture_export(FloatScaleFixedBatch(), (Q, K, V, 0.3), dynamic=False)
+    small = tuple(x[:2] for x in (Q, K, V))
+    with pytest.raises(AssertionError) as err:
+        captured.graph_module(*small, 0.3)
+    assert not isinstance(err.value, SpecializedInputError)
