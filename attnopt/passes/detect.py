@@ -195,7 +195,14 @@ def _check_all(captured: CapturedGraph, candidates: list[Candidate]) -> tuple[li
     oracle = StructureOracle(captured.graph_module.graph)
     checked, misses = [], []
     for c in candidates:
-        got = _check(c, values, oracle)
+        try:
+            got = _check(c, values, oracle)
+        except (RuntimeError, ValueError, IndexError, KeyError) as exc:
+            # a chain whose pieces do not even combine (shapes that broadcast nowhere) is no site;
+            # one odd candidate must not abort detection of the others
+            got = _candidate_miss(c, "replaying the matched chain on the example inputs failed "
+                                     f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                                     "not rewriting it", "numeric")
         if isinstance(got, NearMiss):
             misses.append(got)
         else:

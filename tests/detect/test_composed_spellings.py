@@ -588,3 +588,14 @@ def test_mqa_by_expand_has_one_kv_head(before):
     site = one_site(MqaExpanded(before), Q_BHND, K_BNHkvD[:, :, :1], V_BNHkvD[:, :, :1])
     assert (site.batch, site.heads, site.kv_heads) == (B, H, 1)
     assert site.scale == pytest.approx(0.25, abs=1e-6)
+
+
+def test_a_chain_whose_replay_fails_is_a_near_miss_not_a_crash(monkeypatch):
+    """Defence in depth: with the mixed-rank frame check switched off, the [B*H, N, N] mask no
+    longer broadcasts in the 4-D replay; that must be a `numeric` near miss, never an exception
+    that takes the other sites down with it, and never a site."""
+    from attnopt.passes import matchers
+
+    monkeypatch.setattr(matchers, "_frame_disagrees", lambda *args: "")
+    miss = one_miss(MaskOnFlatScores(), Q_BHND, K_BHND, V_BHND, padding_B11N())
+    assert miss.code == "numeric" and "replaying the matched chain" in miss.reason
