@@ -396,7 +396,7 @@ def see_through_repeat_kv(node: Node) -> tuple[Node, int, list[Node], str]:
         if isinstance(reps, int) and dim is not None and r == 4 and dim % r == 1:
             return cur.args[0], reps, [cur], "gqa:repeat_interleave"
         return node, 1, [], ""
-    if name not in ("view", "reshape", "_unsafe_view"):
+    if name not in ("view", "reshape", "_unsafe_view", "flatten"):  # flatten(1, 2) merges like reshape
         return node, 1, [], ""
     out_shape = shape(cur)
     members.append(cur)
@@ -481,7 +481,7 @@ def head_repeat(node: Node, axis: int = 1, depth: int = 24) -> int:
             if src_shape[axis] != 1 or not isinstance(out_shape[axis], int):
                 return groups
             return groups * out_shape[axis]  # one head broadcast to all (multi-query attention)
-        if name in ("view", "reshape", "_unsafe_view"):
+        if name in ("view", "reshape", "_unsafe_view", "flatten"):
             merged = _merged_repeat(node, axis)
             if merged is None:
                 return groups

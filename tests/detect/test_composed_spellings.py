@@ -180,6 +180,16 @@ GQA_SPELLINGS = {
     "permute_then_repeat_dim_minus3": lambda x: x.permute(0, 2, 1, 3).repeat_interleave(GROUPS, dim=-3),
     "mT_repeat_mT": lambda x: _k_BHND(x).mT.repeat_interleave(GROUPS, 1).mT,
     "contiguous_repeat_kv": lambda x: repeat_kv(_k_BHND(x).contiguous(), GROUPS),
+    "expand_flatten": lambda x: _k_BHND(x)[:, :, None].expand(B, HKV, GROUPS, N, x.shape[-1]).flatten(1, 2),
+    "expand_flatten_before_transpose": lambda x: x[:, :, :, None]
+    .expand(B, N, HKV, GROUPS, x.shape[-1])
+    .flatten(2, 3)
+    .transpose(1, 2),
+    "unsqueeze_expand_minus1": lambda x: _k_BHND(x)
+    .unsqueeze(2)
+    .expand(-1, -1, GROUPS, -1, -1)
+    .reshape(B, -1, N, x.shape[-1]),
+    "half_round_trip": lambda x: _k_BHND(x).half().repeat_interleave(GROUPS, 1).float(),
 }
 KEY_TRANSPOSES = {"transpose": lambda k: k.transpose(-2, -1), "mT": lambda k: k.mT}
 
