@@ -73,6 +73,12 @@ def format_table(ins: Inspection) -> str:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths))
+    runtime = [s for s in ins.sites if s.runtime_inputs]
+    if runtime:
+        lines.append("")
+        lines.append("read at run time (kept exact):")
+        for s in runtime:
+            lines.append(f"  {s.id} [{', '.join(s.runtime_inputs)}]: {s.runtime_reason}")
     if ins.near_misses:
         lines.append("")
         lines.append("near misses:")

@@ -247,3 +247,10 @@ def test_a_guard_on_a_tensor_shape_keeps_its_own_message():
     with pytest.raises(AssertionError) as err:
         captured.graph_module(*small, 0.3)
     assert not isinstance(err.value, SpecializedInputError)
+
+
+def test_the_table_lists_runtime_inputs_and_higher_order_misses():
+    text = str(inspect(TensorScale(), Q, K, V, torch.tensor(0.3), dynamic=False))
+    assert "read at run time (kept exact):" in text and "graph#0 [scale]" in text
+    text = str(inspect(GradDisabledRegion(), Q, K, V, dynamic=False))
+    assert "0 attention site(s), 1 near miss(es)" in text and "[inside_higher_order_op]" in text
