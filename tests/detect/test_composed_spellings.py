@@ -609,3 +609,74 @@ def test_a_chain_whose_replay_fails_is_a_near_miss_not_a_crash(monkeypatch):
     monkeypatch.setattr(matchers, "_frame_disagrees", lambda *args: "")
     miss = one_miss(MaskOnFlatScores(), Q_BHND, K_BHND, V_BHND, padding_B11N())
     assert miss.code == "numeric" and "replaying the matched chain" in miss.reason
+
+
+# ---- everything composed: GQA spelling x scale x mask x rank x cast x in-place -------------------
+
+COMPOSED_SCALES = {
+    "mul": lambda q, k: (q @ k.mT) * 0.3,
+    "div": lambda q, k: (q @ k.mT) / (1 / 0.3),
+    "split": lambda q, k: (q * 0.3**0.5) @ (k * 0.3**0.5).mT,
+    "on_query": lambda q, k: (q * 0.3) @ k.transpose(-1, -2),
+}
+
+
+class Composed(nn.Module):
+    def __init__(self, gqa, scale, mask, rank, cast, inplace):
+        super().__init__()
+        self.gqa, self.scale, self.mask, self.rank, self.cast, self.inplace = gqa, scale, mask, rank, cast, inplace
+
+    def forward(self, q_BNHD, k_BNHkvD, v_BNHkvD, padding):
+        q = q_BNHD.transpose(1, 2)
+        k, v = GQA_SPELLINGS[self.gqa](k_BNHkvD), GQA_SPELLINGS[self.gqa](v_BNHkvD)
+        b, h, n, d = q.shape
+        if self.rank == "bmm_scores":
+            s = torch.bmm(q.reshape(b * h, n, d), k.reshape(b * h, n, d).transpose(1, 2)).view(b, h, n, n) * 0.3
+        else:
+            s = COMPOSED_SCALES[self.scale](q, k)
+        if self.cast:  # Qwen-style: scores and softmax in a wider dtype
+            s = s.double()
+        if self.mask == "padding":
+            if self.inplace:
+                s += padding.to(s.dtype)
+            else:
+                s = s + padding.to(s.dtype)
+        elif self.mask == "causal":
+            hide = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+            s = s.masked_fill_(hide, -5000.0) if self.inplace else s.masked_fill(hide, float("-inf"))
+        p = s.softmax(-1)
+        if self.cast:
+            p = p.float()
+        if self.rank == "bmm_values":
+            dv = v.shape[-1]
+            return torch.bmm(p.reshape(b * h, n, n), v.reshape(b * h, n, dv)).view(b, h, n, dv)
+        return p @ v
+
+
+def _composed_sample(count: int, seed: int) -> list[tuple]:
+    import itertools
+    import random
+
+    grid = list(itertools.product(sorted(GQA_SPELLINGS), sorted(COMPOSED_SCALES), ("none", "padding", "causal"),
+                                  ("4d", "bmm_scores", "bmm_values"), (False, True), (False, True)))
+    return random.Random(seed).sample(grid, count)
+
+
+@pytest.mark.parametrize("recipe", _composed_sample(40, seed=8), ids=lambda r: "-".join(map(str, r)))
+def test_composed_spelling_is_one_correct_splicable_site(recipe):
+    from attnopt.passes.rewrite import RewrittenSite, rewrite_graph
+
+    module = Composed(*recipe)
+    args = (Q_BNHD, K_BNHkvD, V_BNHkvD, padding_B11N())
+    inspection = inspect(module, *args, dynamic=False)
+    assert len(inspection.sites) == 1, [(m.code, m.reason) for m in inspection.near_misses]
+    [site] = inspection.sites
+    assert (site.batch, site.heads, site.kv_heads, site.nodes.rank) == (B, H, HKV, 4)
+    assert site.scale * site.folded_scale == pytest.approx(0.3, abs=1e-6)
+    assert site.mask.kind == {"none": "none", "padding": "padding", "causal": "causal"}[recipe[2]]
+    gm = inspection.captured.graph_module
+    rewrite_graph(gm, [site], {site.id: RewrittenSite(site, "exact", {})})
+    gen = torch.Generator().manual_seed(12)
+    fresh = tuple(torch.randn(a.shape, generator=gen) for a in args[:3]) + (args[3],)
+    with torch.no_grad():
+        assert (gm(*fresh) - module(*fresh)).abs().max() < 1e-4
