@@ -258,7 +258,7 @@ def scale_folded_upstream(node: Node, depth: int = 8, where: str = "query") -> O
     scale q right after its projection, in [B, N, H*D]): no unscaled [B, H, N, D] tensor exists,
     so the site's scale is relative to the already scaled node. Returned only to say so."""
     for _ in range(depth):
-        name = op_name(node)
+        name = base_op(node)  # `q *= c` too: never stripped (the input node is mutated), only reported
         if name in ("mul", "div", "true_divide"):
             for cand in node.args[:2]:
                 if isinstance(cand, fx.Node) and same_shape(cand, node):

@@ -680,3 +680,19 @@ def test_composed_spelling_is_one_correct_splicable_site(recipe):
     fresh = tuple(torch.randn(a.shape, generator=gen) for a in args[:3]) + (args[3],)
     with torch.no_grad():
         assert (gm(*fresh) - module(*fresh)).abs().max() < 1e-4
+
+
+class QueryScaledInPlace(nn.Module):
+    """`q *= c` mutates q: the unscaled q no longer exists when the matmul runs, so the factor stays
+    in the query node and is reported as folded_scale, never stripped (that would apply it twice)."""
+
+    def forward(self, q_BNHD, k, v):
+        q = q_BNHD.transpose(1, 2).contiguous()
+        q *= D**-0.25
+        return ((q @ k.transpose(-1, -2)) * D**-0.25).softmax(-1) @ v
+
+
+def test_query_scaled_in_place_is_reported_as_folded():
+    site = one_site(QueryScaledInPlace(), Q_BNHD, K_BHND, V_BHND)
+    assert site.scale == pytest.approx(D**-0.25, abs=1e-6)
+    assert site.folded_scale == pytest.approx(D**-0.25, abs=1e-6)
