@@ -106,6 +106,11 @@ class AttentionSite:
     # is scale * folded_scale; a rewrite uses `scale` alone, with the nodes as they are.
     folded_scale: float = 1.0
 
+    def __post_init__(self):
+        # a JSON round trip (report.from_dict) hands tuples back as lists; keep the field's type
+        if not isinstance(self.runtime_inputs, tuple):
+            object.__setattr__(self, "runtime_inputs", tuple(self.runtime_inputs))
+
     @property
     def gqa_groups(self) -> int:
         return self.heads // self.kv_heads if self.kv_heads else 1
