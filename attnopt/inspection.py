@@ -73,6 +73,12 @@ def format_table(ins: Inspection) -> str:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths))
+    runtime = [s for s in ins.sites if s.runtime_inputs]
+    if runtime:
+        lines.append("")
+        lines.append("read at run time (kept exact):")
+        for s in runtime:
+            lines.append(f"  {s.id} [{', '.join(s.runtime_inputs)}]: {s.runtime_reason}")
     if ins.near_misses:
         lines.append("")
         lines.append("near misses:")
@@ -90,14 +96,16 @@ def inspect(model: torch.nn.Module, *args, method: str = "export", dynamic: bool
     if method not in ("export", "dynamo"):
         raise ValueError(f"method must be 'export' or 'dynamo', got {method!r}")
     t0 = time.perf_counter()
+    kwargs = _without_cache(model, kwargs)
     if method == "export":
-        captures = [capture_export(model, args, kwargs, dynamic=dynamic)]
+        captures = [capture_export(model, args, kwargs, dynamic=dynamic,
+                                   retry_hint="or try inspect(..., method='dynamo'), which splits the graph there")]
     else:
         captures = capture_dynamo(model, args, kwargs)
     t_capture = time.perf_counter()
     sites: list[AttentionSite] = []
     misses: list[NearMiss] = []
-    counts: dict[str, Any] = {"softmax": 0, "sdpa": 0, "log_softmax": 0}
+    counts: dict[str, Any] = {"softmax": 0, "sdpa": 0, "log_softmax": 0, "inside_higher_order_op": 0}
     for i, cap in enumerate(captures):
         result = detect(cap)
         if len(captures) > 1:
@@ -110,7 +118,7 @@ def inspect(model: torch.nn.Module, *args, method: str = "export", dynamic: bool
                             for s in result.sites]
         sites += result.sites
         misses += result.near_misses
-        for key in ("softmax", "sdpa", "log_softmax"):
+        for key in ("softmax", "sdpa", "log_softmax", "inside_higher_order_op"):
             counts[key] += result.counts.get(key, 0)
     counts.update(
         sites=len(sites),
@@ -123,6 +131,22 @@ def inspect(model: torch.nn.Module, *args, method: str = "export", dynamic: bool
         seconds_detect=round(time.perf_counter() - t_capture, 3),
     )
     return Inspection(sites, misses, counts, captures)
+
+
+def _without_cache(model: torch.nn.Module, kwargs: dict) -> dict:
+    """use_cache=False unless the caller set it: a Hugging Face model returns a DynamicCache object
+    otherwise, which export cannot flatten (compile does the same for HF models)."""
+    import inspect as pyinspect
+
+    if "use_cache" in kwargs:
+        return kwargs
+    try:
+        params = pyinspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if "use_cache" not in params:
+        return kwargs
+    return {**kwargs, "use_cache": False}
 
 
 __all__ = ["Inspection", "inspect", "CaptureError"]

@@ -243,6 +243,7 @@ def _site_from_dict(d: dict) -> AttentionSite:
     nodes = dict(d.pop("nodes"))
     nodes["members"] = _tuple(nodes.get("members", ()))
     d["spelling"] = _tuple(d.get("spelling", ()))
+    d["runtime_inputs"] = _tuple(d.get("runtime_inputs", ()))
     return AttentionSite(mask=MaskInfo(**mask), nodes=SiteNodes(**nodes), **d)
 
 

@@ -248,11 +248,11 @@ class Form(abc.ABC):
         """
         if site.dropout_p > 0:
             return f"the site applies dropout p={site.dropout_p:g} (training mode); rewrites are for inference"
-        runtime = getattr(site, "runtime_inputs", ())
-        if runtime:
-            return (f"the site's {', '.join(runtime)} comes from a forward input and changes per call; "
-                    "a rewrite would freeze the example's value, so only exact attention honours it")
-        if getattr(site, "softcap", None):
+        if site.runtime_inputs:
+            source = f" ({site.runtime_reason})" if site.runtime_reason else ""
+            return (f"the site's {', '.join(site.runtime_inputs)} is read at run time{source} and may change per "
+                    "call; a rewrite would freeze the example's value, so only exact attention honours it")
+        if site.softcap:
             return f"the site caps its logits (softcap {site.softcap:g}); no cheap form honours a softcap"
         return self.check_site(site, params, sites)
 

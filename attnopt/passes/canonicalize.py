@@ -3,8 +3,9 @@
 Nothing here edits the graph (the rewrite pass needs the node names the detector reports); instead
 each helper answers "what does this node mean, once its spelling is normalised": a cast, clone or
 eval-mode dropout is transparent; `x * c`, `x / c` and `baddbmm(alpha=)` are scale factors; `+ m`,
-`masked_fill` and `where` are mask terms; `repeat_kv` / `repeat_interleave` are a GQA group count;
-chains of permute/transpose compose into one axis permutation.
+`masked_fill` and `where` are mask terms (in-place `+=`, `mul_`, `div_`, `masked_fill_` alike);
+`repeat_kv` / `repeat_interleave` are a GQA group count; chains of permute/transpose/`.mT` compose
+into one axis permutation; a [B*H, N, D] view is lifted to the [B, H, N, D] tensor it flattens.
 
 Letters: B batch, H query heads, Hkv key/value heads, N tokens, D head dim.
 """
@@ -19,10 +20,9 @@ from typing import Any, Optional, Union
 import torch
 import torch.fx as fx
 
-Node = fx.Node
+from attnopt.passes.masks import ADDITIVE_HIDE_BELOW
 
-# A value at or below this in an additive term hides a key (HF uses finfo.min, older code -1e4).
-MASKING_VALUE = -1e4
+Node = fx.Node
 
 
 def op_name(node: Any) -> Optional[str]:
@@ -34,6 +34,21 @@ def op_name(node: Any) -> Optional[str]:
         return None
     name = schema.name
     return name.split("::", 1)[1] if "::" in name else name
+
+
+# In-place spellings the score chain may use (`scores += mask`, `scores.div_(d)`): export keeps them
+# as `add_` / `div_` / ..., with the same arguments as the out-of-place op.
+INPLACE_OPS = {"add_": "add", "mul_": "mul", "div_": "div", "masked_fill_": "masked_fill"}
+
+
+def base_op(node: Any) -> Optional[str]:
+    """op_name with an in-place op read as its out-of-place form (`add_` -> `add`)."""
+    name = op_name(node)
+    return INPLACE_OPS.get(name, name)
+
+
+def is_inplace(node: Any) -> bool:
+    return op_name(node) in INPLACE_OPS
 
 
 def overload(node: Node) -> str:
@@ -191,8 +206,8 @@ class Factor:
 
 
 def as_factor(node: Node, main: Node, where: str) -> Optional[Factor]:
-    """If `node` multiplies/divides `main` by a scalar, return the factor."""
-    name = op_name(node)
+    """If `node` multiplies/divides `main` by a scalar, return the factor (in-place forms too)."""
+    name = base_op(node)
     if name not in ("mul", "div", "true_divide"):
         return None
     if name in ("div", "true_divide") and node.kwargs.get("rounding_mode") is not None:
@@ -238,20 +253,20 @@ def strip_factors(node: Node, where: str) -> tuple[Node, list[Factor], list[Node
     return node, factors, members
 
 
-def scale_folded_upstream(node: Node, depth: int = 8) -> Optional[Factor]:
+def scale_folded_upstream(node: Node, depth: int = 8, where: str = "query") -> Optional[Factor]:
     """A scalar factor applied to `node`'s values before a head split / transpose (OPT and Whisper
     scale q right after its projection, in [B, N, H*D]): no unscaled [B, H, N, D] tensor exists,
     so the site's scale is relative to the already scaled node. Returned only to say so."""
     for _ in range(depth):
-        name = op_name(node)
+        name = base_op(node)  # `q *= c` too: never stripped (the input node is mutated), only reported
         if name in ("mul", "div", "true_divide"):
             for cand in node.args[:2]:
                 if isinstance(cand, fx.Node) and same_shape(cand, node):
-                    f = as_factor(node, cand, "query")
+                    f = as_factor(node, cand, where)
                     if f is not None:
                         return f
             return None
-        if name in RESHAPE_OPS or name in COPY_OPS or name in ("transpose", "permute") or is_cast(node):
+        if name in RESHAPE_OPS or name in COPY_OPS or perm_of(node) is not None or is_cast(node):
             node = node.args[0]
             continue
         return None
@@ -269,13 +284,15 @@ def perm_of(node: Node) -> Optional[tuple[int, ...]]:
     if name == "permute":
         dims = node.args[1]
         return tuple(d % r for d in dims)
-    if name in ("transpose", "swapaxes"):
+    if name in ("transpose", "swapaxes", "swapdims"):
         a, b = node.args[1] % r, node.args[2] % r
         p = list(range(r))
         p[a], p[b] = p[b], p[a]
         return tuple(p)
     if name == "t" and r == 2:
         return (1, 0)
+    if name == "mT" and r >= 2:  # Tensor.mT: the batched matrix transpose
+        return tuple(range(r - 2)) + (r - 1, r - 2)
     return None
 
 
@@ -306,6 +323,61 @@ def swap_last_two(perm: tuple[int, ...]) -> tuple[int, ...]:
     return perm[:-2] + (perm[-1], perm[-2])
 
 
+# ---- heads folded into the batch: [B*H, X, Y] <-> [B, H, X, Y] -----------------------------------
+
+_VIEW_OPS = ("view", "reshape", "_unsafe_view", "flatten", "unflatten")
+
+
+def _merges_heads(big: Any, small: Any) -> bool:
+    """`small` [G, X, Y] is `big` [B, H, X, Y] with its first two axes merged (G = B·H)."""
+    b, s = shape(big), shape(small)
+    return (b is not None and s is not None and len(b) == 4 and len(s) == 3 and same_dim(b[2], s[1])
+            and same_dim(b[3], s[2]) and same_dim(b[0] * b[1], s[0]))
+
+
+def unflatten_heads(node: Node, depth: int = 8) -> Optional[tuple[Node, list[Node]]]:
+    """The [B, H, X, Y] tensor that a [B*H, X, Y] node is a row-major view of, and the views between;
+    None when the graph holds no such tensor (the rank-3 batch is then not known to be heads)."""
+    members: list[Node] = []
+    cur = node
+    for _ in range(depth):
+        name = op_name(cur)
+        if name in COPY_OPS:
+            members.append(cur)
+            cur = cur.args[0]
+            continue
+        if name in _VIEW_OPS and isinstance(cur.args[0], fx.Node):
+            src = cur.args[0]
+            members.append(cur)
+            if _merges_heads(src, node):
+                return src, members
+            if same_shape(src, cur):
+                cur = src
+                continue
+        return None
+    return None
+
+
+def heads_view_of(node: Node, depth: int = 8) -> Optional[tuple[Node, list[Node]]]:
+    """The one [B, H, X, Y] view that a [B*H, X, Y] result is read through, and the nodes on the way."""
+    members: list[Node] = []
+    cur = node
+    for _ in range(depth):
+        users = live_users(cur)
+        if len(users) != 1:
+            return None
+        u = users[0]
+        name = op_name(u)
+        if name in COPY_OPS:
+            members.append(u)
+            cur = u
+            continue
+        if name in _VIEW_OPS and _merges_heads(u, node):
+            return u, members + [u]
+        return None
+    return None
+
+
 # ---- GQA: repeat_kv / repeat_interleave ----------------------------------------------------------
 
 def see_through_repeat_kv(node: Node) -> tuple[Node, int, list[Node], str]:
@@ -324,7 +396,7 @@ def see_through_repeat_kv(node: Node) -> tuple[Node, int, list[Node], str]:
         if isinstance(reps, int) and dim is not None and r == 4 and dim % r == 1:
             return cur.args[0], reps, [cur], "gqa:repeat_interleave"
         return node, 1, [], ""
-    if name not in ("view", "reshape", "_unsafe_view"):
+    if name not in ("view", "reshape", "_unsafe_view", "flatten"):  # flatten(1, 2) merges like reshape
         return node, 1, [], ""
     out_shape = shape(cur)
     members.append(cur)
@@ -364,6 +436,87 @@ def see_through_repeat_kv(node: Node) -> tuple[Node, int, list[Node], str]:
     if isinstance(ss[1], int) and isinstance(out_shape[1], int) and out_shape[1] != ss[1] * reps:
         return node, 1, [], ""
     return src, reps, members, "gqa:repeat_kv"
+
+
+def head_repeat(node: Node, axis: int = 1, depth: int = 24) -> int:
+    """How many times each head of `node` (heads on `axis`) repeats one upstream head, seen through
+    transposes, `.mT`, casts, copies and reshapes that keep the head axis whole; 1 when none.
+
+    For a repeat applied before the head transpose (k kept as [B, N, Hkv, D], repeated on dim 2,
+    then transposed) no [B, Hkv, N, D] node exists, but the kv-head count is still Hkv = H / R.
+    Spellings: `repeat_interleave(R, dim)`, HF's `x[.., None, ..].expand(.., Hkv, R, ..).reshape`,
+    and an `expand` of a single head (MQA). A tile (`repeat`, or an axis inserted before Hkv)
+    groups heads differently and is not counted.
+    """
+    groups = 1
+    for _ in range(depth):
+        r = rank(node)
+        if r is None:
+            return groups
+        axis %= r
+        p = perm_of(node)
+        if p is not None:
+            axis = p[axis]
+            node = node.args[0]
+            continue
+        name = op_name(node)
+        if name in COPY_OPS or is_cast(node):
+            node = node.args[0]
+            continue
+        if name == "repeat_interleave" and overload(node) == "self_int":
+            reps = node.args[1]
+            dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+            if not isinstance(reps, int) or dim is None or dim % r != axis:
+                return groups
+            groups *= reps
+            node = node.args[0]
+            continue
+        if name == "expand":
+            src_shape, out_shape = shape(node.args[0]), shape(node)
+            if src_shape is None or len(src_shape) != r:
+                return groups
+            if same_dim(src_shape[axis], out_shape[axis]):  # broadcasts another axis, not heads
+                node = node.args[0]
+                continue
+            if src_shape[axis] != 1 or not isinstance(out_shape[axis], int):
+                return groups
+            return groups * out_shape[axis]  # one head broadcast to all (multi-query attention)
+        if name in ("view", "reshape", "_unsafe_view", "flatten"):
+            merged = _merged_repeat(node, axis)
+            if merged is None:
+                return groups
+            node, reps = merged
+            groups *= reps
+            continue
+        return groups
+    return groups
+
+
+def _merged_repeat(node: Node, axis: int) -> Optional[tuple[Node, int]]:
+    """A reshape merging an expanded (Hkv, R) pair into the head axis: (source, R), heads on the same
+    axis of the source; None for any other reshape."""
+    out_shape = shape(node)
+    cur = node.args[0]
+    while op_name(cur) in COPY_OPS:
+        cur = cur.args[0]
+    if op_name(cur) != "expand":
+        return None
+    es = shape(cur)
+    if es is None or out_shape is None or len(es) != len(out_shape) + 1:
+        return None
+    reps = es[axis + 1]
+    if not isinstance(reps, int) or not isinstance(es[axis], int) or not isinstance(out_shape[axis], int):
+        return None
+    if es[axis] * reps != out_shape[axis] or not all(map(same_dim, es[:axis], out_shape[:axis])):
+        return None
+    if not all(map(same_dim, es[axis + 2:], out_shape[axis + 1:])):
+        return None
+    src = cur.args[0]
+    while op_name(src) == "slice" and same_shape(src, src.args[0]):
+        src = src.args[0]
+    if op_name(src) != "unsqueeze" or src.args[1] % len(es) != axis + 1:
+        return None  # the new axis must follow the kv-head axis: head h then reads kv head h // R
+    return src.args[0], reps
 
 
 # ---- mask terms ---------------------------------------------------------------------------------
@@ -415,7 +568,8 @@ def fill_value(x: Any) -> Optional[float]:
 
 
 def is_masking_value(v: Optional[float]) -> bool:
-    return v is not None and (math.isinf(v) and v < 0 or v <= MASKING_VALUE)
+    """A fill that hides the key: the same threshold as an additive mask entry (masks.py)."""
+    return v is not None and (math.isinf(v) and v < 0 or v <= ADDITIVE_HIDE_BELOW)
 
 
 # ---- einsum -------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ detector uses it for numeric checks and the verifier can reuse it.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
@@ -26,6 +27,14 @@ import torch.utils._pytree as pytree
 
 class CaptureError(RuntimeError):
     """The model could not be traced into a graph; the message says why and what to try."""
+
+
+class SpecializedInputError(CaptureError, AssertionError):
+    """A captured graph was called with a Python number other than the one it was captured with.
+
+    torch.export bakes Python floats / ints / bools into the graph and guards them; this names the
+    argument instead of the raw `Guard failed: sc == 0.3`. Also an AssertionError, which is what
+    the guard raised before."""
 
 
 @dataclass
@@ -73,24 +82,30 @@ def _auto_dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict) -> A
     return specs
 
 
-def _export_hint(exc: BaseException) -> str:
+# What a caller of capture_export can try instead; each caller knows its own options (inspect takes
+# method="dynamo", attnopt.compile does not), so the default names only what works everywhere.
+DEFAULT_RETRY_HINT = "or run attnopt.inspect(model, ..., method='dynamo') to see where the graph breaks"
+
+
+def _export_hint(exc: BaseException, retry_hint: str = DEFAULT_RETRY_HINT) -> str:
     data_dependent = "DataDependent" in type(exc).__name__ or "data-dependent" in str(exc)
+    retry = f", {retry_hint}" if retry_hint else ""
     specific = (
         "The model branches on the VALUES of a tensor (data-dependent control flow, e.g. "
         "nn.Transformer comparing tgt_mask with a causal mask when tgt_is_causal is left None): make "
-        "that decision static (pass the flag explicitly), or try method='dynamo', which splits the "
-        "graph at the branch." if data_dependent else
+        f"that decision static (pass the flag explicitly){retry}." if data_dependent else
         "Check that the example inputs match forward() (positional args and keyword args), "
-        "that outputs are tensors / tuples / dicts (e.g. pass use_cache=False to Hugging Face models), "
-        "or try method='dynamo'."
+        f"that outputs are tensors / tuples / dicts (e.g. pass use_cache=False to Hugging Face models){retry}."
     )
     first = str(exc).splitlines()[0] if str(exc) else ""
     return f"torch.export could not trace the model: {type(exc).__name__}: {first}. {specific}"
 
 
 def capture_export(model: torch.nn.Module, args: tuple = (), kwargs: Optional[dict] = None,
-                   dynamic: bool = True) -> CapturedGraph:
-    """Non-strict export of `model(*args, **kwargs)` to an unlifted ATen graph module."""
+                   dynamic: bool = True, retry_hint: str = DEFAULT_RETRY_HINT) -> CapturedGraph:
+    """Non-strict export of `model(*args, **kwargs)` to an unlifted ATen graph module.
+
+    `retry_hint` ends the error message when export fails: what the caller's user can try instead."""
     kwargs = dict(kwargs or {})
     args = tuple(args)
     notes: list[str] = []
@@ -109,8 +124,9 @@ def capture_export(model: torch.nn.Module, args: tuple = (), kwargs: Optional[di
         try:
             ep = torch.export.export(model, args, kwargs, strict=False)
         except Exception as exc:
-            raise CaptureError(_export_hint(exc)) from exc
+            raise CaptureError(_export_hint(exc, retry_hint)) from exc
     gm = ep.module()
+    notes += _name_scalar_guards(gm)
     flat_inputs = _flatten_like(ep, args, kwargs)
     n_ph = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
     if len(flat_inputs) != n_ph:
@@ -122,6 +138,43 @@ def capture_export(model: torch.nn.Module, args: tuple = (), kwargs: Optional[di
     return CapturedGraph(gm, "export", is_dynamic, list(flat_inputs), in_spec=ep.call_spec.in_spec,
                          out_spec=ep.call_spec.out_spec, exported_program=ep, notes=notes,
                          seconds=time.perf_counter() - t0)
+
+
+class _NamedGuards(torch.nn.Module):
+    """Wraps export's `_guards_fn` so a failed guard on a Python-number input names the argument."""
+
+    def __init__(self, guards: torch.nn.Module, scalars: dict):
+        super().__init__()
+        self.guards = guards
+        self.scalars = scalars  # placeholder name -> the value it was captured with
+
+    def forward(self, *args):
+        try:
+            return self.guards(*args)
+        except AssertionError as exc:
+            text = str(exc)
+            named = [n for n in self.scalars if re.search(rf"\b{re.escape(n)}\b", text)]
+            if not named:  # a guard on something else (a tensor's shape): export's message stands
+                raise
+            which = ", ".join(f"{n}={self.scalars[n]!r}" for n in named)
+            raise SpecializedInputError(
+                f"the captured graph holds {which} as a constant: torch.export specialises Python numbers, "
+                f"so the graph is valid only for that value, and this call passed another ({text}). Pass "
+                f"{named[0]!r} as a 0-dim tensor to keep it a run-time input, or capture again with the new "
+                "value.") from exc
+
+
+def _name_scalar_guards(gm: fx.GraphModule) -> list[str]:
+    """Python-number inputs become constants guarded by `_guards_fn`: make that guard's failure a clear
+    error naming the argument, and say at capture that the value was frozen."""
+    scalars = {n.target: n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"
+               and isinstance(n.meta.get("val"), (bool, int, float)) and not isinstance(n.meta.get("val"), torch.SymInt)}
+    guards = getattr(gm, "_guards_fn", None)
+    if not scalars or not isinstance(guards, torch.nn.Module):
+        return []
+    gm._guards_fn = _NamedGuards(guards, scalars)
+    return [f"input {name!r} is a Python {type(value).__name__}: captured as the constant {value!r} "
+            "(pass a 0-dim tensor to keep it a run-time input)" for name, value in scalars.items()]
 
 
 def _flatten_like(ep, args: tuple, kwargs: dict) -> list:
@@ -181,8 +234,8 @@ def capture_dynamo(model: torch.nn.Module, args: tuple = (), kwargs: Optional[di
         ex = [x for x in example_inputs]
         try:
             ep = torch.export.export(dyn_gm, tuple(ex), strict=False)
-        except Exception as exc:
-            raise CaptureError(_export_hint(exc)) from exc
+        except Exception as exc:  # already the dynamo route: nothing else to suggest
+            raise CaptureError(_export_hint(exc, retry_hint="")) from exc
         gm = ep.module()
         _copy_module_stacks(dyn_gm, gm, type(model))
         out.append(CapturedGraph(gm, "dynamo", False, ex, in_spec=ep.call_spec.in_spec,
@@ -211,36 +264,11 @@ def _copy_module_stacks(dyn_gm: fx.GraphModule, aten_gm: fx.GraphModule, root_ty
         node.meta["nn_module_stack"] = stack
 
 
-class _ValueRecorder(fx.Interpreter):
-    """Interpreter that keeps the runtime value of only the requested nodes."""
-
-    def __init__(self, gm: fx.GraphModule, wanted: set[str]):
-        super().__init__(gm, garbage_collect_values=True)
-        self.wanted = wanted
-        self.kept: dict[str, Any] = {}
-
-    def run_node(self, n: fx.Node) -> Any:
-        result = super().run_node(n)
-        if n.name in self.wanted:
-            self.kept[n.name] = result
-            if len(self.kept) == len(self.wanted):
-                raise _AllRecorded()  # nothing after this node is needed
-        return result
-
-
-class _AllRecorded(Exception):
-    pass
-
-
 def record_values(captured: CapturedGraph, node_names: Iterable[str]) -> dict[str, Any]:
     """Run the captured graph on its example inputs (no grad) and return {node name: value}."""
+    from attnopt.passes.record import ValueRecorder
+
     wanted = set(node_names)
-    rec = _ValueRecorder(captured.graph_module, wanted)
     if not wanted:
         return {}
-    with torch.no_grad():
-        try:
-            rec.run(*captured.flat_inputs)
-        except _AllRecorded:
-            pass
-    return rec.kept
+    return ValueRecorder(captured.graph_module, wanted, stop_early=True).record(*captured.flat_inputs)

@@ -5,7 +5,8 @@
 Every softmax / SDPA node is an anchor. A structural match (matchers.py) becomes a site only
 after the graph has been run once on the example inputs and the matched pieces, pushed through
 softmax(scale · q kᵀ + mask) v, reproduce the recorded output. Anything that fails is a NearMiss
-with a reason.
+with a reason. Attention inside a higher-order op's submodule (export's no_grad / autocast /
+checkpoint regions) is matched too and reported as a near miss: the splice step cannot reach it.
 
 Letters: B batch, H query heads, Hkv key/value heads, Nq/Nk query/key length, D/Dv head dims.
 """
@@ -13,7 +14,9 @@ Letters: B batch, H query heads, Hkv key/value heads, Nq/Nk query/key length, D/
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import operator
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -24,8 +27,8 @@ import torch.fx as fx
 
 from attnopt.passes import canonicalize as cz
 from attnopt.passes.capture import CapturedGraph, record_values
-from attnopt.passes.mask_proof import (HIDDEN_BELOW, KeepPattern, StructureOracle, as_arbitrary, classify_bias,
-                                       classify_keep)
+from attnopt.passes.mask_proof import KeepPattern, StructureOracle, as_arbitrary, classify_bias, classify_keep
+from attnopt.passes.masks import ADDITIVE_HIDE_BELOW
 from attnopt.passes.matchers import Candidate, ExplicitChainMatcher, LogSoftmaxMatcher, SdpaMatcher
 from attnopt.passes.order import site_layers
 from attnopt.passes.site import AttentionSite, Dim, MaskInfo, NearMiss, SiteNodes
@@ -49,29 +52,12 @@ def detect(captured: CapturedGraph) -> DetectionResult:
     """Find every attention site of `captured.graph_module`; report the rest as near misses."""
     t0 = time.perf_counter()
     gm = captured.graph_module
-    explicit, sdpa, logsm = ExplicitChainMatcher(), SdpaMatcher(), LogSoftmaxMatcher()
-    candidates: list[Candidate] = []
-    misses: list[NearMiss] = []
-    counts = {"softmax": 0, "sdpa": 0, "log_softmax": 0}
-    for node in gm.graph.nodes:
-        name = cz.op_name(node)
-        if name is None:
-            continue
-        if name in explicit.anchors:
-            counts["softmax"] += 1
-            got = explicit.match(node)
-        elif name in sdpa.anchors:
-            counts["sdpa"] += 1
-            got = sdpa.match(node)
-        elif name in logsm.anchors:
-            counts["log_softmax"] += 1
-            got = logsm.match(node)
-        else:
-            continue
-        if isinstance(got, Candidate):
-            candidates.append(got)
-        elif got is not None:
-            misses.append(got)
+    counts = {"softmax": 0, "sdpa": 0, "log_softmax": 0, "inside_higher_order_op": 0}
+    candidates, misses = _match_graph(gm.graph, counts)
+    misses += _inside_higher_order_ops(gm, counts)
+    mutated = {id(c): _mutated_outside_chain(c) for c in candidates}
+    misses += [m for m in mutated.values() if m is not None]
+    candidates = [c for c in candidates if mutated[id(c)] is None]
     t_match = time.perf_counter()
 
     checked: list[tuple[Candidate, dict]] = []
@@ -92,6 +78,97 @@ def detect(captured: CapturedGraph) -> DetectionResult:
         seconds_total=round(time.perf_counter() - t0, 4),
     )
     return DetectionResult(sites, misses, counts)
+
+
+_MATCHERS = (ExplicitChainMatcher(), SdpaMatcher(), LogSoftmaxMatcher())
+_COUNT_KEY = ("softmax", "sdpa", "log_softmax")
+
+
+def _match_graph(graph: fx.Graph, counts: dict) -> tuple[list[Candidate], list[NearMiss]]:
+    """Run every matcher on its anchors in `graph` (structure only; the numeric check comes later)."""
+    candidates: list[Candidate] = []
+    misses: list[NearMiss] = []
+    for node in graph.nodes:
+        name = cz.op_name(node)
+        if name is None:
+            continue
+        for matcher, key in zip(_MATCHERS, _COUNT_KEY):
+            if name in matcher.anchors:
+                counts[key] += 1
+                got = matcher.match(node)
+                if isinstance(got, Candidate):
+                    candidates.append(got)
+                elif got is not None:
+                    misses.append(got)
+                break
+    return candidates, misses
+
+
+def _mutated_outside_chain(c: Candidate) -> Optional[NearMiss]:
+    """An in-place op outside the matched chain that writes a tensor the site reads: the chain as
+    matched would not be what runs (and the recorded values would be the mutated ones)."""
+    chain = {n.name for n in c.members}
+    read = list(c.members) + [c.query, c.key, c.value] + [t.node for t in c.mask_terms]
+    read += [c.sdpa_mask] if c.sdpa_mask is not None else []
+    for node in read:
+        if not isinstance(node, fx.Node):
+            continue
+        for user in node.users:
+            schema = getattr(user.target, "_schema", None)
+            if (user.name not in chain and schema is not None and schema.is_mutable and user.args
+                    and user.args[0] is node):
+                return _candidate_miss(c, f"{cz.op_name(user)} ({user.name}) writes in place into {node.name}, "
+                                          "which the attention reads, outside the matched chain",
+                                       "mutated_in_place", node=node.name, writer=user.name)
+    return None
+
+
+# ---- higher-order ops: export moves no_grad / autocast / checkpoint regions into submodules ------
+
+def _higher_order_calls(gm: fx.GraphModule):
+    """(call node, op name, [(submodule attribute, GraphModule)]) for each higher-order op call."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+            continue
+        subs = []
+        for arg in list(node.args) + list(node.kwargs.values()):
+            if isinstance(arg, fx.Node) and arg.op == "get_attr":
+                try:
+                    sub = operator.attrgetter(arg.target)(gm)
+                except AttributeError:
+                    continue
+                if isinstance(sub, fx.GraphModule):
+                    subs.append((str(arg.target), sub))
+        yield node, getattr(node.target, "__name__", str(node.target)), subs
+
+
+def _inside_higher_order_ops(gm: fx.GraphModule, counts: dict, outer: str = "") -> list[NearMiss]:
+    """Every attention inside a higher-order op's submodule, as a near miss: the splice step cannot
+    rewrite inside one yet, so such a site is kept exact -- reported, never silently dropped."""
+    misses: list[NearMiss] = []
+    for call, hop, subs in _higher_order_calls(gm):
+        for attr, sub in subs:
+            where = f"{outer}{attr}"
+            inner_counts = {k: 0 for k in _COUNT_KEY}
+            candidates, inner_misses = _match_graph(sub.graph, inner_counts)
+            for k in _COUNT_KEY:
+                counts[k] += inner_counts[k]
+            counts["inside_higher_order_op"] += len(candidates)
+            details = {"higher_order_op": hop, "submodule": where, "call": call.name}
+            for c in candidates:
+                misses.append(NearMiss(
+                    node=call.name, module_path=c.module_path, code="inside_higher_order_op",
+                    reason=(f"attention ({c.source}, {cz.op_name(c.anchor)} '{c.anchor.name}') runs inside the "
+                            f"higher-order op '{hop}' (submodule '{where}'), which torch.export makes of "
+                            "no_grad / set_grad_enabled, autocast and checkpoint regions; it is kept exact "
+                            "because the splice step cannot rewrite inside a higher-order op yet"),
+                    details=dict(details, inner_node=c.anchor.name)))
+            for m in inner_misses:
+                misses.append(dataclasses.replace(
+                    m, node=call.name, reason=f"inside the higher-order op '{hop}' (submodule '{where}'): {m.reason}",
+                    details=dict(m.details, **details, inner_node=m.node)))
+            misses += _inside_higher_order_ops(sub, counts, outer=f"{where}.")
+    return misses
 
 
 # ---- numeric check ------------------------------------------------------------------------------
@@ -118,7 +195,14 @@ def _check_all(captured: CapturedGraph, candidates: list[Candidate]) -> tuple[li
     oracle = StructureOracle(captured.graph_module.graph)
     checked, misses = [], []
     for c in candidates:
-        got = _check(c, values, oracle)
+        try:
+            got = _check(c, values, oracle)
+        except (RuntimeError, ValueError, IndexError, KeyError) as exc:
+            # a chain whose pieces do not even combine (shapes that broadcast nowhere) is no site;
+            # one odd candidate must not abort detection of the others
+            got = _candidate_miss(c, "replaying the matched chain on the example inputs failed "
+                                     f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                                     "not rewriting it", "numeric")
         if isinstance(got, NearMiss):
             misses.append(got)
         else:
@@ -134,7 +218,7 @@ def _wanted(candidates: list[Candidate]) -> set[str]:
             names.add(c.sdpa_mask.name)
         if isinstance(c.sdpa_scale, fx.Node):
             names.add(c.sdpa_scale.name)
-        for f in c.factors():
+        for f in c.factors() + c.folded_factors:
             if isinstance(f.value, fx.Node):
                 names.add(f.value.name)
         for kind, x in c.score_steps + c.prob_steps:
@@ -183,12 +267,15 @@ def _check(c: Candidate, values: dict, oracle: StructureOracle) -> Union[NearMis
         return mask
     # heads and head dims are model constants: report the example's value even where export kept
     # the dim symbolic (Dim.AUTO on an input tensor the model never reshapes)
-    return {"scale": scale, "heads": heads, "kv_heads": kv_heads, "mask": mask,
+    folded = 1.0
+    for f in c.folded_factors:
+        folded *= f.resolve(values)
+    return {"scale": scale, "folded_scale": folded, "heads": heads, "kv_heads": kv_heads, "mask": mask,
             "head_dim": int(q.shape[-1]), "v_head_dim": int(v.shape[-1])}
 
 
 def _is_sdpa(c: Candidate) -> bool:
-    return cz.op_name(c.anchor) == "scaled_dot_product_attention"
+    return cz.op_name(c.anchor) in cz.SDPA_OPS
 
 
 def _check_shapes(c: Candidate, q, k, v, out) -> Union[str, tuple[int, int]]:
@@ -373,7 +460,7 @@ def _no_effect(term, values: dict) -> bool:
 def _hides_keys(term, values: dict) -> bool:
     t = values[term.node.name]
     if term.kind == "additive":
-        return t.dtype == torch.bool or bool((t.double() <= HIDDEN_BELOW).any())
+        return t.dtype == torch.bool or bool((t.double() <= ADDITIVE_HIDE_BELOW).any())
     return not _no_effect(term, values)
 
 
@@ -431,8 +518,25 @@ def _split_batch_heads(c: Candidate) -> tuple[Dim, int]:
             s = cz.shape(cur)
             if s is not None and len(s) == 4 and isinstance(s[1], int) and cz.same_dim(s[0] * s[1], g):
                 return _dim(s[0]), int(s[1])
+    for operand in (c.key, c.value):  # q may be flattened from [B, N, H*D]; k or v may still show H
+        lifted = cz.unflatten_heads(operand)
+        s = cz.shape(lifted[0]) if lifted is not None else None
+        if s is not None and isinstance(s[1], int):
+            return _dim(s[0]), int(s[1])
     split = _head_split_view(c.query, g)
     return split if split is not None else (_dim(g), 1)
+
+
+def _rank3_kv_repeat(c: Candidate, heads: int) -> int:
+    """How often k and v repeat each kv head before being flattened to [B*H, N, D] (1: not seen)."""
+    repeats = []
+    for operand in (c.key, c.value):
+        lifted = cz.unflatten_heads(operand)
+        if lifted is None or cz.shape(lifted[0])[1] != heads:
+            return 1
+        repeats.append(cz.head_repeat(lifted[0], 1))
+    r = repeats[0]
+    return r if r == repeats[1] and r > 1 and heads % r == 0 else 1
 
 
 def _head_split_view(query: fx.Node, g) -> Optional[tuple[Dim, int]]:
@@ -455,6 +559,46 @@ def _head_split_view(query: fx.Node, g) -> Optional[tuple[Dim, int]]:
     return None
 
 
+def _values_behind(node: fx.Node, limit: int = 4096) -> list[str]:
+    """What `node`'s value is read from at run time: graph inputs ("input 'x'") and trainable
+    parameters ("parameter 'w'"), through values and sizes alike (a scale computed from a dynamic
+    dim changes with the input as much as one passed as an argument). Buffers and literals are
+    constants and are not listed."""
+    gm = node.graph.owning_module
+    seen, stack, found = {node.name}, [node], []
+    while stack and len(seen) < limit:
+        cur = stack.pop()
+        if cur.op == "placeholder":
+            found.append(f"input '{cur.target}'")
+            continue
+        if cur.op == "get_attr":
+            try:
+                attr = operator.attrgetter(cur.target)(gm)
+            except AttributeError:
+                attr = None
+            if isinstance(attr, torch.nn.Parameter) and attr.requires_grad:
+                found.append(f"parameter '{cur.target}'")
+            continue
+        for inp in cur.all_input_nodes:
+            if inp.name not in seen:
+                seen.add(inp.name)
+                stack.append(inp)
+    return sorted(set(found))
+
+
+def _runtime_inputs(c: Candidate) -> tuple[tuple, str]:
+    """("scale",) and a reason when a factor of the scores is read from the graph's inputs or
+    trainable parameters rather than being a constant of the graph."""
+    nodes = [f.value for f in c.factors() + c.folded_factors if isinstance(f.value, fx.Node)]
+    if isinstance(c.sdpa_scale, fx.Node):
+        nodes.append(c.sdpa_scale)
+    sources = sorted({src for n in nodes for src in _values_behind(n)})
+    if not sources:
+        return (), ""
+    return ("scale",), (f"the scale is computed at run time from {', '.join(sources)}; the site's scale is "
+                        "only the example's value, so the site must stay exact")
+
+
 def _build_sites(gm: fx.GraphModule, checked: list[tuple[Candidate, dict]]) -> list[AttentionSite]:
     if not checked:
         return []
@@ -469,14 +613,17 @@ def _build_sites(gm: fx.GraphModule, checked: list[tuple[Candidate, dict]]) -> l
         kd = (ks[-2], ks[-1]) if c.key_is_transposed else (ks[-1], ks[-2])  # (D, Nk)
         if c.rank == 4:
             batch, heads, kv_heads = _dim(qs[0]), int(info["heads"]), int(info["kv_heads"])
+            if c.kv_repeated > 1 and kv_heads == heads and heads % c.kv_repeated == 0:
+                kv_heads //= c.kv_repeated
         else:
             batch, heads = _split_batch_heads(c)
-            kv_heads = heads
+            kv_heads = heads // _rank3_kv_repeat(c, heads) if heads > 1 else heads
         k = per_module[c.module_path]
         per_module[c.module_path] += 1
         site_id = f"{c.module_path or 'graph'}#{k}"
         mask: MaskInfo = info["mask"]
         members = tuple(n.name for n in c.members)
+        runtime, runtime_reason = _runtime_inputs(c)
         sites.append(AttentionSite(
             id=site_id,
             module_path=c.module_path,
@@ -498,7 +645,11 @@ def _build_sites(gm: fx.GraphModule, checked: list[tuple[Candidate, dict]]) -> l
             dtype=str(cz.val(c.query).dtype).replace("torch.", ""),
             nodes=SiteNodes(query=c.query.name, key=c.key.name, value=c.value.name, output=c.output.name,
                             key_is_transposed=c.key_is_transposed, mask=mask.node, members=members,
-                            rank=c.rank),
+                            rank=c.rank, kv_repeated=heads // kv_heads if c.rank == 3 else
+                            (c.kv_repeated if kv_heads != heads else 1)),
             spelling=tuple(c.spelling) + (("mask:" + mask.form,) if mask.form != "none" else ()),
+            runtime_inputs=runtime,
+            runtime_reason=runtime_reason,
+            folded_scale=float(info["folded_scale"]),
         ))
     return sites

@@ -17,8 +17,7 @@ from typing import Optional
 import networkx as nx
 import torch
 
-# In the replayed bias a value at or below this hides the key (exp underflows to 0 even in fp64).
-HIDDEN_BELOW = -1e3
+from attnopt.passes.masks import ADDITIVE_HIDE_BELOW
 
 # Ops whose presence among a mask's ancestors shows the mask is built from positions.
 POSITION_SOURCES = {"arange", "tril", "triu", "tril_indices", "triu_indices"}
@@ -42,8 +41,8 @@ def classify_bias(bias: torch.Tensor) -> KeepPattern:
     A finite non-zero bias (ALiBi, relative positions) makes the mask arbitrary; which keys it
     hides is still read, so ALiBi on top of a causal mask stays causal (and arbitrary): a consumer
     that looks only at `causal` must never take such a site for bidirectional."""
-    finite_nonzero = (bias > HIDDEN_BELOW) & (bias != 0)
-    pattern = classify_keep(bias > HIDDEN_BELOW)
+    finite_nonzero = (bias > ADDITIVE_HIDE_BELOW) & (bias != 0)
+    pattern = classify_keep(bias > ADDITIVE_HIDE_BELOW)
     if bool(finite_nonzero.any()):
         return as_arbitrary(pattern)
     return pattern

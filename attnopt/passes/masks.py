@@ -13,8 +13,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-# An additive entry below this hides the key. HF uses finfo(dtype).min, old BERT -10000.0, some
-# code -inf; anything this negative gives exp(.) that no softmax can tell from zero.
+# The one definition of "this value masks the key", for an additive entry and for a masked_fill /
+# where fill alike (canonicalize, mask_proof and detect import it): at or below it the key is hidden.
+# HF uses finfo(dtype).min, old BERT -10000.0, some code -inf; exp(-1000) underflows to 0 even in
+# fp64, so no softmax can tell such a key from an absent one.
 ADDITIVE_HIDE_BELOW = -1.0e3
 
 

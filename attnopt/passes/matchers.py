@@ -1,4 +1,5 @@
-"""Attention matchers: one rich rule for explicit softmax chains, one for SDPA calls.
+"""Attention matchers: one rich rule for explicit softmax chains, one for SDPA calls (and its
+backend-specific variants).
 
 Each rule has `anchors` (the ops it starts from), `match` (walk the graph through the canonical
 view of `canonicalize`, tagging which alternative of each part matched) and leaves the numeric
@@ -44,6 +45,12 @@ class Candidate:
     sdpa_mask: Optional[Node] = None
     is_causal: bool = False
     groups: int = 1  # GQA repetition factor that was seen through (H = Hkv * groups)
+    # kv heads the key/value NODES already repeat (the graph repeats before its head transpose, so no
+    # [B, Hkv, N, D] node exists): the site's kv_heads is H / kv_repeated though k, v hold H heads
+    kv_repeated: int = 1
+    # scalar factors applied to q or k before a head split / transpose: inside the query / key
+    # nodes (no unscaled [B, H, N, D] node exists), so excluded from the site's scale
+    folded_factors: list = field(default_factory=list)
     enable_gqa: bool = False
     dropout_p: float = 0.0
     members: list = field(default_factory=list)
@@ -121,7 +128,7 @@ def reaches_qk(node: Node, depth: int = 12) -> bool:
     for _ in range(depth):
         if not isinstance(node, fx.Node):
             return False
-        name = op_name(node)
+        name = cz.base_op(node)
         if name in cz.MATMUL_OPS or name == "baddbmm" or name == "einsum":
             return True
         if cz.is_value_transparent(node) or name in cz.CAST_OPS or name == "tanh":
@@ -176,7 +183,9 @@ class ExplicitChainMatcher:
         qk = None
         baddbmm_term = None
         for _ in range(_SCORE_WALK_LIMIT):
-            name = op_name(cur)
+            name = cz.base_op(cur)  # `scores += mask` and `scores.div_(d)` read as their out-of-place forms
+            if cz.is_inplace(cur):
+                spelling.append("inplace:" + op_name(cur))
             if name in cz.MATMUL_OPS:
                 qk = cur
                 break
@@ -360,9 +369,23 @@ class ExplicitChainMatcher:
             return _miss(softmax, "no P·V matmul found after the softmax", "no_value_matmul")
         members.append(pv)
         v_op = pv.args[1][1] if op_name(pv) == "einsum" else pv.args[1]
-        if rank(v_op) != rq:
-            return _miss(softmax, f"P·V multiplies by a rank-{rank(v_op)} tensor; expected rank {rq}",
-                         "no_value_matmul")
+        # Mixed ranks (q·kᵀ as a bmm over [B*H, N, D] viewed to 4-D for the softmax, or P·V as a bmm
+        # after a 4-D softmax) are read as rank 4 by lifting each [B*H, ..] operand to the
+        # [B, H, ..] tensor it views; they must agree on that split (checked below)
+        mixed = rank(v_op) != rq
+        if mixed:
+            if {rank(v_op), rq} != {3, 4}:
+                return _miss(softmax, f"P·V multiplies by a rank-{rank(v_op)} tensor; expected rank {rq}",
+                             "no_value_matmul")
+            if rank(v_op) == 3:
+                lifted = cz.unflatten_heads(v_op)
+                if lifted is None:
+                    return _miss(softmax, f"P·V multiplies a rank-{rq} softmax by a rank-3 tensor "
+                                          f"{list(shape(v_op) or ())} that is no view of a [B, H, Nk, Dv] "
+                                          "tensor", "no_value_matmul")
+                v_op = lifted[0]
+                members += lifted[1]
+            spelling.append("rank:mixed")
 
         # --- operands: q, kᵀ -> k, v, seeing through scales, transposes and GQA repeats
         query, q_factors, q_members = cz.strip_factors(q_op, "query")
@@ -399,6 +422,18 @@ class ExplicitChainMatcher:
                 key, groups, m, f, gqa_tag = _unrepeat_key(key)
                 members += m
                 k_factors += f
+        if mixed and rq == 3:
+            got = self._lift_qk(softmax, query, key)
+            if isinstance(got, NearMiss):
+                return got
+            query, key, f, m = got
+            q_factors += [x for x in f if x.where == "query"]
+            k_factors += [x for x in f if x.where == "key"]
+            members += m
+            key, groups, m, f, gqa_tag = _unrepeat_key(key)
+            members += m
+            k_factors += f
+            spelling = [t for t in spelling if t != "scale:inside_flattened_query"]
         if k_factors:
             spelling.append("scale:on_key")
         value = v_op
@@ -410,14 +445,59 @@ class ExplicitChainMatcher:
             value = v_src
             members += v_rep
             spelling.append(gqa_tag)
+        output = pv
         steps = list(reversed(steps_back))
+        if mixed:
+            got = self._lift_output(softmax, pv, query, key, key_is_transposed, steps + prob_steps)
+            if isinstance(got, NearMiss):
+                return got
+            output, m = got
+            members += m
+            prob_steps = []  # views between [B*H, ..] and [B, H, ..] only: nothing to replay in 4-D
+            rq = 4
+        kv_repeated = _repeated_heads(key, value) if rq == 4 and groups == 1 else 1
+        if kv_repeated > 1:
+            spelling.append("gqa:repeated_before_layout")
+        folded = _folded_factors(query, key)
         path, mtype, in_mha = module_of(softmax)
         return Candidate(
             anchor=softmax, source="mha" if in_mha else "explicit", query=query, key=key, value=value,
-            output=pv, rank=rq, key_is_transposed=key_is_transposed, qk_factors=q_factors + k_factors,
-            score_steps=steps, prob_steps=prob_steps, groups=groups, dropout_p=dropout_p,
+            output=output, rank=rq, key_is_transposed=key_is_transposed, qk_factors=q_factors + k_factors,
+            score_steps=steps, prob_steps=prob_steps, groups=groups, kv_repeated=kv_repeated,
+            folded_factors=folded, dropout_p=dropout_p,
             members=_unique(members), spelling=_unique(spelling), module_path=path, module_type=mtype,
         )
+
+    @staticmethod
+    def _lift_qk(softmax: Node, query: Node, key: Node):
+        """q [B*H, Nq, D] and k (or kᵀ) [B*H, .., ..] of a bmm as the [B, H, .., ..] tensors they view,
+        with the scale factors applied before the flattening: (q, k, factors, members) or a NearMiss."""
+        got = []
+        for role, node in (("query", query), ("key", key)):
+            lifted = cz.unflatten_heads(node)
+            if lifted is None:
+                return _miss(softmax, f"the softmax is 4-D but the {role} of the bmm q·kᵀ, "
+                                      f"{list(shape(node) or ())}, is no view of a [B, H, N, D] tensor", "mixed_rank")
+            base, factors, m = cz.strip_factors(lifted[0], role)
+            got.append((base, factors, lifted[1] + m))
+        (q4, fq, mq), (k4, fk, mk) = got
+        return q4, k4, fq + fk, mq + mk
+
+    @staticmethod
+    def _lift_output(softmax: Node, pv: Node, query: Node, key: Node, key_is_transposed: bool, steps: list):
+        """The [B, H, Nq, Dv] node a mixed-rank chain's P·V is read as, after checking that every
+        score / probability frame agrees with the lifted q·kᵀ: (output, members) or a NearMiss."""
+        output, members = pv, []
+        if rank(pv) == 3:
+            lifted = cz.heads_view_of(pv)
+            if lifted is None:
+                return _miss(softmax, "P·V is a bmm over [B*H, Nq, Dv] after a 4-D softmax, and its result "
+                                      "is never viewed as [B, H, Nq, Dv]", "no_value_matmul")
+            output, members = lifted
+        bad = _frame_disagrees(query, key, key_is_transposed, steps)
+        if bad:
+            return _miss(softmax, bad, "mixed_rank")
+        return output, members
 
     @staticmethod
     def _weights_reused(softmax: Node, user: Node) -> NearMiss:
@@ -449,12 +529,50 @@ class ExplicitChainMatcher:
         shown = tuple(cz.perm_of(outer)) if outer is not None else perm
         if len(q_perm) == r and perm == cz.swap_last_two(q_perm) and _same_role_sizes(q_base, base, q_perm):
             return key_t, True, layout, "key:permute"
+        if cz.perm_of(key_t) == cz.swap_last_two(ident):
+            # kᵀ is k.transpose(-2, -1) of a k whose own layout came from elsewhere (expanded or
+            # repeated as [B, N, Hkv, D], then transposed): that k is the key, whatever its source
+            return key_t.args[0], False, [key_t], "key:transpose"
         def text(p):
             return "(" + ",".join(str(d) for d in p) + ")"
 
         extra = "" if shown == perm else f" (in all {text(perm)} of its source)"
         return _miss(softmax, f"key is permuted {text(shown)}{extra}, not transposed", "key_permuted",
                      perm=list(perm))
+
+
+def _frame_disagrees(query: Node, key: Node, key_is_transposed: bool, steps: list) -> str:
+    """For a mixed-rank chain lifted to 4-D: why a score or probability frame differs from the lifted
+    [B, H, Nq, Nk] (empty when none does). A mask spelled on [B*H, Nq, Nk] has no [B, H] reading a
+    rewrite could apply, and a 4-D frame split differently from q is not this attention."""
+    qs, ks = shape(query), shape(key)
+    nk = ks[-1] if key_is_transposed else ks[-2]
+    frame = (qs[0], qs[1], qs[2], nk)
+    flat = (qs[0] * qs[1], qs[2], nk)
+    for kind, x in steps:
+        node = x if kind == "reshape" else (x.applied_at if kind == "term" else None)
+        s = shape(node) if node is not None else None
+        if s is not None and not (len(s) == 4 and all(map(cz.same_dim, s, frame))
+                                  or len(s) == 3 and all(map(cz.same_dim, s, flat))):
+            return (f"{_describe(node)} holds the scores as {list(s)}, which is neither the [B, H, Nq, Nk] = "
+                    f"{list(frame)} of the lifted q·kᵀ nor its [B*H, Nq, Nk] view")
+        if kind == "term" and rank(x.node) == 3:
+            return (f"the mask {_describe(x.node)} is spelled on [B*H, Nq, Nk] {list(shape(x.node) or ())}; "
+                    "a rank-4 site has no [B, H] reading of it")
+    return ""
+
+
+def _folded_factors(query: Node, key: Node) -> list[Factor]:
+    """Scale factors already inside the query / key nodes (applied before their layout ops)."""
+    found = [cz.scale_folded_upstream(query, where="query"), cz.scale_folded_upstream(key, where="key")]
+    return [f for f in found if f is not None]
+
+
+def _repeated_heads(key: Node, value: Node) -> int:
+    """The GQA repeat both k and v went through upstream (heads on axis 1 of both nodes); 1 when
+    none or when they disagree (then no kv-head count is claimed beyond the nodes' own)."""
+    rk, rv = cz.head_repeat(key, 1), cz.head_repeat(value, 1)
+    return rk if rk == rv else 1
 
 
 def _has_weight_operand(node: Node) -> bool:
@@ -489,27 +607,64 @@ def _unique(xs: list) -> list:
 
 # ---- SDPA calls ---------------------------------------------------------------------------------
 
-_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+def sdpa_arguments(node: Node) -> dict:
+    """SDPA-family arguments by name, defaults filled in from the op's schema.
+
+    The backend variants differ: `_scaled_dot_product_flash_attention_for_cpu` takes attn_mask as
+    a keyword, `_efficient` / `_cudnn` call it attn_bias (a positional slot before
+    compute_log_sumexp), `_flash` takes none; all return a tuple whose element 0 is the output.
+    The mask is returned under "attn_mask" whatever the op calls it.
+    """
+    schema = node.target._schema
+    got: dict = {}
+    for arg, value in zip(schema.arguments, node.args):
+        got[arg.name] = value
+    for arg in schema.arguments:
+        if arg.name in node.kwargs:
+            got[arg.name] = node.kwargs[arg.name]
+        elif arg.name not in got and arg.has_default_value():
+            got[arg.name] = arg.default_value
+    if "attn_bias" in got:
+        got["attn_mask"] = got.pop("attn_bias")
+    return got
+
+
+def _sdpa_output(node: Node) -> Union[Node, str]:
+    """The node holding an SDPA-family op's attention output: the op itself, or for a backend
+    variant the `getitem(node, 0)` of its tuple; a string says why there is none to replace."""
+    if op_name(node) == "scaled_dot_product_attention":
+        return node
+    import operator
+
+    outs = [u for u in node.users if u.op == "call_function" and u.target is operator.getitem]
+    firsts = [u for u in outs if u.args[1] == 0]
+    others = [u for u in outs if u.args[1] != 0 and cz.live_users(u)]
+    if others:
+        return (f"its element {others[0].args[1]} (the log-sum-exp or RNG state) is used by "
+                f"{_describe(cz.live_users(others[0])[0])}, which a rewrite cannot provide")
+    if len(firsts) != 1:
+        return "its output is not read through one getitem(·, 0)"
+    return firsts[0]
 
 
 class SdpaMatcher:
-    """`aten.scaled_dot_product_attention` (also what nn.MultiheadAttention lowers to)."""
+    """`aten.scaled_dot_product_attention` (also what nn.MultiheadAttention lowers to) and the
+    backend-specific variants a graph captured after SDPA dispatch holds instead."""
 
     anchors = cz.SDPA_OPS
 
     def match(self, node: Node) -> Union[Candidate, NearMiss]:
-        if op_name(node) != "scaled_dot_product_attention":
-            return _miss(node, f"{op_name(node)} is a backend-specific SDPA variant that is not read yet",
-                         "sdpa_variant")
-        a = dict(zip(_SDPA_PARAMS, node.args))
-        a.update(node.kwargs)
+        a = sdpa_arguments(node)
+        output = _sdpa_output(node)
+        if isinstance(output, str):
+            return _miss(node, f"{op_name(node)}: {output}", "sdpa_variant")
         q, k, v = a["query"], a["key"], a["value"]
         r = rank(q)
         if r not in (3, 4) or rank(k) != r or rank(v) != r:
             return _miss(node, f"SDPA on rank-{r} tensors; only [B, H, N, D] or [B*H, N, D] are read",
                          "sdpa_rank")
-        spelling = ["sdpa"]
-        members = [node]
+        spelling = ["sdpa"] if output is node else ["sdpa", "sdpa:" + op_name(node)]
+        members = [node] if output is node else [node, output]
         groups = 1
         enable_gqa = bool(a.get("enable_gqa", False))
         if enable_gqa:
@@ -521,6 +676,9 @@ class SdpaMatcher:
                 k, v, groups = k_src, v_src, gk
                 members += k_rep + v_rep
                 spelling.append(tag)
+        kv_repeated = _repeated_heads(k, v) if r == 4 and groups == 1 and not enable_gqa else 1
+        if kv_repeated > 1:
+            spelling.append("gqa:repeated_before_layout")
         mask = a.get("attn_mask")
         is_causal = bool(a.get("is_causal", False))
         if is_causal:
@@ -537,9 +695,10 @@ class SdpaMatcher:
         if cz.scale_folded_upstream(q) is not None:
             spelling.append("scale:folded_into_query")  # the site's scale excludes it (see canonicalize)
         return Candidate(
-            anchor=node, source="mha" if in_mha else "sdpa", query=q, key=k, value=v, output=node, rank=r,
+            anchor=node, source="mha" if in_mha else "sdpa", query=q, key=k, value=v, output=output, rank=r,
             sdpa_scale=scale, sdpa_mask=mask if isinstance(mask, fx.Node) else None, is_causal=is_causal,
-            groups=groups, enable_gqa=enable_gqa, dropout_p=float(a.get("dropout_p", 0.0) or 0.0),
+            groups=groups, kv_repeated=kv_repeated, folded_factors=_folded_factors(q, k), enable_gqa=enable_gqa,
+            dropout_p=float(a.get("dropout_p", 0.0) or 0.0),
             members=members, spelling=spelling, module_path=path, module_type=mtype,
         )
 

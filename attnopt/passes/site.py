@@ -65,6 +65,10 @@ class SiteNodes:
     mask: Optional[str] = None  # same as MaskInfo.node
     members: tuple = ()  # every node of the matched chain (removed by a rewrite when dead)
     rank: int = 4  # 3 for bmm spellings over [B*H, N, D]
+    # > 1 when `key` / `value` already hold each kv head repeated kv_repeated times, i.e. H heads
+    # (rank 3: B*H rows): the graph repeats before its head transpose or before flattening, so no
+    # [B, Hkv, N, D] node exists. 1 when the nodes hold kv_heads heads.
+    kv_repeated: int = 1
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,16 @@ class AttentionSite:
     nodes: SiteNodes
     spelling: tuple = ()  # tags of the alternatives that matched, e.g. ("scale:div", "mask:masked_fill")
     softcap: Optional[float] = None  # logits pass through softcap·tanh(s/softcap) first (Gemma-2)
+    # Factors of the scores (other than the mask) whose value the graph reads at run time, e.g.
+    # ("scale",) when the scale is a forward argument: `scale` then holds only the example's value,
+    # so such a site must be kept exact (a rewrite would freeze it). `runtime_reason` says why.
+    runtime_inputs: tuple = ()
+    runtime_reason: str = ""
+    # A factor the graph applies to q or k before splitting heads (OPT and Whisper scale the
+    # [B, N, H*D] projection) or in place (`q *= c`): no unscaled [B, H, N, D] node exists, so it
+    # stays inside the query / key nodes and `scale` excludes it. The model's full scale on q kᵀ
+    # is scale * folded_scale; a rewrite uses `scale` alone, with the nodes as they are.
+    folded_scale: float = 1.0
 
     @property
     def gqa_groups(self) -> int:
