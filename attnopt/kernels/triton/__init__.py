@@ -1,0 +1,46 @@
+"""Triton kernels for attnopt's rewrite forms, with the keyword signatures of the reference ops.
+
+    linear_attention(q, k, v, *, feature_map="elu", causal=False, scale=None, eps=1e-6, key_mask=None)
+    decay_attention(q, k, v, *, decay=None, feature_map="identity", normalize=False, scale=None,
+                    eps=1e-6, key_mask=None)
+
+Layout is SDPA's: q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv] -> [B, H, Nq, Dv] in q's
+dtype (fp32, bf16, fp16; fp32 accumulation). GQA reads kv head h // (H // Hkv) in the kernels,
+never a repeated K/V. On CUDA each form is a `torch.library.triton_op` (namespace
+`attnopt_triton`): one node under torch.export, launched directly by Inductor. With
+TRITON_INTERPRET=1 the same kernels run on CPU tensors in Triton's interpreter (tests).
+
+`is_supported(q, form=..., **kwargs)` says whether the Triton path can run a call (None) or why not
+(a one-line reason); the reference ops' CUDA dispatch calls it before handing a call over.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import Tensor
+
+from attnopt.kernels.triton.decay import decay_attention, decay_unsupported
+from attnopt.kernels.triton.linear import linear_attention, linear_unsupported
+from attnopt.kernels.triton.runtime import interpreting, kernel_dtype_ok
+
+__all__ = ["linear_attention", "decay_attention", "is_supported"]
+
+_UNSUPPORTED = {
+    "linear": linear_unsupported,
+    "decay": decay_unsupported,
+}
+
+
+def is_supported(q: Tensor, form: str, **kwargs) -> Optional[str]:
+    """None if the Triton kernels can run `form` ("linear", "window", "decay", "linear_window") on
+    these arguments (the same keywords as the reference op), else the reason."""
+    if form not in _UNSUPPORTED:
+        return f"no Triton kernel for form {form!r}; known: {', '.join(_UNSUPPORTED)}"
+    if not (q.is_cuda or interpreting()):
+        return f"Triton kernels need CUDA tensors, got {q.device}"
+    if not kernel_dtype_ok(q.dtype):
+        return f"Triton kernels take fp32, bf16 or fp16, got {q.dtype}"
+    if q.requires_grad and kwargs.get("state") is not None:
+        return "a carried state is not differentiable on the Triton path"
+    return _UNSUPPORTED[form](q, **kwargs)
