@@ -1,6 +1,7 @@
 """Triton kernels for attnopt's rewrite forms, with the keyword signatures of the reference ops.
 
     linear_attention(q, k, v, *, feature_map="elu", causal=False, scale=None, eps=1e-6, key_mask=None)
+    window_attention(q, k, v, *, window, causal, sinks=0, scale=None, key_mask=None)
     decay_attention(q, k, v, *, decay=None, feature_map="identity", normalize=False, scale=None,
                     eps=1e-6, key_mask=None)
 
@@ -23,11 +24,13 @@ from torch import Tensor
 from attnopt.kernels.triton.decay import decay_attention, decay_unsupported
 from attnopt.kernels.triton.linear import linear_attention, linear_unsupported
 from attnopt.kernels.triton.runtime import interpreting, kernel_dtype_ok
+from attnopt.kernels.triton.window import window_attention, window_unsupported
 
-__all__ = ["linear_attention", "decay_attention", "is_supported"]
+__all__ = ["linear_attention", "window_attention", "decay_attention", "is_supported"]
 
 _UNSUPPORTED = {
     "linear": linear_unsupported,
+    "window": window_unsupported,
     "decay": decay_unsupported,
 }
 
