@@ -4,6 +4,8 @@
     window_attention(q, k, v, *, window, causal, sinks=0, scale=None, key_mask=None)
     decay_attention(q, k, v, *, decay=None, feature_map="identity", normalize=False, scale=None,
                     eps=1e-6, key_mask=None)
+    linear_window_attention(q, k, v, *, window, sinks=0, causal, feature_map="elu", scale=None,
+                            linear_weight=1.0, key_mask=None)      (forward only)
 
 Layout is SDPA's: q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv] -> [B, H, Nq, Dv] in q's
 dtype (fp32, bf16, fp16; fp32 accumulation). GQA reads kv head h // (H // Hkv) in the kernels,
@@ -23,15 +25,17 @@ from torch import Tensor
 
 from attnopt.kernels.triton.decay import decay_attention, decay_unsupported
 from attnopt.kernels.triton.linear import linear_attention, linear_unsupported
+from attnopt.kernels.triton.linear_window import linear_window_attention, linear_window_unsupported
 from attnopt.kernels.triton.runtime import interpreting, kernel_dtype_ok
 from attnopt.kernels.triton.window import window_attention, window_unsupported
 
-__all__ = ["linear_attention", "window_attention", "decay_attention", "is_supported"]
+__all__ = ["linear_attention", "window_attention", "decay_attention", "linear_window_attention", "is_supported"]
 
 _UNSUPPORTED = {
     "linear": linear_unsupported,
     "window": window_unsupported,
     "decay": decay_unsupported,
+    "linear_window": linear_window_unsupported,
 }
 
 

@@ -66,10 +66,12 @@ def _dphi(x, FMAP: tl.constexpr):
 
 @triton.jit
 def _dot(a, b, LOWP: tl.constexpr, DT: tl.constexpr):
-    # bf16/fp16 inputs: operands in the input dtype (tensor cores), fp32 accumulation;
+    # LOWP (runtime.low_precision): bf16/fp16 inputs: operands in the input dtype (tensor cores), fp32 accumulation;
     # fp32 inputs: IEEE fp32 (tf32 would cost ~3 decimal digits the fp32 oracle tests check).
-    if LOWP:
+    if LOWP == 1:
         return tl.dot(a.to(DT), b.to(DT))
+    elif LOWP == 2:
+        return tl.dot(a.to(DT).to(tl.float32), b.to(DT).to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b, input_precision="ieee")
 

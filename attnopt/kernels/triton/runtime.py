@@ -54,9 +54,13 @@ def pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(int(n)))
 
 
-def low_precision(dtype: torch.dtype) -> bool:
-    """bf16/fp16 inputs feed tl.dot in their own dtype (tensor cores); fp32 inputs use IEEE fp32 dots."""
-    return dtype in (torch.float16, torch.bfloat16)
+def low_precision(dtype: torch.dtype) -> int:
+    """The kernels' LOWP flag: 0 fp32 inputs (IEEE fp32 dots), 1 bf16/fp16 inputs (dot operands in
+    the input dtype: tensor cores), 2 the same rounding emulated with fp32 dots -- Triton's
+    interpreter (3.9) returns garbage from tl.dot on bf16 operands."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return 0
+    return 2 if interpreting() and dtype == torch.bfloat16 else 1
 
 
 def kernel_dtype_ok(dtype: torch.dtype) -> bool:
