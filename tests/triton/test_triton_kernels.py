@@ -1,0 +1,99 @@
+"""The Triton kernels against dense fp64 oracles, run in Triton's CPU interpreter.
+
+TRITON_INTERPRET=1 must be set before triton is imported, so every case runs in one child process
+(`interpreted_cases.py`, started once per session) and reports JSON; each case below asserts its
+own numbers. A second child imports the package without the interpreter: that must work and a
+call must fail with one clear line.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from interpreted_cases import CASES  # noqa: E402  (imports torch and the oracles only, not triton)
+
+
+def _child_env(interpret: bool) -> dict:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+@pytest.fixture(scope="session")
+def interpreted():
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "interpreted_cases.py")],
+        env=_child_env(True), capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_kernel_matches_dense_oracle(interpreted, name):
+    res = interpreted[name]
+    assert "error" not in res, res.get("traceback", res.get("error"))
+    checks = res["checks"]
+    assert checks, "a case must check at least one tensor"
+    for what, c in checks.items():
+        assert c["err"] <= c["tol"], f"{name}: {what} relative error {c['err']:.3g} > {c['tol']:.3g}"
+        if what != "blind_rows_max":
+            assert c["scale"] > 1e-3, f"{name}: {what} oracle is ~0, the comparison would prove nothing"
+
+
+def test_import_without_driver_then_one_line_error():
+    code = (
+        "import torch, attnopt.kernels.triton as t\n"
+        "q = torch.randn(1, 2, 5, 8)\n"
+        "print(t.is_supported(q, form='window', window=4, causal=True))\n"
+        "try:\n"
+        "    t.window_attention(q, q, q, window=4, causal=True)\n"
+        "except RuntimeError as e:\n"
+        "    print('RuntimeError', e)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=_child_env(False), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == "Triton kernels need CUDA tensors, got cpu"
+    assert lines[1].startswith("RuntimeError window_attention: the Triton kernels need CUDA tensors (got cpu)")
+    assert len(lines) == 2
+
+
+def test_is_supported_reasons():
+    code = (
+        "import json, torch, attnopt.kernels.triton as t\n"
+        "q = torch.randn(1, 2, 5, 8)\n"
+        "big = torch.randn(1, 2, 5, 32)\n"
+        "print(json.dumps({\n"
+        "  'window': t.is_supported(q, form='window', window=4, causal=True, sinks=2),\n"
+        "  'linear_elu': t.is_supported(q, form='linear', feature_map='elu', causal=True),\n"
+        "  'linear_state': t.is_supported(q, form='linear', state=(q, q)),\n"
+        "  'taylor_d32': t.is_supported(big, form='linear', feature_map='taylor'),\n"
+        "  'fp64': t.is_supported(q.double(), form='window', window=4, causal=True),\n"
+        "  'decay_bad_map': t.is_supported(q, form='decay', feature_map='favor'),\n"
+        "  'hybrid_grad': t.is_supported(q.requires_grad_(), form='linear_window', window=4, causal=True),\n"
+        "  'unknown': t.is_supported(q, form='reuse'),\n"
+        "}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=_child_env(True), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["window"] is None and r["linear_elu"] is None
+    assert "state" in r["linear_state"]
+    assert "1057 features" in r["taylor_d32"]
+    assert "torch.float64" in r["fp64"]
+    assert "favor" in r["decay_bad_map"]
+    assert "backward" in r["hybrid_grad"]
+    assert "reuse" in r["unknown"]
