@@ -138,19 +138,39 @@ def linear_causal_favor_fp32():
     )
 
 
-@case
-def linear_causal_hedgehog_fp32_gqa():
+def _hedgehog():
     from attnopt.kernels.feature_maps import make_feature_map
-    from attnopt.kernels.triton import linear_attention
 
-    q, k, v = inputs(**SHAPE)
     fm = make_feature_map("hedgehog", SHAPE["D"], SHAPE["H"], num_features=9, seed=2)
     with torch.no_grad():
         fm.weight_HDP.add_(0.3 * torch.randn(fm.weight_HDP.shape, generator=torch.Generator().manual_seed(5)))
-    w = fm.weight_HDP.detach().double()
+    return fm, fm.weight_HDP.detach().double()
+
+
+@case
+def linear_causal_hedgehog_fp32_gqa():
+    from attnopt.kernels.triton import linear_attention
+
+    q, k, v = inputs(**SHAPE)
+    fm, w = _hedgehog()
     return compare(
         lambda q, k, v: linear_attention(q, k, v, feature_map=fm, causal=True),
         lambda q, k, v: oracles.linear(q, k, v, fmap="hedgehog", causal=True, weight=w),
+        q, k, v, torch.float32,
+    )
+
+
+@case
+def linear_noncausal_hedgehog_fp32_mask():
+    # per-head φ(k) (H heads) against shared v (Hkv heads): the GQA sum of dv in the backward
+    from attnopt.kernels.triton import linear_attention
+
+    q, k, v = inputs(**SHAPE)
+    keep = padding_mask(SHAPE["B"], SHAPE["Nk"])
+    fm, w = _hedgehog()
+    return compare(
+        lambda q, k, v: linear_attention(q, k, v, feature_map=fm, causal=False, key_mask=keep),
+        lambda q, k, v: oracles.linear(q, k, v, fmap="hedgehog", causal=False, weight=w, key_mask=keep),
         q, k, v, torch.float32,
     )
 
@@ -315,6 +335,20 @@ def hybrid_bidirectional_elu_sinks_fp32():
 @case
 def hybrid_bidirectional_mask_bf16():
     return _hybrid(6, 0, False, "elu", torch.bfloat16, mask=True)
+
+
+@case
+def hybrid_causal_hedgehog_fp32():
+    from attnopt.kernels.triton import linear_window_attention
+
+    q, k, v = inputs(**SHAPE)
+    fm, w = _hedgehog()
+    beta = BETA[: SHAPE["H"]]
+    return compare(
+        lambda q, k, v: linear_window_attention(q, k, v, window=6, sinks=2, causal=True, feature_map=fm, linear_weight=beta.float()),
+        lambda q, k, v: oracles.linear_window(q, k, v, window=6, sinks=2, causal=True, fmap="hedgehog", beta=beta, weight=w),
+        q, k, v, torch.float32, False,
+    )
 
 
 @case

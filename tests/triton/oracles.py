@@ -40,12 +40,7 @@ def linear(q, k, v, *, fmap, causal, key_mask=None, eps=1e-6, scale=None, weight
     """o_i = Σ_j a_ij v_j / (Σ_j a_ij + eps), a_ij = φ(q_i)·φ(k_j) over allowed, kept keys."""
     H, Nq, Nk = q.shape[1], q.shape[2], k.shape[2]
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if fmap == "hedgehog":  # one W per query head: featurise keys per query head
-        fq = torch.stack([phi(q[:, h], fmap, scale, weight[h]) for h in range(H)], 1)
-        kr = repeat_kv(k, H)
-        fk = torch.stack([phi(kr[:, h], fmap, scale, weight[h]) for h in range(H)], 1)
-    else:
-        fq, fk = phi(q, fmap, scale, weight), repeat_kv(phi(k, fmap, scale, weight), H)
+    fq, fk = features(q, k, fmap, scale, weight)
     a = fq @ fk.transpose(-1, -2)
     p, j = positions(Nq, Nk)
     if causal:
@@ -89,7 +84,18 @@ def window(q, k, v, *, window, causal, sinks=0, key_mask=None, scale=None):
     return s.softmax(-1).nan_to_num(0.0) @ repeat_kv(v, H)
 
 
-def linear_window(q, k, v, *, window, sinks, causal, fmap, beta, key_mask=None, scale=None):
+def features(q, k, fmap, scale, weight):
+    """(φ(q) [B, H, Nq, M], φ(k) [B, H, Nk, M]); hedgehog uses one W per query head."""
+    H = q.shape[1]
+    kr = repeat_kv(k, H)
+    if fmap == "hedgehog":
+        fq = torch.stack([phi(q[:, h], fmap, scale, weight[h]) for h in range(H)], 1)
+        fk = torch.stack([phi(kr[:, h], fmap, scale, weight[h]) for h in range(H)], 1)
+        return fq, fk
+    return phi(q, fmap, scale, weight), phi(kr, fmap, scale, weight)
+
+
+def linear_window(q, k, v, *, window, sinks, causal, fmap, beta, key_mask=None, scale=None, weight=None):
     """(Σ_W e^{s q·k} v + β Σ_L φ(q)·φ(k) v) / (Σ_W e^{s q·k} + β Σ_L φ(q)·φ(k)); L = allowed, kept, not W."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
@@ -103,7 +109,8 @@ def linear_window(q, k, v, *, window, sinks, causal, fmap, beta, key_mask=None, 
     m = s.masked_fill(~vis, float("-inf")).amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     ew = torch.exp(s - m) * vis
-    el = (phi(q, fmap) @ repeat_kv(phi(k, fmap), H).transpose(-1, -2)) * lin * beta.view(1, H, 1, 1) * torch.exp(-m)
+    fq, fk = features(q, k, fmap, scale, weight)
+    el = (fq @ fk.transpose(-1, -2)) * lin * beta.view(1, H, 1, 1) * torch.exp(-m)
     a = ew + el
     den = a.sum(-1, keepdim=True)
     return torch.where(den > 0, (a @ repeat_kv(v, H)) / torch.where(den > 0, den, 1.0), 0.0)

@@ -337,7 +337,7 @@ def _blocks(M: int, Dv: int) -> tuple[int, int, int, int]:
     registers; 64×64 (16 KiB over 4 warps) leaves room for the C×C tile at C = 64. The interpreter
     gets C = 16 so that small test shapes still span several chunks."""
     BC = 16 if interpreting() else 64
-    return BC, min(64, pow2(M)), min(64, pow2(Dv)), 4
+    return BC, min(64, pow2(M)), min(64, pow2(Dv)), 8 if max(M, Dv) >= 128 else 4
 
 
 def _keep_arg(keep: Optional[Tensor], like: Tensor) -> tuple[Tensor, bool]:

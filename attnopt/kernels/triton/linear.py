@@ -20,7 +20,6 @@ import math
 from typing import Optional, Union
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -142,32 +141,50 @@ def noncausal_forward(q, k, v, keep, fmap: int, eps: float, wrap: bool):
     return out
 
 
-def _torch_phi(x: Tensor, fmap: int) -> Tensor:
+def _torch_phi(x: Tensor, fmap: int) -> tuple[Tensor, Tensor]:
+    """(φ(x), φ'(x)) for the fused maps, in x's dtype."""
     if fmap == FMAP_CODES["elu"]:
-        return F.elu(x) + 1.0
+        e = torch.exp(x.clamp(max=0))
+        return torch.where(x > 0, x + 1.0, e), torch.where(x > 0, 1.0, e)
     if fmap == FMAP_CODES["relu"]:
-        return F.relu(x)
-    return x
+        return x.clamp(min=0), (x > 0).to(x.dtype)
+    return x, torch.ones_like(x)
 
 
 def noncausal_backward(g, q, k, v, keep, fmap: int, eps: float):
-    """Autograd through φ(q)(φ(K)ᵀV) / (φ(q)·Σφ(k) + eps) in fp32: O(N·M·Dv), two GEMMs per side."""
+    """Closed-form gradients of φ(q)(φ(K)ᵀV) / (φ(q)·Σφ(k) + eps), fp32, plain tensor ops (no
+    nested autograd, so it traces under torch.compile): O(N·M·Dv), GEMM-shaped.
+    With n = φ(q)S, den = φ(q)·z + eps, dn = g/den, dd = −(g·o)/den:
+    dφ(q) = dn Sᵀ + dd z, dφ(k) = V Rᵀ + r, dV = φ(K) R, R = Σ_i φ(q_i) dn_iᵀ, r = Σ_i φ(q_i) dd_i."""
     B, H, Nq, M = q.shape
-    Hk, Hv = k.shape[1], v.shape[1]
-    with torch.enable_grad():
-        qf, kf, vf = (t.detach().to(torch.float32).requires_grad_() for t in (q, k, v))
-        fq = _torch_phi(qf, fmap).view(B, Hk, H // Hk, Nq, M)
-        fk = _torch_phi(kf, fmap)
-        if keep is not None:
-            fk = fk * keep[:, None, :, None].to(fk.dtype)
-        vk = vf.repeat_interleave(Hk // Hv, dim=1) if Hk != Hv else vf
-        S = fk.transpose(-1, -2) @ vk  # [B, Hk, M, Dv]
-        z = fk.sum(2)  # [B, Hk, M]
-        num = fq @ S[:, :, None]
-        den = (fq * z[:, :, None, None, :]).sum(-1, keepdim=True) + eps
-        out = (num / torch.where(den == 0, 1.0, den)).reshape(B, H, Nq, -1)
-        dq, dk, dv = torch.autograd.grad(out, (qf, kf, vf), g.to(torch.float32))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    Hk, Nk = k.shape[1], k.shape[2]
+    Hv, Dv = v.shape[1], v.shape[3]
+    G = H // Hk
+    fq, dfq_dx = _torch_phi(q.to(torch.float32), fmap)
+    fk, dfk_dx = _torch_phi(k.to(torch.float32), fmap)
+    if keep is not None:
+        kf = keep[:, None, :, None].to(torch.float32)
+        fk, dfk_dx = fk * kf, dfk_dx * kf
+    vk = v.to(torch.float32)
+    vk = vk.repeat_interleave(Hk // Hv, dim=1) if Hk != Hv else vk  # [B, Hk, Nk, Dv] (hedgehog: Hk = H)
+    fq = fq.view(B, Hk, G, Nq, M)
+    S = fk.transpose(-1, -2) @ vk  # [B, Hk, M, Dv]
+    z = fk.sum(2)  # [B, Hk, M]
+    num = fq @ S[:, :, None]
+    den = (fq * z[:, :, None, None, :]).sum(-1) + eps  # [B, Hk, G, Nq]
+    inv = torch.where(den == 0, 0.0, 1.0 / torch.where(den == 0, 1.0, den))
+    gf = g.to(torch.float32).view(B, Hk, G, Nq, Dv)
+    dn = gf * inv[..., None]
+    dd = -(gf * num).sum(-1) * inv * inv
+    dfq = dn @ S.transpose(-1, -2)[:, :, None] + dd[..., None] * z[:, :, None, None, :]
+    R = torch.einsum("bhgnm,bhgnv->bhmv", fq, dn)
+    r = torch.einsum("bhgnm,bhgn->bhm", fq, dd)
+    dfk = vk @ R.transpose(-1, -2) + r[:, :, None, :]
+    dvk = fk @ R
+    if Hk != Hv:
+        dvk = dvk.view(B, Hv, Hk // Hv, Nk, Dv).sum(2)
+    dq = dfq.reshape(B, H, Nq, M) * dfq_dx
+    return dq.to(q.dtype), (dfk * dfk_dx).to(k.dtype), dvk.to(v.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
