@@ -15,9 +15,9 @@ def repeat_kv(x, H):
     return x.repeat_interleave(H // x.shape[1], dim=1)
 
 
-def positions(Nq, Nk):
+def positions(Nq, Nk, device=None):
     """(p [Nq, 1], j [1, Nk]): bottom-right query positions and key indices."""
-    return (Nk - Nq) + torch.arange(Nq)[:, None], torch.arange(Nk)[None, :]
+    return (Nk - Nq) + torch.arange(Nq, device=device)[:, None], torch.arange(Nk, device=device)[None, :]
 
 
 def phi(x, name, scale=None, weight=None):
@@ -42,7 +42,7 @@ def linear(q, k, v, *, fmap, causal, key_mask=None, eps=1e-6, scale=None, weight
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     fq, fk = features(q, k, fmap, scale, weight)
     a = fq @ fk.transpose(-1, -2)
-    p, j = positions(Nq, Nk)
+    p, j = positions(Nq, Nk, q.device)
     if causal:
         a = a * (j <= p)
     if key_mask is not None:
@@ -53,9 +53,9 @@ def linear(q, k, v, *, fmap, causal, key_mask=None, eps=1e-6, scale=None, weight
 def decay(q, k, v, *, gamma, fmap, normalize, scale, key_mask=None, eps=1e-6):
     """o_i = Σ_{j<=p_i} γ_h^(p_i − j) (φ(q_i)·φ(k_j)) v_j, times scale or over its own weight sum + eps."""
     H, Nq, Nk = q.shape[1], q.shape[2], k.shape[2]
-    p, j = positions(Nq, Nk)
+    p, j = positions(Nq, Nk, q.device)
     d = p - j
-    w = torch.where(d >= 0, gamma.view(H, 1, 1) ** d.clamp(min=0), 0.0)
+    w = torch.where(d >= 0, gamma.to(q.device).view(H, 1, 1) ** d.clamp(min=0), 0.0)
     a = (phi(q, fmap) @ repeat_kv(phi(k, fmap), H).transpose(-1, -2)) * w
     if key_mask is not None:
         a = a * key_mask[:, None, None, :]
@@ -64,10 +64,10 @@ def decay(q, k, v, *, gamma, fmap, normalize, scale, key_mask=None, eps=1e-6):
     return scale * (a @ repeat_kv(v, H))
 
 
-def window_visible(B, Nq, Nk, *, window, causal, sinks, key_mask):
+def window_visible(B, Nq, Nk, *, window, causal, sinks, key_mask, device=None):
     """[B, 1, Nq, Nk] bool: band (W keys incl. self) | the first `sinks` kept keys, & kept."""
-    keep = torch.ones(B, Nk, dtype=torch.bool) if key_mask is None else key_mask
-    p, j = positions(Nq, Nk)
+    keep = torch.ones(B, Nk, dtype=torch.bool, device=device) if key_mask is None else key_mask
+    p, j = positions(Nq, Nk, device)
     d = p - j
     band = ((d >= 0) & (d < window)) if causal else (d.abs() < window)
     sink = (keep & (keep.long().cumsum(1) <= sinks))[:, None, None, :]
@@ -79,7 +79,7 @@ def window_visible(B, Nq, Nk, *, window, causal, sinks, key_mask):
 def window(q, k, v, *, window, causal, sinks=0, key_mask=None, scale=None):
     B, H, Nq, D = q.shape
     scale = 1 / math.sqrt(D) if scale is None else scale
-    vis = window_visible(B, Nq, k.shape[2], window=window, causal=causal, sinks=sinks, key_mask=key_mask)
+    vis = window_visible(B, Nq, k.shape[2], window=window, causal=causal, sinks=sinks, key_mask=key_mask, device=q.device)
     s = ((q @ repeat_kv(k, H).transpose(-1, -2)) * scale).masked_fill(~vis, float("-inf"))
     return s.softmax(-1).nan_to_num(0.0) @ repeat_kv(v, H)
 
@@ -100,17 +100,17 @@ def linear_window(q, k, v, *, window, sinks, causal, fmap, beta, key_mask=None, 
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     scale = 1 / math.sqrt(D) if scale is None else scale
-    vis = window_visible(B, Nq, Nk, window=window, causal=causal, sinks=sinks, key_mask=key_mask)
-    keep = torch.ones(B, Nk, dtype=torch.bool) if key_mask is None else key_mask
-    p, j = positions(Nq, Nk)
-    allowed = ((j <= p) if causal else torch.ones(Nq, Nk, dtype=torch.bool))[None, None] & keep[:, None, None, :]
+    vis = window_visible(B, Nq, Nk, window=window, causal=causal, sinks=sinks, key_mask=key_mask, device=q.device)
+    keep = torch.ones(B, Nk, dtype=torch.bool, device=q.device) if key_mask is None else key_mask
+    p, j = positions(Nq, Nk, q.device)
+    allowed = ((j <= p) if causal else torch.ones(Nq, Nk, dtype=torch.bool, device=q.device))[None, None] & keep[:, None, None, :]
     lin = allowed & ~vis
     s = (q @ repeat_kv(k, H).transpose(-1, -2)) * scale
     m = s.masked_fill(~vis, float("-inf")).amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     ew = torch.exp(s - m) * vis
     fq, fk = features(q, k, fmap, scale, weight)
-    el = (fq @ fk.transpose(-1, -2)) * lin * beta.view(1, H, 1, 1) * torch.exp(-m)
+    el = (fq @ fk.transpose(-1, -2)) * lin * beta.to(q.device).view(1, H, 1, 1) * torch.exp(-m)
     a = ew + el
     den = a.sum(-1, keepdim=True)
     return torch.where(den > 0, (a @ repeat_kv(v, H)) / torch.where(den > 0, den, 1.0), 0.0)
