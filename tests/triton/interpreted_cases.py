@@ -356,6 +356,61 @@ def hybrid_causal_fp16_mqa():
     return _hybrid(7, 1, True, "elu", torch.float16, shape=dict(B=3, Hkv=1))
 
 
+# ---- decode steps: N one-token steps must equal the causal prefill formula ----
+
+def _steps(step, q, k, v):
+    outs, state = [], None
+    for t in range(q.shape[2]):
+        o, state = step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state, t)
+        outs.append(o)
+    return torch.cat(outs, 2)
+
+
+def _decode_check(step, oracle, dtype=torch.float32):
+    q, k, v = inputs(**dict(SHAPE, Nq=23, Nk=23))
+    out = _steps(step, q.to(dtype), k.to(dtype), v.to(dtype))
+    ref = oracle(q, k, v)
+    return {"out": {"err": rel(out, ref), "tol": TOL[dtype][0], "scale": ref.abs().max().item()}}
+
+
+@case
+def decode_linear_elu_steps_equal_prefill():
+    from attnopt.kernels.triton import linear_decode_step
+
+    return _decode_check(lambda q, k, v, st, t: linear_decode_step(q, k, v, st),
+                         lambda q, k, v: oracles.linear(q, k, v, fmap="elu", causal=True))
+
+
+@case
+def decode_decay_normalized_steps_equal_prefill():
+    from attnopt.kernels.triton import decay_decode_step
+
+    return _decode_check(
+        lambda q, k, v, st, t: decay_decode_step(q, k, v, st, decay=GAMMA, feature_map="elu", normalize=True),
+        lambda q, k, v: oracles.decay(q, k, v, gamma=GAMMA, fmap="elu", normalize=True, scale=None))
+
+
+@case
+def decode_decay_bf16_steps_equal_prefill():
+    from attnopt.kernels.triton import decay_decode_step
+
+    return _decode_check(
+        lambda q, k, v, st, t: decay_decode_step(q, k, v, st, decay=GAMMA, scale=0.3),
+        lambda q, k, v: oracles.decay(q, k, v, gamma=GAMMA, fmap="identity", normalize=False, scale=0.3), torch.bfloat16)
+
+
+@case
+def decode_window_ring_steps_equal_prefill():
+    from attnopt.kernels.triton import init_window_cache, window_decode_step
+
+    def step(q, k, v, cache, t):
+        if cache is None:
+            cache = init_window_cache(k.shape[0], k.shape[1], k.shape[3], v.shape[3], window=5, sinks=3, dtype=k.dtype)
+        return window_decode_step(q, k, v, cache, t, window=5, sinks=3)
+
+    return _decode_check(step, lambda q, k, v: oracles.window(q, k, v, window=5, causal=True, sinks=3))
+
+
 # ---- registration ----
 
 @case

@@ -31,14 +31,35 @@ def _child_env(interpret: bool) -> dict:
     return env
 
 
+def _start(args, interpret: bool):
+    return subprocess.Popen([sys.executable, *args], env=_child_env(interpret), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _json_of(proc) -> dict:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="session")
-def interpreted():
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "interpreted_cases.py")],
-        env=_child_env(True), capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def children():
+    """All child processes start together (two interpreter shards and the sm_90 compile), so the
+    wall time is the slowest child's where cores are free, not their sum."""
+    names = sorted(CASES)
+    cases = os.path.join(HERE, "interpreted_cases.py")
+    return {
+        "shards": [_start([cases, *names[i::2]], True) for i in range(2)],
+        "compile": _start([os.path.join(HERE, "compile_sm90.py")], False),
+    }
+
+
+@pytest.fixture(scope="session")
+def interpreted(children):
+    res = {}
+    for proc in children["shards"]:
+        res.update(_json_of(proc))
+    return res
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -71,15 +92,12 @@ def test_import_without_driver_then_one_line_error():
     assert len(lines) == 2
 
 
-def test_kernels_compile_for_sm90_without_a_gpu():
+def test_kernels_compile_for_sm90_without_a_gpu(children):
     """The real backend (not the interpreter) accepts every kernel; the heaviest tiles fit in shared memory."""
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "compile_sm90.py")], env=_child_env(False),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(res) == 21
+    res = _json_of(children["compile"])
+    assert len(res) == 23
     for name, r in res.items():
-        assert 0 < r["shared"] <= 227 * 1024, (name, r)  # H100/H200 per-block limit
+        assert 0 <= r["shared"] <= 227 * 1024, (name, r)  # H100/H200 per-block limit
 
 
 def test_is_supported_reasons():
