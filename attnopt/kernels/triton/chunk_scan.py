@@ -332,12 +332,16 @@ def _dkv_kernel(
 
 
 
-def _blocks(M: int, Dv: int) -> tuple[int, int, int, int]:
+def _blocks(M: int, Dv: int, BH: int) -> tuple[int, int, int, int]:
     """(BC, BM-split, BV-split, num_warps) by shape. A program keeps a [BM, BV] fp32 state in
-    registers; 64×64 (16 KiB over 4 warps) leaves room for the C×C tile at C = 64. The interpreter
-    gets C = 16 so that small test shapes still span several chunks."""
-    BC = 16 if interpreting() else 64
-    return BC, min(64, pow2(M)), min(64, pow2(Dv)), 8 if max(M, Dv) >= 128 else 4
+    registers; 64×64 (16 KiB over 4 warps) leaves room for the C×C tile at C = 64. The scan is
+    sequential over chunks, so the grid is only B·H·(width / split) programs: when that would
+    leave an H200's 132 SMs idle (B·H·width/64 < 264), the split drops to 32 (tl.dot's tiles stay
+    >= 16). The interpreter gets C = 16 so that small test shapes still span several chunks."""
+    if interpreting():
+        return 16, min(64, pow2(M)), min(64, pow2(Dv)), 4
+    split = 64 if BH * triton.cdiv(max(M, Dv), 64) >= 264 else 32
+    return 64, min(split, pow2(M)), min(split, pow2(Dv)), 8 if max(M, Dv) >= 128 else 4
 
 
 def _keep_arg(keep: Optional[Tensor], like: Tensor) -> tuple[Tensor, bool]:
@@ -352,7 +356,7 @@ def chunk_forward(q, k, v, keep, log2g, fmap: int, normalize: bool, scale: float
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     B, H, Nq, M = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
-    BC, _, BV, nw = _blocks(M, Dv)
+    BC, _, BV, nw = _blocks(M, Dv, B * H)
     out = torch.zeros(B, H, Nq, Dv, device=q.device, dtype=q.dtype)
     den = torch.zeros(B, H, Nq, device=q.device, dtype=torch.float32)
     keep_t, has_keep = _keep_arg(keep, q)
@@ -375,7 +379,7 @@ def chunk_backward(g, q, k, v, keep, log2g, out, den, fmap: int, normalize: bool
     B, H, Nq, M = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
     Hv, Dv = v.shape[1], v.shape[3]
-    BC, BMs, BVs, nw = _blocks(M, Dv)
+    BC, BMs, BVs, nw = _blocks(M, Dv, B * H)
     g = g.to(torch.float32)
     if normalize:
         # o = n / den: dn = g / den, dden = -(g·o) / den (rows that saw nothing have den 0: no gradient)
