@@ -51,6 +51,7 @@ def children():
     return {
         "shards": [_start([cases, *names[i::2]], True) for i in range(2)],
         "compile": _start([os.path.join(HERE, "compile_sm90.py")], False),
+        "export": _start([os.path.join(HERE, "export_ops.py")], False),
     }
 
 
@@ -98,6 +99,15 @@ def test_kernels_compile_for_sm90_without_a_gpu(children):
     assert len(res) == 23
     for name, r in res.items():
         assert 0 <= r["shared"] <= 227 * 1024, (name, r)  # H100/H200 per-block limit
+
+
+def test_every_op_exports_as_one_node(children):
+    """torch.export keeps each triton_op as one node, also after run_decompositions, with the right output meta."""
+    res = _json_of(children["export"])
+    assert sorted(res) == ["decay", "linear_causal", "linear_noncausal", "linear_window", "window"]
+    for name, r in res.items():
+        assert r["nodes"] == 1 and r["nodes_after_decompositions"] == 1, (name, r)
+        assert r["shape"] == [2, 6, 37, 24] and r["dtype"] == "torch.float32", (name, r)
 
 
 def test_is_supported_reasons():
