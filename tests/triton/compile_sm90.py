@@ -70,6 +70,7 @@ def main():
         res[f"window_fwd/{tag}"] = build(win._window_fwd_kernel, bf, fp32=("LSE",), i32=("SINK",), **keep, **c)
         res[f"window_dq/{tag}"] = build(win._window_dq_kernel, bf, fp32=("LSE", "DELTA", "DQ"), i32=("SINK",), **keep, **c)
         res[f"window_dkv/{tag}"] = build(win._window_dkv_kernel, bf, fp32=("LSE", "DELTA", "DK", "DV"), i32=("SINK",), **keep, **c)
+        res[f"window_sink_dkv/{tag}"] = build(win._window_sink_dkv_kernel, bf, fp32=("LSE", "DELTA", "DK", "DV"), i32=("SINK",), **keep, **c)
         res[f"hybrid_fwd/{tag}"] = build(lw._hybrid_fwd_kernel, bf, fp32=("SP", "ZP", "BETA"), i32=("SINK",), **keep,
                                          CAUSAL=causal, FMAP=1, HAS_KEEP=True, LOWP=1, BQ=64, BK=64, BD=128, BM=128, BV=128)
     res["window_fwd/fp32"] = build(win._window_fwd_kernel, "fp32", fp32=("LSE",), i32=("SINK",), **keep, num_warps=4,

@@ -15,9 +15,10 @@ Forward: one program per (batch, query head, block of BQ queries), online softma
 over the key blocks of its band (blocks outside the band are never visited), then over the sink
 blocks that lie before the band. It writes the log-sum-exp for the backward.
 Backward (FlashAttention-2 order): dq per query block over the same key blocks; dk/dv per
-(batch, kv head, key block) looping over the query heads of its GQA group and the query blocks
-that can see it (its band, or every later query when the block holds sinks), so dk/dv need no
-atomics and no per-query-head buffer.
+(batch, kv head, key block) looping over the query heads of its GQA group and the query blocks of
+its band (no per-query-head buffer). Sink keys are also seen from every later query: those terms
+come from a second kernel that splits the far query blocks over NSPLIT programs and adds them
+atomically, so no single program walks all N queries (that tail would dominate at long N).
 
 Letters: B batch, H query heads, Hkv kv heads, G = H // Hkv, Nq/Nk lengths, D head dim, Dv value
 dim, W window, BQ/BK query/key block.
@@ -197,59 +198,25 @@ def _window_dq_kernel(
 
 
 @triton.jit
-def _window_dkv_kernel(
-    Q, K, V, KEEP, SINK, DO, LSE, DELTA, DK, DV,
-    s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
-    Hkv, Nq, Nk, D, Dv, G, W, scale2, scale,
-    CAUSAL: tl.constexpr, HAS_KEEP: tl.constexpr, LOWP: tl.constexpr,
-    BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
+def _dkv_over_queries(
+    Q, DO, LSE, DELTA, kx, vx, dk, dv, j, keep_j, s0, s1, b, hk, qb_start, qb_end, qb_step,
+    s_qb, s_qh, s_qn, Hkv, Nq, Nk, D, Dv, G, W, scale2,
+    CAUSAL: tl.constexpr, LOWP: tl.constexpr, BQ: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
 ):
-    """One key block of one kv head: dk/dv summed over its G query heads -> DK/DV [B, Hkv, Nk, ·] fp32."""
-    pid_bh = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    b = pid_bh // Hkv
-    hk = pid_bh % Hkv
+    """Add to (dk, dv) of the key tile j the terms of the query blocks qb_start, +qb_step, .. < qb_end
+    of every query head of kv head hk."""
     DT = Q.dtype.element_ty
     off = Nk - Nq
-    j0 = pid_k * BK
-    j = j0 + tl.arange(0, BK)
     rq = tl.arange(0, BQ)
     rd = tl.arange(0, BD)
     rv = tl.arange(0, BV)
-    j_in = j < Nk
     d_ok = rd < D
     v_ok = rv < Dv
-    s0 = tl.load(SINK + 2 * b)
-    s1 = tl.load(SINK + 2 * b + 1)
-    if HAS_KEEP:
-        keep_j = tl.load(KEEP + b * Nk + j, mask=j_in, other=0) != 0
-    else:
-        keep_j = j_in
-    kx = tl.load(K + b * s_kb + hk * s_kh + j[:, None] * s_kn + rd[None, :], mask=j_in[:, None] & d_ok[None, :], other=0.0)
-    vx = tl.load(V + b * s_vb + hk * s_vh + j[:, None] * s_vn + rv[None, :], mask=j_in[:, None] & v_ok[None, :], other=0.0)
-    if not LOWP:
-        kx = kx.to(tl.float32)
-        vx = vx.to(tl.float32)
-    dk = tl.zeros([BK, BD], dtype=tl.float32)
-    dv = tl.zeros([BK, BV], dtype=tl.float32)
-    j_hi = tl.minimum(j0 + BK, Nk) - 1
-    # queries (as positions) that can see a key of this block
-    if CAUSAL:
-        p_lo = j0
-    else:
-        p_lo = j0 - W + 1
-    p_hi = j_hi + W - 1
-    if (s0 < s1) & (j0 < s1) & (j_hi >= s0):  # the block holds sinks: every (later) query may see it
-        p_hi = Nk - 1
-        if not CAUSAL:
-            p_lo = off
-    i_lo = tl.maximum(p_lo - off, 0)
-    i_hi = tl.minimum(p_hi - off + 1, Nq)
     for g in range(0, G):
         bh = b * Hkv * G + hk * G + g
         q_base = Q + b * s_qb + (hk * G + g) * s_qh
-        for i0 in range((i_lo // BQ) * BQ, i_hi, BQ):
-            ri = i0 + rq
+        for qb in range(qb_start, qb_end, qb_step):
+            ri = qb * BQ + rq
             i_ok = ri < Nq
             qx = tl.load(q_base + ri[:, None] * s_qn + rd[None, :], mask=i_ok[:, None] & d_ok[None, :], other=0.0)
             do = tl.load(DO + (bh * Nq + ri)[:, None] * Dv + rv[None, :], mask=i_ok[:, None] & v_ok[None, :], other=0.0)
@@ -265,9 +232,119 @@ def _window_dkv_kernel(
             dp = _dot(do, tl.trans(vx), LOWP, DT)
             ds = pr * (dp - delta[:, None])
             dk += _dot(tl.trans(ds), qx, LOWP, DT)
+    return dk, dv
+
+
+@triton.jit
+def _load_key_tile(K, V, KEEP, b, hk, j, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, Nk, D, Dv,
+                   HAS_KEEP: tl.constexpr, LOWP: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr):
+    rd = tl.arange(0, BD)
+    rv = tl.arange(0, BV)
+    j_in = j < Nk
+    if HAS_KEEP:
+        keep_j = tl.load(KEEP + b * Nk + j, mask=j_in, other=0) != 0
+    else:
+        keep_j = j_in
+    kx = tl.load(K + b * s_kb + hk * s_kh + j[:, None] * s_kn + rd[None, :], mask=j_in[:, None] & (rd < D)[None, :], other=0.0)
+    vx = tl.load(V + b * s_vb + hk * s_vh + j[:, None] * s_vn + rv[None, :], mask=j_in[:, None] & (rv < Dv)[None, :], other=0.0)
+    if not LOWP:
+        kx = kx.to(tl.float32)
+        vx = vx.to(tl.float32)
+    return kx, vx, keep_j
+
+
+@triton.jit
+def _band_query_blocks(j0, Nq, Nk, W, BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr):
+    """[first, end) of the query blocks whose band can reach a key of block j0..j0+BK-1."""
+    off = Nk - Nq
+    j_hi = tl.minimum(j0 + BK, Nk) - 1
+    if CAUSAL:
+        p_lo = j0
+    else:
+        p_lo = j0 - W + 1
+    i_lo = tl.maximum(p_lo - off, 0)
+    i_hi = tl.minimum(j_hi + W - 1 - off + 1, Nq)
+    return i_lo // BQ, tl.maximum(tl.cdiv(i_hi, BQ), i_lo // BQ)
+
+
+@triton.jit
+def _window_dkv_kernel(
+    Q, K, V, KEEP, SINK, DO, LSE, DELTA, DK, DV,
+    s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
+    Hkv, Nq, Nk, D, Dv, G, W, scale2, scale,
+    CAUSAL: tl.constexpr, HAS_KEEP: tl.constexpr, LOWP: tl.constexpr,
+    BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
+):
+    """One key block of one kv head: dk/dv over its G query heads and the query blocks of its band
+    -> DK/DV [B, Hkv, Nk, ·] fp32. Sink keys seen from beyond the band: `_window_sink_dkv_kernel`."""
+    pid_bh = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    b = pid_bh // Hkv
+    hk = pid_bh % Hkv
+    j0 = pid_k * BK
+    j = j0 + tl.arange(0, BK)
+    rd = tl.arange(0, BD)
+    rv = tl.arange(0, BV)
+    j_in = j < Nk
+    s0 = tl.load(SINK + 2 * b)
+    s1 = tl.load(SINK + 2 * b + 1)
+    kx, vx, keep_j = _load_key_tile(K, V, KEEP, b, hk, j, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, Nk, D, Dv,
+                                    HAS_KEEP, LOWP, BD, BV)
+    dk = tl.zeros([BK, BD], dtype=tl.float32)
+    dv = tl.zeros([BK, BV], dtype=tl.float32)
+    qb_lo, qb_hi = _band_query_blocks(j0, Nq, Nk, W, BQ, BK, CAUSAL)
+    dk, dv = _dkv_over_queries(Q, DO, LSE, DELTA, kx, vx, dk, dv, j, keep_j, s0, s1, b, hk, qb_lo, qb_hi, 1,
+                               s_qb, s_qh, s_qn, Hkv, Nq, Nk, D, Dv, G, W, scale2, CAUSAL, LOWP, BQ, BD, BV)
     base = pid_bh * Nk + j
-    tl.store(DK + base[:, None] * D + rd[None, :], dk * scale, mask=j_in[:, None] & d_ok[None, :])
-    tl.store(DV + base[:, None] * Dv + rv[None, :], dv, mask=j_in[:, None] & v_ok[None, :])
+    tl.store(DK + base[:, None] * D + rd[None, :], dk * scale, mask=j_in[:, None] & (rd < D)[None, :])
+    tl.store(DV + base[:, None] * Dv + rv[None, :], dv, mask=j_in[:, None] & (rv < Dv)[None, :])
+
+
+@triton.jit
+def _window_sink_dkv_kernel(
+    Q, K, V, KEEP, SINK, DO, LSE, DELTA, DK, DV,
+    s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
+    Hkv, Nq, Nk, D, Dv, G, W, scale2, scale, NSPLIT,
+    CAUSAL: tl.constexpr, HAS_KEEP: tl.constexpr, LOWP: tl.constexpr,
+    BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
+):
+    """The sink keys' gradient from the queries outside their block's band: every later query sees
+    a sink, so one program per sink block would walk all N queries while the band programs walk
+    ~W. Program (b·Hkv, z) takes every NSPLIT-th such query block, for each key block of the sink
+    range [s0, s1), and atomically adds into DK/DV (the band kernel stored first)."""
+    pid_bh = tl.program_id(0)
+    pid_z = tl.program_id(1)
+    b = pid_bh // Hkv
+    hk = pid_bh % Hkv
+    off = Nk - Nq
+    rd = tl.arange(0, BD)
+    rv = tl.arange(0, BV)
+    s0 = tl.load(SINK + 2 * b)
+    s1 = tl.load(SINK + 2 * b + 1)
+    n_qb = tl.cdiv(Nq, BQ)
+    for kb in range(s0 // BK, tl.cdiv(s1, BK)):
+        j0 = kb * BK
+        j = j0 + tl.arange(0, BK)
+        j_in = j < Nk
+        kx, vx, keep_j = _load_key_tile(K, V, KEEP, b, hk, j, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, Nk, D, Dv,
+                                        HAS_KEEP, LOWP, BD, BV)
+        qb_lo, qb_hi = _band_query_blocks(j0, Nq, Nk, W, BQ, BK, CAUSAL)
+        if CAUSAL:
+            first = tl.maximum(j0 - off, 0) // BQ
+        else:
+            first = 0
+        dk = tl.zeros([BK, BD], dtype=tl.float32)
+        dv = tl.zeros([BK, BV], dtype=tl.float32)
+        # query blocks before the band (bidirectional) and after it
+        dk, dv = _dkv_over_queries(Q, DO, LSE, DELTA, kx, vx, dk, dv, j, keep_j, s0, s1, b, hk,
+                                   first + pid_z, tl.minimum(qb_lo, n_qb), NSPLIT,
+                                   s_qb, s_qh, s_qn, Hkv, Nq, Nk, D, Dv, G, W, scale2, CAUSAL, LOWP, BQ, BD, BV)
+        dk, dv = _dkv_over_queries(Q, DO, LSE, DELTA, kx, vx, dk, dv, j, keep_j, s0, s1, b, hk,
+                                   tl.maximum(qb_hi, first) + pid_z, n_qb, NSPLIT,
+                                   s_qb, s_qh, s_qn, Hkv, Nq, Nk, D, Dv, G, W, scale2, CAUSAL, LOWP, BQ, BD, BV)
+        base = pid_bh * Nk + j
+        tl.atomic_add(DK + base[:, None] * D + rd[None, :], dk * scale, mask=j_in[:, None] & (rd < D)[None, :])
+        tl.atomic_add(DV + base[:, None] * Dv + rv[None, :], dv, mask=j_in[:, None] & (rv < Dv)[None, :])
 
 
 def sink_range(key_mask: Optional[Tensor], B: int, Nk: int, sinks: int, device) -> Tensor:
@@ -329,6 +406,14 @@ def window_backward(g, q, k, v, keep, sinkr, out, lse, window: int, causal: bool
     launcher(_window_dkv_kernel, wrap)[(B * Hkv, triton.cdiv(Nk, BK))](
         q, k, v, keep_t, sinkr, g, lse, delta, dk, dv, *strides,
         Hkv, Nq, Nk, D, Dv, H // Hkv, window, scale * LOG2E, scale, **flags)
+    # The sink pass: each program walks ~`per` query blocks per sink block (the interpreter takes 2,
+    # so that small tests cover several programs). Without sinks its key-block loop is empty; it is
+    # launched anyway because the sink count lives in `sinkr` on the device, not on the host.
+    per = 2 if interpreting() else 16
+    nsplit = max(1, triton.cdiv(triton.cdiv(Nq, BQ), per))
+    launcher(_window_sink_dkv_kernel, wrap)[(B * Hkv, nsplit)](
+        q, k, v, keep_t, sinkr, g, lse, delta, dk, dv, *strides,
+        Hkv, Nq, Nk, D, Dv, H // Hkv, window, scale * LOG2E, scale, nsplit, **flags)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
