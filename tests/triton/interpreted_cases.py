@@ -11,7 +11,6 @@ multiples of the interpreter's 16-wide blocks.
 """
 
 import json
-import math
 import os
 import sys
 import time

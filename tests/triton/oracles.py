@@ -8,7 +8,6 @@ D head dim, Dv value dim, W window, S sinks.
 import math
 
 import torch
-import torch.nn.functional as F
 
 
 def repeat_kv(x, H):

@@ -19,16 +19,20 @@ from torch.library import triton_op
 from attnopt.kernels.decay import DECAY_FEATURE_MAPS, retnet_decay
 from attnopt.kernels.layout import check_sdpa_inputs
 from attnopt.kernels.triton.chunk_scan import chunk_backward, chunk_forward
-from attnopt.kernels.triton.runtime import FMAP_CODES, interpreting, require_runtime
+from attnopt.kernels.triton.runtime import FMAP_CODES, concrete, interpreting, require_runtime
 
 
 def _gamma(decay, H: int) -> Tensor:
-    """None / "retnet" / float / H floats / tensor [H] -> float64 [H] in (0, 1] (CPU)."""
+    """None / "retnet" / float / H floats / tensor [H] -> float64 [H] in (0, 1] (a tensor keeps its device)."""
     if decay is None or (isinstance(decay, str) and decay == "retnet"):
         gamma = retnet_decay(H)
     elif isinstance(decay, Tensor):
-        gamma = decay.detach().to("cpu", torch.float64).reshape(-1)
+        gamma = decay.detach().to(torch.float64).reshape(-1)
         gamma = gamma.expand(H) if gamma.numel() == 1 else gamma
+        if not concrete(gamma):  # traced: shape checked, values unknown
+            if tuple(gamma.shape) != (H,):
+                raise ValueError(f"decay_attention: need one decay per query head (H={H}), got {tuple(gamma.shape)}")
+            return gamma
     elif isinstance(decay, (int, float)) and not isinstance(decay, bool):
         gamma = torch.full((H,), float(decay), dtype=torch.float64)
     elif isinstance(decay, Sequence) and not isinstance(decay, str):

@@ -35,10 +35,18 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op
 
-from attnopt.kernels.feature_maps import FeatureMap, make_feature_map, query_key_features
+from attnopt.kernels.feature_maps import FeatureMap, make_feature_map
 from attnopt.kernels.layout import check_sdpa_inputs
 from attnopt.kernels.triton.chunk_scan import _dot, _phi
-from attnopt.kernels.triton.runtime import FMAP_CODES, interpreting, launcher, low_precision, pow2, require_runtime
+from attnopt.kernels.triton.runtime import (
+    FMAP_CODES,
+    concrete,
+    interpreting,
+    launcher,
+    low_precision,
+    pow2,
+    require_runtime,
+)
 from attnopt.kernels.triton.window import LOG2E, _key_range, _visible, sink_range
 
 MAX_FEATURES = 128
@@ -301,7 +309,7 @@ def linear_window_attention(
     s = 1.0 / math.sqrt(D) if scale is None else float(scale)
     beta = torch.as_tensor(linear_weight, dtype=torch.float32, device=q.device).reshape(-1)
     beta = (beta.expand(H) if beta.numel() == 1 else beta).contiguous()
-    if tuple(beta.shape) != (H,) or bool((beta < 0).any()):
+    if tuple(beta.shape) != (H,) or (concrete(beta) and bool((beta < 0).any())):
         raise ValueError(f"linear_window_attention: linear_weight must be a float or [H] = [{H}] values >= 0")
     if name in ("elu", "relu"):
         fmap, fq, fk = FMAP_CODES[name], q, k

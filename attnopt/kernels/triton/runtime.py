@@ -63,5 +63,13 @@ def low_precision(dtype: torch.dtype) -> int:
     return 2 if interpreting() and dtype == torch.bfloat16 else 1
 
 
+def concrete(t: Tensor) -> bool:
+    """False for the fake tensors of torch.export / torch.compile tracing: their values are unknown,
+    so value checks (decays in (0, 1], weights >= 0) are skipped there, as the reference ops do."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not is_fake(t)
+
+
 def kernel_dtype_ok(dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.float16, torch.bfloat16)
