@@ -1,0 +1,75 @@
+"""Where the Triton kernels run, and the few host helpers every kernel file shares.
+
+Two launch paths, chosen per call:
+
+* CUDA tensors (a real driver): each kernel runs inside a `torch.library.triton_op` through
+  `wrap_triton`, so `torch.export` keeps one node and Inductor launches the kernel itself.
+* `TRITON_INTERPRET=1`: the raw kernels run on CPU tensors in Triton's interpreter. A triton_op
+  cannot be used there: export and opcheck hand it fake tensors, which the interpreter cannot read.
+
+Nothing here touches a driver at import time, so `import attnopt.kernels.triton` works on a CPU-only
+machine; a call without either path raises one clear line (`require_runtime`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+import triton
+
+FMAP_CODES = {"identity": 0, "elu": 1, "relu": 2}  # the maps fused into the kernels' loads
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def require_runtime(who: str, q: Tensor) -> None:
+    """The one-line error for a call that has neither a GPU tensor nor the interpreter."""
+    if interpreting():
+        if q.is_cuda:
+            raise RuntimeError(f"{who}: TRITON_INTERPRET=1 runs the kernels on CPU tensors; got a CUDA tensor")
+        return
+    if not q.is_cuda:
+        raise RuntimeError(
+            f"{who}: the Triton kernels need CUDA tensors (got {q.device}); set TRITON_INTERPRET=1 "
+            "before importing triton to run them on the CPU interpreter"
+        )
+
+
+def launcher(kernel, wrap: bool):
+    """`kernel` itself (interpreter) or its `wrap_triton` handle (inside a triton_op)."""
+    if wrap:
+        from torch.library import wrap_triton
+
+        return wrap_triton(kernel)
+    return kernel
+
+
+def pow2(n: int, lo: int = 16) -> int:
+    """Block width for a dimension: a power of two, >= 16 (tl.dot's smallest tile)."""
+    return max(lo, triton.next_power_of_2(int(n)))
+
+
+def low_precision(dtype: torch.dtype) -> int:
+    """The kernels' LOWP flag: 0 fp32 inputs (IEEE fp32 dots), 1 bf16/fp16 inputs (dot operands in
+    the input dtype: tensor cores), 2 the same rounding emulated with fp32 dots -- Triton's
+    interpreter (3.9) returns garbage from tl.dot on bf16 operands."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return 0
+    return 2 if interpreting() and dtype == torch.bfloat16 else 1
+
+
+def concrete(t: Tensor) -> bool:
+    """False for the fake tensors of torch.export / torch.compile tracing: their values are unknown,
+    so value checks (decays in (0, 1], weights >= 0) are skipped there, as the reference ops do."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not is_fake(t)
+
+
+def kernel_dtype_ok(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float32, torch.float16, torch.bfloat16)
