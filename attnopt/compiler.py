@@ -169,6 +169,10 @@ def compile(
         steps.append(BudgetStep(worst, outcomes[index[worst]].drift.rel_rms, before.worst.rel_rms, e2e.worst.rel_rms))
     timer.lap("splice+verify_end_to_end")
     timer.timings["total"] = sum(timer.timings.values())
+    if splice_counts.get("model_window_taken_over"):
+        notes.append(f"the model slides its own attention window (a sliding window); attnopt runs it on {splice_counts['model_window_taken_over']} "
+                     "sites instead (exact sites keep the same band, window sites the narrower band, linear/ssm/"
+                     "linear+window replace it), so prefill and decoding agree; the KV cache is kept whole")
     _warn_if_nothing_rewritten(name, planning.plans, outcomes, steps, e2e_tolerance)
 
     counts = {"detect": found.counts, "record": recording.counts, "plan": planning.counts,

@@ -9,8 +9,47 @@ from __future__ import annotations
 
 from torch import nn
 
+from attnopt import forms
+from attnopt.forms.base import BuildContext
 from attnopt.hf.interface import ModuleState
 from attnopt.hf.record import watch_layer_input
+
+
+def take_over_model_windows(model: nn.Module, sites: list, modules: dict) -> int:
+    """Make prefill and decoding agree on a model that slides its own attention window (Mistral).
+
+    HF applies the window twice: in the prefill mask, and in decoding by a cache that drops keys
+    older than the window. A form that reads every key (linear, ssm, linear+window) would see them
+    all in prefill and only the window when decoding. So on such a model attnopt takes the window
+    over: HF's windowing is switched off on this copy (full causal masks and caches), every exact
+    site runs the same band as a window site (the same numbers as before), window sites keep the
+    narrower of their band and the model's, and the other forms replace the model's window, in
+    prefill and decoding alike. Returns the number of sites now run under attnopt's own band.
+    """
+    windowed = [s for s in sites if s.window is not None]
+    if not windowed:
+        return 0
+    window = forms.get("window")
+    for site in windowed:
+        if site.id not in modules:
+            modules[site.id] = window.build(site, window.validate({"window": site.window}), BuildContext())
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        for c in {id(x): x for x in (cfg, getattr(cfg, "get_text_config", lambda **k: None)())}.values():
+            if c is None:
+                continue
+            if getattr(c, "sliding_window", None) is not None:
+                c.sliding_window = None
+            types = getattr(c, "layer_types", None)
+            if isinstance(types, (list, tuple)):
+                c.layer_types = ["full_attention" if t == "sliding_attention" else t for t in types]
+        if getattr(m, "sliding_window", None) is not None and not isinstance(m.sliding_window, bool):
+            m.sliding_window = None
+        if getattr(m, "layer_type", None) == "sliding_attention":
+            m.layer_type = "full_attention"
+        if getattr(m, "attention_type", None) == "sliding_attention":
+            m.attention_type = "full_attention"
+    return len(windowed)
 
 
 def uninstall(model: nn.Module) -> int:
@@ -30,6 +69,8 @@ def install(model: nn.Module, sites: list, modules: dict) -> dict:
     """Attach `modules` (site id -> SiteModule) to their attention modules, replacing any earlier
     install; return the counts."""
     uninstall(model)
+    modules = dict(modules)
+    banded = take_over_model_windows(model, sites, modules)
     reuse_cache: dict = {}
     by_id = {s.id: s for s in sites}
     anchors = watched = 0
@@ -49,4 +90,5 @@ def install(model: nn.Module, sites: list, modules: dict) -> dict:
                 if hook is not None:
                     state.hooks.append(hook)
                     watched += 1
-    return {"installed": len(modules), "reuse_anchors": anchors, "layer_inputs_watched": watched}
+    return {"installed": len(modules), "reuse_anchors": anchors, "layer_inputs_watched": watched,
+            "model_window_taken_over": banded}

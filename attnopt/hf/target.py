@@ -73,6 +73,10 @@ class HfTarget:
             softcap = next((info[3] for _, info in calls if info[3] is not None), None)
             if softcap is not None:  # Gemma-2 caps logits inside the attention function: say so on the site
                 found.sites[j] = site = replace(site, softcap=float(softcap))
+            window = next((info[2] for _, info in calls if info[2] is not None), None)
+            if window is not None and site.window is None and site.causal:
+                # The model slides a window the example was too short to show in its mask.
+                found.sites[j] = site = replace(site, window=int(window), mask=replace(site.mask, window=int(window)))
             per_module = sum(1 for s in found.sites if s.module_path == site.module_path)
             if per_module == 1 and len(calls) == len(batches):
                 rec.calls[site.id] = [c for c, _ in calls]

@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnopt.kernels.decay_schedule import DECAY_FEATURE_MAPS, retnet_decay
+from attnopt.kernels.dispatch import cuda_kernels
 from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
 from attnopt.kernels.registration import register_recompute_autograd
 
@@ -51,16 +53,7 @@ __all__ = [
     "DECAY_FEATURE_MAPS",
 ]
 
-DECAY_FEATURE_MAPS = ("identity", "elu", "relu")
-
 DecayState = tuple  # (S [B, H, Dk, Dv], z [B, H, Dk] or None)
-
-
-def retnet_decay(heads: int) -> Tensor:
-    """RetNet's per-head decays γ_h = 1 - 2^(-5-h), h = 0..heads-1, as float64 [heads]."""
-    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
-        raise ValueError(f"retnet_decay: heads must be a positive int, got {heads!r}")
-    return 1.0 - torch.pow(2.0, -5.0 - torch.arange(heads, dtype=torch.float64))
 
 
 def _feature(x: Tensor, feature_map: str) -> Tensor:
@@ -355,6 +348,10 @@ def decay_attention(
     B, H, _, D = q.shape
     gamma = _decay_tensor(decay, H, q.device)
     s = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    tk = cuda_kernels(q) if state is None else None
+    if tk is not None and tk.is_supported(q, form="decay", feature_map=feature_map, k=k) is None:
+        return tk.decay_attention(q, k, v, decay=gamma, feature_map=feature_map, normalize=normalize, scale=s,
+                                  eps=eps, key_mask=key_mask)
     if state is None:
         return torch.ops.attnopt.decay_attention(q, k, v, gamma, key_mask, feature_map, normalize, s, float(eps), chunk_size)
     S0, z0 = _check_state(state, B, H, D, v.shape[3], normalize, "decay_attention")

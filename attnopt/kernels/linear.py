@@ -40,6 +40,7 @@ from attnopt.kernels.feature_maps import (
     make_feature_map,
     query_key_features,
 )
+from attnopt.kernels.dispatch import cuda_kernels
 from attnopt.kernels.registration import register_recompute_autograd
 
 __all__ = ["linear_attention", "linear_attention_reference", "linear_attention_op"]
@@ -363,6 +364,10 @@ def linear_attention(
     fmap = _resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     weight = fmap.op_weight()
+    tk = cuda_kernels(q) if state is None else None
+    if tk is not None and tk.is_supported(q, form="linear", feature_map=fmap, k=k) is None:
+        return tk.linear_attention(q, k, v, feature_map=fmap, causal=bool(causal), scale=scale, eps=float(eps),
+                                   key_mask=key_mask)
     if state is None:
         return torch.ops.attnopt.linear_attention(
             q, k, v, fmap.name, weight, bool(causal), scale, float(eps), key_mask, int(chunk_size)

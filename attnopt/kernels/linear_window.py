@@ -66,6 +66,7 @@ from torch import Tensor
 from attnopt.kernels.feature_maps import FavorFeatureMap, FeatureMap, _check_weight, query_key_features
 from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
 from attnopt.kernels.linear import _causal_chunks, _grouped, _resolve_feature_map, _state_times
+from attnopt.kernels.dispatch import cuda_kernels
 from attnopt.kernels.registration import register_recompute_autograd
 from attnopt.kernels.window import (
     SCORES_PER_STEP,
@@ -398,6 +399,11 @@ def linear_window_attention(
     chunk_size = _check_int("chunk_size", chunk_size, 1)
     fmap = _resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
     beta = _beta_tensor(linear_weight, q.shape[1], q)
+    tk = cuda_kernels(q)
+    if tk is not None and tk.is_supported(q, form="linear_window", feature_map=fmap, window=window, sinks=sinks,
+                                          k=k) is None:
+        return tk.linear_window_attention(q, k, v, window=window, sinks=sinks, causal=causal, feature_map=fmap,
+                                          scale=scale, linear_weight=beta, key_mask=key_mask)
     return torch.ops.attnopt.linear_window_attention(
         q, k, v, key_mask, window, causal, sinks, scale, fmap.name, fmap.op_weight(), beta, block_size, chunk_size
     )

@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnopt.kernels.dispatch import cuda_kernels
 from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
 from attnopt.kernels.registration import register_recompute_autograd
 
@@ -306,6 +307,9 @@ def window_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     scale = float(scale)
+    tk = cuda_kernels(q)
+    if tk is not None and tk.is_supported(q, form="window", window=window, sinks=sinks, k=k) is None:
+        return tk.window_attention(q, k, v, window=window, causal=causal, sinks=sinks, scale=scale, key_mask=key_mask)
     return torch.ops.attnopt.window_attention(q, k, v, key_mask, window, causal, sinks, scale, block_size)
 
 

@@ -544,13 +544,15 @@ SPLICED = {
 
 @pytest.mark.parametrize("case", sorted(SPLICED))
 def test_site_spliced_as_exact_matches_the_model_on_new_inputs(case):
-    from attnopt.passes.rewrite import RewrittenSite, rewrite_graph
+    from attnopt import forms
+    from attnopt.forms.base import BuildContext
+    from attnopt.passes.splice import splice_graph
 
     module, args = SPLICED[case]()
     inspection = inspect(module, *args)  # dynamic, as attnopt.compile captures
     [site] = inspection.sites
     gm = inspection.captured.graph_module
-    rewrite_graph(gm, [site], {site.id: RewrittenSite(site, "exact", {})})
+    splice_graph(gm, [site], {site.id: forms.get("exact").build(site, {}, BuildContext())})
     assert sum(1 for n in gm.graph.nodes if n.op == "call_module" and str(n.target).startswith("attnopt_site")) == 1
     gen = torch.Generator().manual_seed(11)
     fresh = tuple(a if a.dtype == torch.bool or a.shape[1] == 1 else torch.randn(a.shape, generator=gen) for a in args)
@@ -664,7 +666,9 @@ def _composed_sample(count: int, seed: int) -> list[tuple]:
 
 @pytest.mark.parametrize("recipe", _composed_sample(40, seed=8), ids=lambda r: "-".join(map(str, r)))
 def test_composed_spelling_is_one_correct_splicable_site(recipe):
-    from attnopt.passes.rewrite import RewrittenSite, rewrite_graph
+    from attnopt import forms
+    from attnopt.forms.base import BuildContext
+    from attnopt.passes.splice import splice_graph
 
     module = Composed(*recipe)
     args = (Q_BNHD, K_BNHkvD, V_BNHkvD, padding_B11N())
@@ -675,7 +679,7 @@ def test_composed_spelling_is_one_correct_splicable_site(recipe):
     assert site.scale * site.folded_scale == pytest.approx(0.3, abs=1e-6)
     assert site.mask.kind == {"none": "none", "padding": "padding", "causal": "causal"}[recipe[2]]
     gm = inspection.captured.graph_module
-    rewrite_graph(gm, [site], {site.id: RewrittenSite(site, "exact", {})})
+    splice_graph(gm, [site], {site.id: forms.get("exact").build(site, {}, BuildContext())})
     gen = torch.Generator().manual_seed(12)
     fresh = tuple(torch.randn(a.shape, generator=gen) for a in args[:3]) + (args[3],)
     with torch.no_grad():

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.library import triton_op
 
-from attnopt.kernels.decay import DECAY_FEATURE_MAPS, retnet_decay
+from attnopt.kernels.decay_schedule import DECAY_FEATURE_MAPS, retnet_decay
 from attnopt.kernels.layout import check_sdpa_inputs
 from attnopt.kernels.triton.chunk_scan import chunk_backward, chunk_forward
 from attnopt.kernels.triton.runtime import FMAP_CODES, concrete, interpreting, require_runtime
