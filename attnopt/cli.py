@@ -51,7 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--policy", default="window:64+sinks:4",
                    help=f"preset ({policy_presets_help()}) or a .yaml/.toml/.json policy file "
                         "(default: window:64+sinks:4)")
-    c.add_argument("--tolerance", type=float, default=None, help="max relative RMS drift per site (default: per form)")
+    c.add_argument("--tolerance", type=float, default=None,
+                   help="relative RMS drift of a site's output at which it reverts (default: per form, all below 1)")
+    c.add_argument("--e2e-tolerance", default="0.5", metavar="FLOAT|none",
+                   help="end-to-end budget: worst relative RMS drift of the model outputs at which the worst sites "
+                        "revert one by one (default 0.5; 'none': no budget)")
     c.add_argument("--seq-len", type=int, default=256,
                    help="tokens per example for Hugging Face models (built-in English passages; default 256)")
     c.add_argument("--html", default="report.html", help="where to write the HTML report (default report.html)")
@@ -106,14 +110,25 @@ def run_compile(ns: argparse.Namespace) -> int:
     if ns.tolerance is not None and not 0 <= ns.tolerance < float("inf"):
         raise CliError(f"--tolerance must be a finite number >= 0 (relative RMS drift per site); got {ns.tolerance}",
                        EXIT_BAD_MODEL)
+    try:
+        e2e = None if ns.e2e_tolerance.strip().lower() == "none" else float(ns.e2e_tolerance)
+    except ValueError:
+        e2e = float("nan")
+    if e2e is not None and not 0 < e2e < float("inf"):
+        raise CliError(f"--e2e-tolerance must be a finite number > 0 or 'none'; got {ns.e2e_tolerance}", EXIT_BAD_MODEL)
     if ns.seq_len < 1:
         raise CliError(f"--seq-len must be >= 1; got {ns.seq_len}", EXIT_BAD_MODEL)
     try:
         model, args, kwargs, description = load_model(ns.model, texts=english_passages(), max_length=ns.seq_len)
     except ModelSpecError as exc:
         raise CliError(f"bad MODEL: {exc}", EXIT_BAD_MODEL) from exc
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and ns.seq_len > limit:
+        raise CliError(f"--seq-len {ns.seq_len} is beyond {description}'s {limit} positions; use --seq-len {limit} or less",
+                       EXIT_BAD_MODEL)
     try:
-        opt = attnopt_compile(model, policy, example_inputs=(args, kwargs), tolerance=ns.tolerance, name=description)
+        opt = attnopt_compile(model, policy, example_inputs=(args, kwargs), tolerance=ns.tolerance,
+                              e2e_tolerance=e2e, name=description)
     except CaptureError as exc:
         raise CliError(f"could not capture {description}: {exc}", EXIT_CAPTURE) from exc
     report = opt.attnopt_report

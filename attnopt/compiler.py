@@ -137,6 +137,8 @@ def compile(
     recording = target.record(found, batches)
     planning = plan_sites(found.sites, policy)
     notes = list(found.notes)
+    if found.sites:
+        _warn_unmatched_rules(name, planning, len({s.layer for s in found.sites}))
     need = verification_length(found.sites, planning.plans, recording.calls)
     if need is not None:  # some form changes nothing at the example length: verify where it acts
         longer, why = target.longer_batch(batches[0], need)
@@ -185,6 +187,14 @@ def compile(
     return result
 
 
+def _warn_unmatched_rules(name, planning, layers: int) -> None:
+    import warnings
+
+    for index, text in planning.unmatched_rules:
+        warnings.warn(f"attnopt.compile({name}): policy rule {index} ({text}) matches no attention site of this "
+                      f"model ({layers} attention layers); check its layers / module / source", stacklevel=3)
+
+
 def _warn_if_nothing_rewritten(name, plans, outcomes, steps, budget) -> None:
     """A policy that asked for rewrites and got none says so, with the reasons (never silence)."""
     import warnings
@@ -212,7 +222,8 @@ def build_report(*, model_name, policy, found, plans, outcomes, end_to_end, timi
             after = cost_curve(site, outcome.final_form, outcome.params, example_len=n)
         except (ValueError, KeyError) as exc:
             before, after = [], []
-            notes.append(f"site {site.id}: cost not computed ({exc})")
+            why = "its length is symbolic and no site shows a static one" if "symbolic" in str(exc) else str(exc)
+            notes.append(f"site {site.id}: cost not computed ({why})")
         records.append(SiteRecord(site=site, plan=plan, outcome=outcome, costs_before=before, costs_after=after))
     return CompileReport(
         model_name=model_name, policy=policy, capture=found.capture, sites=records, near_misses=found.near_misses,

@@ -15,6 +15,11 @@ from attnopt.hf.interface import ModuleState
 from attnopt.hf.record import watch_layer_input
 
 
+# What HF's sliding-window masks and caches are given instead of the model's window: wider than any
+# input, so they hide nothing (models that always build a sliding mask need a number, not None).
+NO_WINDOW = 2**31 - 1
+
+
 def take_over_model_windows(model: nn.Module, sites: list, modules: dict) -> int:
     """Make prefill and decoding agree on a model that slides its own attention window (Mistral).
 
@@ -24,12 +29,17 @@ def take_over_model_windows(model: nn.Module, sites: list, modules: dict) -> int
     over: HF's windowing is switched off on this copy (full causal masks and caches), every exact
     site runs the same band as a window site (the same numbers as before), window sites keep the
     narrower of their band and the model's, and the other forms replace the model's window, in
-    prefill and decoding alike. Returns the number of sites now run under attnopt's own band.
+    prefill and decoding alike. Returns the number of sites now run under attnopt's own band (0 when
+    no site needs it, or some windowed site must keep HF's own attention, e.g. a softcap).
     """
     windowed = [s for s in sites if s.window is not None]
-    if not windowed:
-        return 0
     window = forms.get("window")
+    # Needed only when some site reads outside the model's band (or keeps sinks the band drops),
+    # and possible only when every windowed site may run as a plain band (no softcap, no bias, ...).
+    needed = any(s.id in modules and not (modules[s.id].form == "window" and modules[s.id].params["sinks"] == 0)
+                 for s in windowed)
+    if not needed or any(window.why_not(s, window.validate({"window": s.window}), sites) for s in windowed):
+        return 0
     for site in windowed:
         if site.id not in modules:
             modules[site.id] = window.build(site, window.validate({"window": site.window}), BuildContext())
@@ -39,12 +49,12 @@ def take_over_model_windows(model: nn.Module, sites: list, modules: dict) -> int
             if c is None:
                 continue
             if getattr(c, "sliding_window", None) is not None:
-                c.sliding_window = None
+                c.sliding_window = NO_WINDOW
             types = getattr(c, "layer_types", None)
             if isinstance(types, (list, tuple)):
                 c.layer_types = ["full_attention" if t == "sliding_attention" else t for t in types]
-        if getattr(m, "sliding_window", None) is not None and not isinstance(m.sliding_window, bool):
-            m.sliding_window = None
+        if isinstance(getattr(m, "sliding_window", None), int) and not isinstance(m.sliding_window, bool):
+            m.sliding_window = NO_WINDOW
         if getattr(m, "layer_type", None) == "sliding_attention":
             m.layer_type = "full_attention"
         if getattr(m, "attention_type", None) == "sliding_attention":

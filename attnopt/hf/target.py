@@ -62,7 +62,10 @@ class HfTarget:
                 "tokenizer's output, a tuple of positional arguments, or (args, kwargs)"
             ) from exc
         modules = dict(self.model.named_modules())
-        if found.capture == "hf":
+        if not found.sites and recorded:
+            if found.capture != "hf":
+                found.notes.append("torch.export showed no attention site, but the attention interface was called: "
+                                   "sites are described from those calls")
             for i, path in enumerate(recorded):
                 call, info = recorded[path][0]
                 layer = getattr(modules[path], "layer_idx", None)

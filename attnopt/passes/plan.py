@@ -20,6 +20,7 @@ class Planning:
 
     plans: list = field(default_factory=list)  # list[SitePlan]
     counts: dict = field(default_factory=dict)  # "rule", "auto", "no_rule", "unsupported" -> sites
+    unmatched_rules: list = field(default_factory=list)  # (index, text) of rules no site matched
 
 
 def num_layers(sites: list[AttentionSite]) -> int:
@@ -29,9 +30,10 @@ def num_layers(sites: list[AttentionSite]) -> int:
 def plan_sites(sites: list[AttentionSite], policy) -> Planning:
     """One SitePlan per site, in site order, with the candidates the verifier tries in order."""
     n = num_layers(sites)
-    plans = []
+    plans, matched = [], set()
     for site in sites:
         rule, index = policy.choose(site, n)
+        matched.add(index)
         if rule is None and policy.auto:
             plans.append(_auto_plan(site, sites, policy))
         elif rule is None:
@@ -42,7 +44,8 @@ def plan_sites(sites: list[AttentionSite], policy) -> Planning:
     for p in plans:
         key = "unsupported" if p.unsupported else "auto" if p.rule == "auto" else "rule" if p.rule else "no_rule"
         counts[key] += 1
-    return Planning(plans, counts)
+    unmatched = [(i, r.describe()) for i, r in enumerate(policy.rules) if i not in matched and r.form != "exact"]
+    return Planning(plans, counts, unmatched)
 
 
 def _auto_plan(site, sites, policy) -> SitePlan:

@@ -10,7 +10,8 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "custo
 
 def test_compile_factory_writes_html_and_json(tmp_path, capsys):
     html = tmp_path / "out" / "r.html"
-    code = main(["compile", f"{EXAMPLE}:build", "--policy", "window:16+sinks:2", "--tolerance", "5", "--html", str(html)])
+    code = main(["compile", f"{EXAMPLE}:build", "--policy", "window:16+sinks:2", "--tolerance", "0.99",
+                 "--html", str(html)])
     out = capsys.readouterr().out
     assert code == 0
     assert "4/4 sites rewritten" in out
@@ -27,3 +28,18 @@ def test_bad_policy_and_model_are_clear_errors(tmp_path, capsys):
     assert "unknown MODEL" in capsys.readouterr().err
     assert main(["compile", f"{EXAMPLE}:missing_factory", "--html", str(tmp_path / "r.html")]) == 2
     assert "missing_factory" in capsys.readouterr().err
+
+
+def test_bad_numbers_are_one_line_errors(tmp_path, capsys):
+    html = str(tmp_path / "r.html")
+    for flag, value, words in (("--tolerance", "-1", "--tolerance"), ("--tolerance", "nan", "--tolerance"),
+                               ("--e2e-tolerance", "0", "--e2e-tolerance"), ("--e2e-tolerance", "x", "--e2e-tolerance")):
+        assert main(["compile", f"{EXAMPLE}:build", flag, value, "--html", html]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_seq_len_beyond_the_models_positions_is_a_clear_error(minilm, capsys, tmp_path):
+    assert main(["compile", "minilm", "--seq-len", "1024", "--html", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err
+    assert "512 positions" in err and "Traceback" not in err

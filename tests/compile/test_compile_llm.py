@@ -207,3 +207,29 @@ def test_exact_fallback_below_min_seq_len_is_exact_while_decoding(llama):
         opt.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0),
         llama.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0),
     )
+
+
+def test_a_rule_that_matches_no_site_warns(llama):
+    with pytest.warns(UserWarning, match="rule 0 .* matches no attention site"):
+        attnopt.compile(llama, "reuse:5", example_inputs={"input_ids": _ids(), "use_cache": False})
+
+
+def test_register_reuse_warns_that_it_needs_compile():
+    with pytest.warns(UserWarning, match="reuse needs"):
+        attnopt.hf.register("reuse")
+    attnopt.hf.register("exact")
+
+
+def test_softcapped_sites_are_unsupported_with_their_reason():
+    cfg = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, attn_logit_softcapping=50.0,
+    )
+    torch.manual_seed(0)
+    gemma = transformers.Gemma2ForCausalLM(cfg).eval()
+    with pytest.warns(UserWarning, match="none was kept"):
+        opt = attnopt.compile(gemma, "linear", example_inputs={"input_ids": _ids(), "use_cache": False})
+    rep = opt.attnopt_report
+    assert len(rep.sites) == 2
+    assert [str(r.outcome.status) for r in rep.sites] == ["unsupported"] * 2
+    assert all("softcap 50" in r.outcome.reason for r in rep.sites)
