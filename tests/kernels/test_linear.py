@@ -20,6 +20,7 @@ from attnopt.kernels.feature_maps import (
     query_key_features,
 )
 from attnopt.kernels.linear import linear_attention, linear_attention_reference
+from oracles import linear_oracle, linear_state_oracle
 
 F64 = torch.float64
 
@@ -68,22 +69,39 @@ def test_chunked_equals_quadratic_formula(name, causal, B, H, Hkv, Nq, Nk, D, Dv
     assert _rel(out, ref) <= 1e-10
 
 
-def test_reference_matches_formula_by_hand():
-    """The oracle itself: one output row by hand, causal bottom-right, elu map, GQA head 3 -> kv head 1."""
-    q, k, v = _qkv(1, 4, 2, 3, 7, 5, 2, seed=3)
-    ref = linear_attention_reference(q, k, v, feature_map="elu", causal=True, eps=0.0)
-    phi = lambda x: torch.nn.functional.elu(x) + 1
-    i, h = 1, 3  # query 1 sits at absolute position 7 - 3 + 1 = 5: keys 0..5
-    w = phi(k[0, 1, :6]) @ phi(q[0, h, i])
-    assert _rel(ref[0, h, i], (w @ v[0, 1, :6]) / w.sum()) <= 1e-12
+# ------------------------------------------------------------------ op == oracle written from the formula
+
+ORACLE_SHAPES = [  # B, H, Hkv, Nq, Nk, D, Dv, chunk: pairwise-distinct sizes so a swapped axis shows
+    pytest.param(2, 6, 3, 5, 11, 4, 7, 4, id="gqa-pad-Nq<Nk"),
+    pytest.param(1, 4, 2, 9, 6, 3, 5, 4, id="gqa-pad-Nq>Nk"),
+]
+# An eps of this size moves every output visibly; FAVOR+ is checked at eps = 0 only, because its
+# eps acts in per-call stabilised units (documented in `linear_attention`).
+VISIBLE_EPS = {"elu": 3.0, "relu": 1.0, "hedgehog": 0.5, "taylor": 3.0}
 
 
-def test_queries_before_first_key_get_zero_rows():
-    q, k, v = _qkv(1, 2, 1, 6, 4, 3, 2)  # causal, Nq > Nk: queries 0, 1 sit before key 0
-    out = linear_attention(q, k, v, feature_map="elu", causal=True, chunk_size=3)
-    ref = linear_attention_reference(q, k, v, feature_map="elu", causal=True)
-    assert torch.all(out[:, :, :2] == 0) and out[:, :, 2:].abs().min() > 0
-    assert _rel(out, ref) <= 1e-10
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", FEATURE_MAP_NAMES)
+@pytest.mark.parametrize("B,H,Hkv,Nq,Nk,D,Dv,chunk", ORACLE_SHAPES)
+def test_matches_oracle_written_from_the_formula(name, causal, B, H, Hkv, Nq, Nk, D, Dv, chunk):
+    q, k, v = _qkv(B, H, Hkv, Nq, Nk, D, Dv, seed=Nq + Nk)
+    key_mask = torch.ones(B, Nk, dtype=torch.bool)
+    key_mask[0, :2] = False  # left padding
+    key_mask[-1, -1] = False  # right padding
+    fm, scale = _fmap(name, D, H), 0.41  # not 1/√D: a dropped or misplaced scale shows
+    oracle = dict(name=name, weight=fm.op_weight(), causal=causal, scale=scale, key_mask=key_mask)
+    for eps in (0.0, VISIBLE_EPS.get(name)):
+        if eps is None:
+            continue
+        out = linear_attention(
+            q, k, v, feature_map=fm, causal=causal, scale=scale, eps=eps, key_mask=key_mask, chunk_size=chunk
+        )
+        ref = linear_oracle(q, k, v, eps=eps, **oracle)
+        assert out.shape == (B, H, Nq, Dv) and _rel(out, ref) <= 1e-10, eps
+        if eps > 0:  # eps must be visible, or the check above would not see it ignored
+            assert _rel(ref, linear_oracle(q, k, v, eps=0.0, **oracle)) > 1e-2
+    if causal and Nq > Nk:  # queries placed before key 0 see nothing
+        assert torch.all(out[:, :, : Nq - Nk] == 0)
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
@@ -189,6 +207,11 @@ def test_state_two_calls_equal_one_call(name):
         pieces.append(o)
     assert _rel(torch.cat(pieces, dim=2), whole) <= 1e-10
     assert _rel(state[0], S_all) <= 1e-10 and _rel(state[1], z_all) <= 1e-10
+    scale = 1 / math.sqrt(D)
+    ref = linear_oracle(q, k, v, name=name, weight=fm.op_weight(), causal=True, scale=scale, eps=eps)
+    assert _rel(whole, ref) <= 1e-10
+    S_ref, z_ref = linear_state_oracle(k, v, name=name, weight=fm.op_weight(), scale=scale, H=H)  # true units
+    assert _rel(state[0], S_ref) <= 1e-10 and _rel(state[1], z_ref) <= 1e-10
     if name != "hedgehog":  # shared φ: the GQA state is the same for the query heads of one kv head
         assert torch.equal(state[1][:, 0], state[1][:, 1])
 
@@ -214,16 +237,6 @@ def test_state_path_gradients_match_op(name):
 
     for g_split, g_whole in zip(grads(True), grads(False)):
         assert torch.isfinite(g_split).all() and _rel(g_split, g_whole) <= 1e-10
-
-
-def test_favor_state_is_in_true_feature_units():
-    q, k, v = _qkv(1, 2, 2, 6, 6, 3, 2, seed=9)
-    fm = make_feature_map("favor", 3, 2, seed=1).double()
-    M = fm.num_features(3)
-    zeros = (torch.zeros(1, 2, M, 2, dtype=F64), torch.zeros(1, 2, M, dtype=F64))
-    _, (S, z) = linear_attention(q, k, v, feature_map=fm, state=zeros)
-    raw_k = fm(k, 1 / math.sqrt(3))
-    assert _rel(z, raw_k.sum(2)) <= 1e-12 and _rel(S, raw_k.transpose(-1, -2) @ v) <= 1e-12
 
 
 # ------------------------------------------------------------------ autograd, opcheck, export

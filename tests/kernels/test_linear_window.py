@@ -22,25 +22,9 @@ from attnopt.kernels.linear_window import linear_window_attention, linear_window
 from attnopt.kernels.window import window_attention
 from kernel_testing import MaxNumel, assert_exports_as_one_node
 from kernel_testing import sdpa_inputs as _inputs
+from oracles import kernel_by_hand
 
 F64 = torch.float64
-
-
-def _phi_by_hand(name, x_ND, scale, fmap, h):
-    """φ of rows x [N, D] for query head h, from the map's formula (not its code)."""
-    if name == "elu":
-        return torch.where(x_ND > 0, x_ND + 1.0, torch.exp(x_ND))
-    if name == "relu":
-        return torch.where(x_ND > 0, x_ND, torch.zeros_like(x_ND))
-    xs = x_ND * math.sqrt(scale)
-    if name == "favor":  # exp(ωᵀx' − |x'|²/2)/√M, no stabiliser: true units
-        omega = fmap.omega_DM.to(F64)
-        return torch.exp(xs @ omega - 0.5 * (xs**2).sum(-1, keepdim=True)) / math.sqrt(omega.shape[1])
-    if name == "hedgehog":  # [softmax(x'W_h), softmax(−x'W_h)]
-        proj = xs @ fmap.weight_HDP[h].to(F64)
-        pos, neg = torch.exp(proj), torch.exp(-proj)
-        return torch.cat([pos / pos.sum(-1, keepdim=True), neg / neg.sum(-1, keepdim=True)], dim=-1)
-    raise AssertionError(name)
 
 
 def _oracle(q, k, v, *, window, causal, sinks=0, name="elu", fmap=None, beta=1.0, key_mask=None):
@@ -54,11 +38,7 @@ def _oracle(q, k, v, *, window, causal, sinks=0, name="elu", fmap=None, beta=1.0
         sink = real[:sinks]  # the first S real tokens of this row
         for h in range(H):
             kv = h // (H // Hkv)
-            if name == "taylor":  # its kernel in closed form: 1 + t + t²/2, t = s·q·k
-                t = scale * (q[b, h] @ k[b, kv].T)
-                kernel = 1 + t + t * t / 2
-            else:
-                kernel = _phi_by_hand(name, q[b, h], scale, fmap, h) @ _phi_by_hand(name, k[b, kv], scale, fmap, h).T
+            kernel = kernel_by_hand(name, q[b, h], k[b, kv], scale, None if fmap is None else fmap.op_weight(), h)
             for i in range(Nq):
                 p = Nk - Nq + i
                 in_band = lambda j: (p - window < j <= p) if causal else abs(p - j) < window

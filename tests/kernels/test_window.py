@@ -20,6 +20,7 @@ from attnopt.kernels.window import (
     window_visibility_mask,
 )
 from kernel_testing import MaxNumel, assert_exports_as_one_node
+from oracles import window_oracle
 from kernel_testing import sdpa_inputs as _inputs
 
 F64 = torch.float64
@@ -92,19 +93,23 @@ def test_visibility_mask_helper_matches_the_rule():
     assert got[1, 0, 6].nonzero().flatten().tolist() == [3, 5, 6]
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_matches_oracle_with_distinct_sizes_and_scale(causal):
+    # Pairwise-distinct B, H, Hkv, Nq, Nk, D, Dv, GQA, padding on both sides, Nq < Nk, and a scale
+    # that is not 1/√D (the SDPA-based checks above use the default one).
+    B, H, Hkv, Nq, Nk, D, Dv = 2, 6, 3, 5, 11, 4, 7
+    q, k, v = _inputs(B, H, Hkv, Nq, Nk, D, Dv, seed=26)
+    km = torch.ones(B, Nk, dtype=torch.bool)
+    km[0, :2] = False
+    km[1, [5, 10]] = False
+    for W, sinks in [(1, 0), (3, 2)]:
+        kw = dict(window=W, causal=causal, sinks=sinks, scale=0.41, key_mask=km)
+        out = window_attention(q, k, v, block_size=2, **kw)
+        assert out.shape == (B, H, Nq, Dv)
+        assert (out - window_oracle(q, k, v, **kw)).abs().max().item() <= 1e-12, (W, sinks)
+
+
 # ------------------------------------------------------------- sinks are the first real tokens
-
-
-def _dense_oracle(q, k, v, W, causal, sinks, key_mask):
-    """Softmax over the loop-built visibility, by hand (no SDPA): zero rows where nothing is seen."""
-    mask = _loop_mask(q.shape[0], q.shape[2], k.shape[2], W, causal, sinks, key_mask)
-    G = q.shape[1] // k.shape[1]
-    kr, vr = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-    s = (q @ kr.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    s = s.masked_fill(~mask, float("-inf"))
-    e = torch.exp(s - s.amax(-1, keepdim=True).clamp_min(-1e300))
-    den = e.sum(-1, keepdim=True)
-    return torch.where(den > 0, (e @ vr) / torch.where(den > 0, den, 1.0), 0.0)
 
 
 def _run_alone(q, k, v, b, keep, **kw):
@@ -135,7 +140,8 @@ def test_padded_rows_equal_the_same_rows_unpadded(causal, Hkv):
             alone = _run_alone(q, k, v, b, km[b], **kw)
             worst = max(worst, (out[b : b + 1, :, km[b]] - alone).abs().max().item())
         assert worst <= 1e-12, (W, sinks, worst)
-        assert (out - _dense_oracle(q, k, v, W, causal, sinks, km)).abs().max().item() <= 1e-12
+        ref = window_oracle(q, k, v, window=W, causal=causal, sinks=sinks, scale=1 / math.sqrt(D), key_mask=km)
+        assert (out - ref).abs().max().item() <= 1e-12
 
 
 def test_left_padding_moves_the_sinks_off_the_pads():
@@ -161,7 +167,7 @@ def test_sinks_per_row_padding_with_bottom_right_queries(monkeypatch, per_step):
     )
     for causal, sinks in itertools.product([True, False], [1, 3, 9]):
         out = window_attention(q, k, v, window=2, causal=causal, sinks=sinks, key_mask=km, block_size=2)
-        ref = _dense_oracle(q, k, v, 2, causal, sinks, km)
+        ref = window_oracle(q, k, v, window=2, causal=causal, sinks=sinks, scale=1 / math.sqrt(3), key_mask=km)
         assert (out - ref).abs().max().item() <= 1e-12, (causal, sinks)
 
 
