@@ -210,7 +210,7 @@ def _e2e_table(rep) -> str:
     if budget.get("e2e_tolerance") is not None:
         tol = budget["e2e_tolerance"]
         table += (f"<p>End-to-end budget: worst output relative RMS &lt; {fmt_num(tol)} (and mean embedding "
-                  f"cosine &ge; {fmt_num(1 - tol / 5)} where measured).</p>")
+                  f"cosine &ge; {fmt_num(1 - tol / 6)} where measured).</p>")
     steps = "".join(
         f'<tr><td>{i + 1}</td><td><code>{esc(s["site_id"])}</code></td><td class="num">{fmt_num(s["site_drift"])}</td>'
         f'<td class="num">{fmt_num(s["e2e_before"])}</td><td class="num">{fmt_num(s["e2e_after"])}</td></tr>'

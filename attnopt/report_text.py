@@ -106,7 +106,7 @@ def markdown(rep) -> str:
     if budget.get("e2e_tolerance") is not None:
         tol = budget["e2e_tolerance"]
         out += ["", f"End-to-end budget: worst output relative RMS < {fmt_num(tol)} (and mean embedding cosine "
-                    f">= {fmt_num(1 - tol / 5)} where measured)."]
+                    f">= {fmt_num(1 - tol / 6)} where measured)."]
     for i, s in enumerate(getattr(rep, "budget_steps", []) or []):
         out.append(f"- step {i + 1}: reverted {_md_cell(s['site_id'])} (site drift {fmt_num(s['site_drift'])}): "
                    f"end-to-end {fmt_num(s['e2e_before'])} → {fmt_num(s['e2e_after'])}")

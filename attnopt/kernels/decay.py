@@ -56,6 +56,13 @@ __all__ = [
 DecayState = tuple  # (S [B, H, Dk, Dv], z [B, H, Dk] or None)
 
 
+def _ratio(num: Tensor, den: Tensor, eps: float) -> Tensor:
+    """num / (den + eps); a row whose denominator is exactly 0 (φ(q)ᵀz = 0, eps = 0) is 0, not NaN,
+    as in linear and window attention."""
+    den = den + eps
+    return num / torch.where(den == 0, torch.ones_like(den), den)
+
+
 def _feature(x: Tensor, feature_map: str) -> Tensor:
     if feature_map == "identity":
         return x
@@ -250,7 +257,7 @@ def _decay_forward(
         outs.append(o.reshape(B, H, e - a, Dv1))
     out = torch.cat(outs, dim=2)[:, :, Nk - Nq :] if outs else phi_q.new_zeros(B, H, 0, Dv1)
     if normalize:
-        out = out[..., :Dv] / (out[..., Dv:] + eps)
+        out = _ratio(out[..., :Dv], out[..., Dv:], eps)
         S, z = S[..., :Dv], S[..., Dv]
     else:
         z = None
@@ -394,7 +401,7 @@ def decay_attention_step(
     num = phi_q @ S  # [B, H, 1, Dv]
     if normalize:
         z = gamma.view(1, H, 1) * z.to(cdt) + phi_k[:, :, 0]
-        out = num / ((phi_q[:, :, 0] * z).sum(-1)[..., None, None] + eps)
+        out = _ratio(num, (phi_q[:, :, 0] * z).sum(-1)[..., None, None], eps)
     else:
         s = 1.0 / math.sqrt(D) if scale is None else float(scale)
         out = s * num
