@@ -62,11 +62,11 @@ def test_cached_steps_equal_a_full_forward_and_padding_changes_nothing(model, po
     assert rep.count("rewritten") >= 1, [r.outcome.reason for r in rep.sites]
     seq, steps = _step_logits(opt, ids, am)
     full = _full_logits(opt, seq, am)
-    assert (steps - full).abs().max() < 1e-4
+    assert (steps - full).abs().max() < 1e-5  # measured about 1e-7 (fp32)
     # Row 1 generated alone (no padding) gives the same step logits as inside the padded batch.
     alone_seq, alone = _step_logits(opt, ids[1:, PAD:], am[1:, PAD:])
     assert torch.equal(alone_seq[0, -NEW:], seq[1, -NEW:])
-    assert (alone[0] - steps[1]).abs().max() < 1e-4
+    assert (alone[0] - steps[1]).abs().max() < 1e-5
     # And the rewrite did change the model (the comparison above is not between identical programs).
     with torch.no_grad():
         assert not torch.allclose(opt(input_ids=seq, use_cache=False).logits, base(input_ids=seq, use_cache=False).logits)
