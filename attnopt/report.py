@@ -20,7 +20,7 @@ STATUSES = tuple(s.value for s in Status)
 
 def _package_version(name: str) -> str:
     try:
-        from importlib.metadata import PackageNotFoundError, version
+        from importlib.metadata import version
 
         return version(name)
     except Exception:  # PackageNotFoundError, or a broken install's metadata

@@ -15,7 +15,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attnopt.inspection import inspect
