@@ -1,0 +1,195 @@
+"""attnopt.save / attnopt.load: saved here, loaded in a fresh process, same outputs and same report."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import attnopt
+from attnopt.saving import HEADER_FILE, SITE_STATE_FILE, SaveError
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+B, N, VOCAB = 2, 40, 97
+
+# Run in a fresh interpreter: first plain transformers (attnopt not imported, so its attention
+# names are not registered), then attnopt.load; outputs and the report go to a file.
+FRESH_LOAD = r"""
+import json, sys, torch
+path, inputs_file, out_file = sys.argv[1:4]
+result = {}
+import transformers
+config = transformers.AutoConfig.from_pretrained(path)
+try:
+    getattr(transformers, config.architectures[0]).from_pretrained(path)
+    result["plain"] = "loaded"
+except Exception as exc:
+    result["plain"] = f"{type(exc).__name__}: {exc}"
+import attnopt
+model = attnopt.load(path)
+inputs = torch.load(inputs_file)
+with torch.no_grad():
+    out = model(**inputs["call"])
+result["class"] = type(model).__name__
+result["output"] = out[inputs["key"]]
+if inputs.get("generate") is not None:
+    result["generate"] = model.generate(inputs["generate"], max_new_tokens=4, do_sample=False, pad_token_id=0)
+result["report"] = model.attnopt_report.to_json()
+torch.save(result, out_file)
+"""
+
+
+def _fresh(code, *args, timeout=120):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _load_fresh(tmp_path, saved, call, key, generate=None):
+    torch.save({"call": call, "key": key, "generate": generate}, tmp_path / "inputs.pt")
+    _fresh(FRESH_LOAD, saved, tmp_path / "inputs.pt", tmp_path / "out.pt")
+    return torch.load(tmp_path / "out.pt", weights_only=False)
+
+
+def _statuses(report):
+    return [(r.site.id, str(r.outcome.status), r.outcome.final_form) for r in report.sites]
+
+
+# ---------------------------------------------------------------- transformers decoder
+
+
+@pytest.fixture(scope="module")
+def llama_compiled():
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=4,
+                                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, VOCAB, (B, N), generator=torch.Generator().manual_seed(1))
+    # One site per kind of saved state: none (exact), fitted hedgehog + β, a reuse residual, a fitted map.
+    policy = {"name": "mixed", "rules": [
+        {"form": "exact", "layers": [0, 0]},
+        {"form": "linear+window", "params": {"window": 8, "sinks": 2}, "layers": [1, 1]},
+        {"form": "reuse", "params": {"anchor": -1, "rank": 4}, "layers": [2, 2]},
+        {"form": "linear", "params": {"feature_map": "hedgehog"}, "layers": [3, 3]},
+    ]}
+    opt = attnopt.compile(model, policy, example_inputs={"input_ids": ids, "use_cache": False}, tolerance=0.99,
+                          e2e_tolerance=None)
+    return model, opt, ids
+
+
+def test_llama_loads_in_a_fresh_process_with_the_same_logits_generation_and_report(llama_compiled, tmp_path):
+    model, opt, ids = llama_compiled
+    assert _statuses(opt.attnopt_report) == [
+        ("model.layers.0.self_attn#0", "kept", "exact"), ("model.layers.1.self_attn#0", "rewritten", "linear+window"),
+        ("model.layers.2.self_attn#0", "rewritten", "reuse"), ("model.layers.3.self_attn#0", "rewritten", "linear")]
+    saved = attnopt.save(opt, tmp_path / "llama")
+    with torch.no_grad():
+        logits = opt(input_ids=ids, use_cache=False).logits
+        original = model(input_ids=ids, use_cache=False).logits
+    generated = opt.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+    got = _load_fresh(tmp_path, saved, {"input_ids": ids, "use_cache": False}, "logits", generate=ids)
+    assert got["class"] == "LlamaForCausalLM"
+    assert torch.equal(got["output"], logits)
+    assert not torch.allclose(got["output"], original, atol=1e-3)  # the rewrite is what came back
+    assert torch.equal(got["generate"], generated)  # cached decoding, the reuse anchor and x cache included
+    assert got["report"] == opt.attnopt_report.to_json()
+    # Plain transformers refuses the directory, naming attnopt, instead of returning the exact model.
+    assert got["plain"].startswith("ValueError") and '"attnopt"' in got["plain"], got["plain"]
+
+    header = json.loads((saved / HEADER_FILE).read_text())
+    assert [(s["site_id"], s["form"], s["accepted"], s["state"]) for s in header["sites"]] == [
+        ("model.layers.1.self_attn#0", "linear+window", True, {"log_beta": [6], "feature_map.weight_HDP": [6, 8, 8]}),
+        ("model.layers.2.self_attn#0", "reuse", True, {"residual_A": [6, 49, 4], "residual_B": [6, 49, 4]}),
+        ("model.layers.3.self_attn#0", "linear", True, {"feature_map.weight_HDP": [6, 8, 8]}),
+    ]
+    assert header["policy"] == opt.attnopt_report.policy.to_dict()
+    # The model's own weights carry no site module keys; those live in attnopt_sites.safetensors only.
+    from safetensors.torch import load_file
+
+    weights = load_file(str(saved / "model.safetensors"))
+    assert set(weights) == set(model.state_dict()) and not any("attnopt" in k for k in weights)
+    assert len(load_file(str(saved / SITE_STATE_FILE))) == 5
+    # Saving left the compiled model whole.
+    with torch.no_grad():
+        assert torch.equal(opt(input_ids=ids, use_cache=False).logits, logits)
+
+
+def test_load_in_this_process_restores_the_policy_object(llama_compiled, tmp_path):
+    _, opt, ids = llama_compiled
+    loaded = attnopt.load(attnopt.save(opt, tmp_path / "llama"))
+    assert isinstance(loaded.attnopt_report.policy, attnopt.Policy)
+    assert loaded.attnopt_report.policy.to_dict() == opt.attnopt_report.policy.to_dict()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids, use_cache=False).logits, opt(input_ids=ids, use_cache=False).logits)
+
+
+# ---------------------------------------------------------------- real MiniLM
+
+
+def test_minilm_window_sinks_loads_in_a_fresh_process(minilm, english_256, tmp_path):
+    model, _ = minilm
+    batch = {k: v[:2] for k, v in english_256.items()}
+    opt = attnopt.compile(model, "window:64+sinks:4", example_inputs=batch)
+    assert [s for _, s, _ in _statuses(opt.attnopt_report)] == ["rewritten"] * 6
+    saved = attnopt.save(opt, tmp_path / "minilm")
+    with torch.no_grad():
+        hidden = opt(**batch).last_hidden_state
+    got = _load_fresh(tmp_path, saved, batch, "last_hidden_state")
+    assert got["class"] == "BertModel"
+    assert torch.equal(got["output"], hidden)
+    assert got["report"] == opt.attnopt_report.to_json()
+    assert '"attnopt"' in got["plain"]
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _one_line(exc_info) -> str:
+    text = str(exc_info.value)
+    assert "\n" not in text
+    return text
+
+
+def test_saving_a_model_that_was_not_compiled_says_so(tmp_path):
+    with pytest.raises(SaveError, match="was not compiled by attnopt.compile") as e:
+        attnopt.save(nn.Linear(2, 2), tmp_path / "x")
+    _one_line(e)
+    assert not (tmp_path / "x").exists()
+
+
+def test_saving_to_a_file_or_under_a_file_says_so(llama_compiled, tmp_path):
+    _, opt, _ = llama_compiled
+    file = tmp_path / "file"
+    file.write_text("x")
+    with pytest.raises(SaveError, match="exists and is not a directory") as e:
+        attnopt.save(opt, file)
+    _one_line(e)
+    with pytest.raises(SaveError, match="cannot create the directory") as e:
+        attnopt.save(opt, file / "below")
+    _one_line(e)
+
+
+def test_loading_a_directory_without_attnopt_json_or_from_the_future_says_so(llama_compiled, tmp_path):
+    model, _, _ = llama_compiled
+    model.save_pretrained(tmp_path / "plain")
+    with pytest.raises(SaveError, match="has no attnopt.json") as e:
+        attnopt.load(tmp_path / "plain")
+    _one_line(e)
+    with pytest.raises(SaveError, match="is not a directory"):
+        attnopt.load(tmp_path / "missing")
+    future = tmp_path / "future"
+    future.mkdir()
+    (future / HEADER_FILE).write_text(json.dumps({"format_version": 99, "mechanism": "hf",
+                                                  "versions": {"attnopt": "9.0"}}))
+    with pytest.raises(SaveError, match="format 99, newer than this attnopt reads \\(up to 1\\); upgrade") as e:
+        attnopt.load(future)
+    _one_line(e)
