@@ -35,6 +35,30 @@ class CompiledModule(nn.Module):
                 ) from exc
             raise
 
+    # -- state: the original module's keys (plus each stateful site module's, as "attnopt_site_<i>.<name>")
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        if args:  # nn.Module's deprecated positional form (destination, prefix, keep_vars)
+            return self.graph_module.state_dict(*args)
+        return self.graph_module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.graph_module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    # -- pickling (torch.save / torch.load(weights_only=False))
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_modules"] = {**self._modules, "graph_module": picklable_graph_module(self.graph_module)}
+        return state
+
+    def __deepcopy__(self, memo) -> "CompiledModule":
+        # A deep copy keeps the graph module as it is (guards included); only pickling rewrites it.
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
     def train(self, mode: bool = True) -> "CompiledModule":
         # The captured graph is frozen with inference semantics (exported graphs refuse train()/eval());
         # the flag still reaches the site modules, which behave the same either way.
@@ -42,6 +66,29 @@ class CompiledModule(nn.Module):
         for m in self.graph_module.children():
             m.train(mode)
         return self
+
+
+def picklable_graph_module(graph_module: nn.Module) -> nn.Module:
+    """A copy of an exported graph module that pickles, computing the same outputs.
+
+    GraphModule pickles as its generated code and re-traces it on load. Two things of torch.export's
+    unlifted module stop that: its `_guards_fn` submodule runs a function made by exec (input shape
+    assertions; they cannot be pickled, so the copy goes without them: a wrong input then fails in
+    the first op it breaks instead of a guard), and its tracer class needs a scope it is not given
+    on load (the plain fx tracer re-traces the code the same way).
+    """
+    gm = copy.deepcopy(graph_module)
+    if not isinstance(gm, torch.fx.GraphModule):
+        return gm
+    if "_guards_fn" in gm._modules:
+        for node in list(gm.graph.nodes):
+            if node.op == "call_module" and node.target == "_guards_fn":
+                gm.graph.erase_node(node)
+        del gm._modules["_guards_fn"]
+    gm._tracer_cls = None
+    gm._tracer_extras = {}
+    gm.recompile()
+    return gm
 
 
 class GraphTarget:

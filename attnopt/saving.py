@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Union
 
@@ -109,9 +110,9 @@ def _writable_directory(path: Path) -> Path:
 
 
 def _versions() -> dict:
-    import attnopt
-
-    return {"attnopt": attnopt.__version__, "torch": torch.__version__}
+    # The package root is imported before any of its modules; reading it from sys.modules keeps the
+    # root's lazy `save`/`load` names from being an import cycle.
+    return {"attnopt": sys.modules["attnopt"].__version__, "torch": torch.__version__}
 
 
 def _write_header(path: Path, header: dict) -> None:

@@ -193,3 +193,103 @@ def test_loading_a_directory_without_attnopt_json_or_from_the_future_says_so(lla
     with pytest.raises(SaveError, match="format 99, newer than this attnopt reads \\(up to 1\\); upgrade") as e:
         attnopt.load(future)
     _one_line(e)
+
+
+# ---------------------------------------------------------------- graph path (torch.export)
+
+C, H = 48, 6
+
+
+class HandAttention(nn.Module):
+    """Fused-qkv causal self-attention written out by hand, with a residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(C, 3 * C)
+        self.o = nn.Linear(C, C)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, H, C // H).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(C // H)
+        keep = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+        return x + self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, C))
+
+
+class HandNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([HandAttention() for _ in range(2)])
+        self.head = nn.Linear(C, 5)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return {"probs": self.head(x).softmax(-1), "hidden": x}
+
+
+def _hand_net():
+    torch.manual_seed(0)
+    return HandNet().eval()
+
+
+def _x(n=37, b=2, seed=1):
+    return torch.randn(b, n, C, generator=torch.Generator().manual_seed(seed))
+
+
+# The fresh process has neither HandNet nor this file: the pickle holds the rewritten graph as code.
+FRESH_GRAPH = r"""
+import sys, torch
+path, pickled, inputs_file, out_file = sys.argv[1:5]
+import attnopt
+inputs = torch.load(inputs_file)
+result = {}
+for how, model in (("load", attnopt.load(path)), ("torch.load", torch.load(pickled, weights_only=False))):
+    with torch.no_grad():
+        result[how] = [model(x) for x in inputs]
+    result[how + " report"] = model.attnopt_report.to_json()
+    result[how + " class"] = type(model).__name__
+torch.save(result, out_file)
+"""
+
+
+def test_graph_module_loads_in_a_fresh_process_with_the_same_outputs_and_report(tmp_path):
+    net = _hand_net()
+    opt = attnopt.compile(net, "linear:hedgehog", example_inputs=(_x(),), tolerance=0.99, e2e_tolerance=None)
+    assert [s for _, s, _ in _statuses(opt.attnopt_report)] == ["rewritten"] * 2
+    saved = attnopt.save(opt, tmp_path / "graph")
+    torch.save(opt, tmp_path / "compiled.pt")
+    inputs = [_x(), _x(n=50, b=3, seed=2)]  # the example shape and another (the graph is dynamic)
+    torch.save(inputs, tmp_path / "inputs.pt")
+    with torch.no_grad():
+        expected = [opt(x) for x in inputs]
+    _fresh(FRESH_GRAPH, saved, tmp_path / "compiled.pt", tmp_path / "inputs.pt", tmp_path / "out.pt")
+    got = torch.load(tmp_path / "out.pt", weights_only=False)
+    for how in ("load", "torch.load"):
+        assert got[how + " class"] == "CompiledModule"
+        assert got[how + " report"] == opt.attnopt_report.to_json()
+        for out, ref in zip(got[how], expected):
+            assert set(out) == {"probs", "hidden"}
+            assert torch.equal(out["hidden"], ref["hidden"]) and torch.equal(out["probs"], ref["probs"])
+    assert json.loads((saved / HEADER_FILE).read_text())["mechanism"] == "graph"
+    # Pickling rewrote a copy: the compiled module keeps torch.export's input guards.
+    assert "_guards_fn" in opt.graph_module._modules
+
+
+def test_graph_state_dict_has_the_original_keys(tmp_path):
+    net = _hand_net()
+    opt = attnopt.compile(net, "window:8+sinks:2", example_inputs=(_x(),), tolerance=0.99, e2e_tolerance=None)
+    state = opt.state_dict()
+    assert list(state) == list(net.state_dict())
+    assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
+    # And back: the original module's state loads into the compiled one (here: other weights).
+    torch.manual_seed(5)
+    other = HandNet().eval()
+    opt.load_state_dict(other.state_dict())
+    assert torch.equal(opt.graph_module.head.weight, other.head.weight)
+    # A stateful site module adds its own keys under its graph name; nothing else changes.
+    fitted = attnopt.compile(net, "linear:hedgehog", example_inputs=(_x(),), tolerance=0.99, e2e_tolerance=None)
+    extra = sorted(set(fitted.state_dict()) - set(net.state_dict()))
+    assert extra == ["attnopt_site_0.feature_map.weight_HDP", "attnopt_site_1.feature_map.weight_HDP"]
+    assert set(net.state_dict()) <= set(fitted.state_dict())
