@@ -4,7 +4,7 @@ Transformers models (the model keeps its class) are saved as a `save_pretrained`
 two files of attnopt's own:
 
     config.json, model.safetensors, ...   the model's own files, without any site module weights;
-                                          config.json carries "attn_implementation": "attnopt"
+                                          config.json carries "attn_implementation": "use_attnopt_load"
     attnopt.json                          format version, versions, policy, report, one entry per
                                           installed site module (site id, module path, form, params)
     attnopt_sites.safetensors             each site module's state_dict, keyed "<site_id>/<name>"
@@ -36,8 +36,9 @@ SITE_ATTR = "attnopt_site"  # the submodule name install() attaches a site modul
 
 # Written into the saved config.json: transformers refuses an unregistered implementation with a
 # ValueError naming it, so plain `from_pretrained` fails loudly instead of silently returning the
-# original (exact) model, whose weights are all that config.json's directory holds.
-CONFIG_IMPLEMENTATION = "attnopt"
+# original (exact) model, whose weights are all that config.json's directory holds. Not "attnopt"
+# itself: a process that imported attnopt has registered that name, and would load the exact model.
+CONFIG_IMPLEMENTATION = "use_attnopt_load"
 CONFIG_NOTE_KEY = "attnopt"
 CONFIG_NOTE = "compiled by attnopt: load this directory with attnopt.load(path), not from_pretrained"
 
@@ -213,7 +214,8 @@ def _load_hf(path: Path, header: dict) -> nn.Module:
         prefix = entry["site_id"] + "/"
         own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         module = _build_site(site, entry, sites)
-        missing, unexpected = module.load_state_dict(own, strict=False)
+        # assign: the saved tensors themselves (their dtype and device), not copies into fresh ones.
+        missing, unexpected = module.load_state_dict(own, strict=False, assign=True)
         if missing or unexpected:
             raise SaveError(f"attnopt.load: site {site.id} ({entry['form']}) state does not match its module: "
                             f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")

@@ -27,13 +27,16 @@ path, inputs_file, out_file = sys.argv[1:4]
 result = {}
 import transformers
 config = transformers.AutoConfig.from_pretrained(path)
-try:
-    getattr(transformers, config.architectures[0]).from_pretrained(path)
-    result["plain"] = "loaded"
-except Exception as exc:
-    result["plain"] = f"{type(exc).__name__}: {exc}"
+def plain():
+    try:
+        getattr(transformers, config.architectures[0]).from_pretrained(path)
+        return "loaded"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+result["plain"] = plain()
 import attnopt
 model = attnopt.load(path)
+result["plain after attnopt registered"] = plain()
 inputs = torch.load(inputs_file)
 with torch.no_grad():
     out = model(**inputs["call"])
@@ -102,8 +105,10 @@ def test_llama_loads_in_a_fresh_process_with_the_same_logits_generation_and_repo
     assert not torch.allclose(got["output"], original, atol=1e-3)  # the rewrite is what came back
     assert torch.equal(got["generate"], generated)  # cached decoding, the reuse anchor and x cache included
     assert got["report"] == opt.attnopt_report.to_json()
-    # Plain transformers refuses the directory, naming attnopt, instead of returning the exact model.
-    assert got["plain"].startswith("ValueError") and '"attnopt"' in got["plain"], got["plain"]
+    # Plain transformers refuses the directory, naming attnopt, instead of returning the exact model;
+    # also in a process where attnopt has registered its own attention implementations.
+    for case in ("plain", "plain after attnopt registered"):
+        assert got[case].startswith('ValueError: Specified `attn_implementation="use_attnopt_load"` is not supported'), got[case]
 
     header = json.loads((saved / HEADER_FILE).read_text())
     assert [(s["site_id"], s["form"], s["accepted"], s["state"]) for s in header["sites"]] == [
@@ -147,7 +152,7 @@ def test_minilm_window_sinks_loads_in_a_fresh_process(minilm, english_256, tmp_p
     assert got["class"] == "BertModel"
     assert torch.equal(got["output"], hidden)
     assert got["report"] == opt.attnopt_report.to_json()
-    assert '"attnopt"' in got["plain"]
+    assert "use_attnopt_load" in got["plain"] and "use_attnopt_load" in got["plain after attnopt registered"]
 
 
 # ---------------------------------------------------------------- errors
