@@ -23,6 +23,11 @@ class CompiledModule(nn.Module):
         super().__init__()
         self.graph_module = graph_module
         self.original_name = original_name
+        # state_dict() keys are the original module's (plus each stateful site module's, as
+        # "attnopt_site_<i>.<name>"), without "graph_module.": hooks rather than overrides of
+        # state_dict/load_state_dict, so the names also hold inside a parent module.
+        self.register_state_dict_post_hook(_drop_graph_module_prefix)
+        self.register_load_state_dict_pre_hook(_add_graph_module_prefix)
 
     def forward(self, *args, **kwargs):
         try:
@@ -34,16 +39,6 @@ class CompiledModule(nn.Module):
                     f"example_inputs it was compiled with (same argument names/positions): {exc}"
                 ) from exc
             raise
-
-    # -- state: the original module's keys (plus each stateful site module's, as "attnopt_site_<i>.<name>")
-
-    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        if args:  # nn.Module's deprecated positional form (destination, prefix, keep_vars)
-            return self.graph_module.state_dict(*args)
-        return self.graph_module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return self.graph_module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     # -- pickling (torch.save / torch.load(weights_only=False))
 
@@ -66,6 +61,22 @@ class CompiledModule(nn.Module):
         for m in self.graph_module.children():
             m.train(mode)
         return self
+
+
+GRAPH_MODULE_PREFIX = "graph_module."
+
+
+def _drop_graph_module_prefix(module, state_dict, prefix, local_metadata) -> None:
+    inner = prefix + GRAPH_MODULE_PREFIX
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+
+
+def _add_graph_module_prefix(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                             error_msgs) -> None:
+    inner = prefix + GRAPH_MODULE_PREFIX
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
 def picklable_graph_module(graph_module: nn.Module) -> nn.Module:

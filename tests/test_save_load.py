@@ -298,3 +298,10 @@ def test_graph_state_dict_has_the_original_keys(tmp_path):
     extra = sorted(set(fitted.state_dict()) - set(net.state_dict()))
     assert extra == ["attnopt_site_0.feature_map.weight_HDP", "attnopt_site_1.feature_map.weight_HDP"]
     assert set(net.state_dict()) <= set(fitted.state_dict())
+    # Inside a parent module the keys keep the same names below the parent's prefix, both ways.
+    parent = nn.ModuleDict({"net": opt})
+    assert list(parent.state_dict()) == ["net." + k for k in net.state_dict()]
+    parent.load_state_dict({"net." + k: v for k, v in net.state_dict().items()})
+    assert torch.equal(opt.graph_module.head.weight, net.head.weight)
+    with pytest.raises(RuntimeError, match="Unexpected key.*graph_module.stray"):
+        opt.load_state_dict({**net.state_dict(), "stray": torch.zeros(1)})
