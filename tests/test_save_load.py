@@ -76,12 +76,13 @@ def llama_compiled():
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
     ids = torch.randint(0, VOCAB, (B, N), generator=torch.Generator().manual_seed(1))
-    # One site per kind of saved state: none (exact), fitted hedgehog + β, a reuse residual, a fitted map.
+    # One site per kind of saved state: none (exact), a fitted hedgehog map + β, a reuse residual
+    # (its anchor a rewritten site), and a buffer rebuilt from params (ssm's decay, not persistent).
     policy = {"name": "mixed", "rules": [
         {"form": "exact", "layers": [0, 0]},
-        {"form": "linear+window", "params": {"window": 8, "sinks": 2}, "layers": [1, 1]},
+        {"form": "linear+window", "params": {"window": 8, "sinks": 2, "fit_steps": 20}, "layers": [1, 1]},
         {"form": "reuse", "params": {"anchor": -1, "rank": 4}, "layers": [2, 2]},
-        {"form": "linear", "params": {"feature_map": "hedgehog"}, "layers": [3, 3]},
+        {"form": "ssm", "layers": [3, 3]},
     ]}
     opt = attnopt.compile(model, policy, example_inputs={"input_ids": ids, "use_cache": False}, tolerance=0.99,
                           e2e_tolerance=None)
@@ -92,7 +93,7 @@ def test_llama_loads_in_a_fresh_process_with_the_same_logits_generation_and_repo
     model, opt, ids = llama_compiled
     assert _statuses(opt.attnopt_report) == [
         ("model.layers.0.self_attn#0", "kept", "exact"), ("model.layers.1.self_attn#0", "rewritten", "linear+window"),
-        ("model.layers.2.self_attn#0", "rewritten", "reuse"), ("model.layers.3.self_attn#0", "rewritten", "linear")]
+        ("model.layers.2.self_attn#0", "rewritten", "reuse"), ("model.layers.3.self_attn#0", "rewritten", "ssm")]
     saved = attnopt.save(opt, tmp_path / "llama")
     with torch.no_grad():
         logits = opt(input_ids=ids, use_cache=False).logits
@@ -114,7 +115,7 @@ def test_llama_loads_in_a_fresh_process_with_the_same_logits_generation_and_repo
     assert [(s["site_id"], s["form"], s["accepted"], s["state"]) for s in header["sites"]] == [
         ("model.layers.1.self_attn#0", "linear+window", True, {"log_beta": [6], "feature_map.weight_HDP": [6, 8, 8]}),
         ("model.layers.2.self_attn#0", "reuse", True, {"residual_A": [6, 49, 4], "residual_B": [6, 49, 4]}),
-        ("model.layers.3.self_attn#0", "linear", True, {"feature_map.weight_HDP": [6, 8, 8]}),
+        ("model.layers.3.self_attn#0", "ssm", True, {}),
     ]
     assert header["policy"] == opt.attnopt_report.policy.to_dict()
     # The model's own weights carry no site module keys; those live in attnopt_sites.safetensors only.
@@ -122,7 +123,7 @@ def test_llama_loads_in_a_fresh_process_with_the_same_logits_generation_and_repo
 
     weights = load_file(str(saved / "model.safetensors"))
     assert set(weights) == set(model.state_dict()) and not any("attnopt" in k for k in weights)
-    assert len(load_file(str(saved / SITE_STATE_FILE))) == 5
+    assert len(load_file(str(saved / SITE_STATE_FILE))) == 4
     # Saving left the compiled model whole.
     with torch.no_grad():
         assert torch.equal(opt(input_ids=ids, use_cache=False).logits, logits)
@@ -135,6 +136,29 @@ def test_load_in_this_process_restores_the_policy_object(llama_compiled, tmp_pat
     assert loaded.attnopt_report.policy.to_dict() == opt.attnopt_report.policy.to_dict()
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids, use_cache=False).logits, opt(input_ids=ids, use_cache=False).logits)
+
+
+def test_a_model_that_slides_its_own_window_loads_with_attnopt_running_the_band(tmp_path):
+    # Mistral: install() takes the model's window over, so its exact sites run as window modules too.
+    cfg = transformers.MistralConfig(vocab_size=89, hidden_size=40, intermediate_size=56, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                     sliding_window=16)
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(cfg).eval()
+    ids = torch.randint(1, 89, (2, 20), generator=torch.Generator().manual_seed(3))
+    policy = {"name": "middle", "rules": [{"form": "linear", "layers": [1, 1]}]}
+    opt = attnopt.compile(model, policy, example_inputs={"input_ids": ids, "use_cache": False}, tolerance=0.99,
+                          e2e_tolerance=None)
+    saved = attnopt.save(opt, tmp_path / "mistral")
+    entries = json.loads((saved / HEADER_FILE).read_text())["sites"]
+    assert [(e["form"], e["accepted"]) for e in entries] == [("window", False), ("linear", True)]
+    loaded = attnopt.load(saved)
+    assert _statuses(loaded.attnopt_report) == _statuses(opt.attnopt_report)
+    # Decoding past the 16-key window: the same tokens and logits step by step.
+    a, b = (m.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+                       return_dict_in_generate=True) for m in (opt, loaded))
+    assert torch.equal(a.sequences, b.sequences)
+    assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
 
 
 # ---------------------------------------------------------------- real MiniLM
@@ -259,9 +283,15 @@ torch.save(result, out_file)
 """
 
 
-def test_graph_module_loads_in_a_fresh_process_with_the_same_outputs_and_report(tmp_path):
+@pytest.fixture(scope="module")
+def favor_graph():
+    # FAVOR+: a stateful site module (its random projection is a buffer) with no fit to wait for.
     net = _hand_net()
-    opt = attnopt.compile(net, "linear:hedgehog", example_inputs=(_x(),), tolerance=0.99, e2e_tolerance=None)
+    return net, attnopt.compile(net, "linear:favor", example_inputs=(_x(),), tolerance=0.99, e2e_tolerance=None)
+
+
+def test_graph_module_loads_in_a_fresh_process_with_the_same_outputs_and_report(favor_graph, tmp_path):
+    net, opt = favor_graph
     assert [s for _, s, _ in _statuses(opt.attnopt_report)] == ["rewritten"] * 2
     saved = attnopt.save(opt, tmp_path / "graph")
     torch.save(opt, tmp_path / "compiled.pt")
@@ -282,7 +312,7 @@ def test_graph_module_loads_in_a_fresh_process_with_the_same_outputs_and_report(
     assert "_guards_fn" in opt.graph_module._modules
 
 
-def test_graph_state_dict_has_the_original_keys(tmp_path):
+def test_graph_state_dict_has_the_original_keys(favor_graph):
     net = _hand_net()
     opt = attnopt.compile(net, "window:8+sinks:2", example_inputs=(_x(),), tolerance=0.99, e2e_tolerance=None)
     state = opt.state_dict()
@@ -294,9 +324,9 @@ def test_graph_state_dict_has_the_original_keys(tmp_path):
     opt.load_state_dict(other.state_dict())
     assert torch.equal(opt.graph_module.head.weight, other.head.weight)
     # A stateful site module adds its own keys under its graph name; nothing else changes.
-    fitted = attnopt.compile(net, "linear:hedgehog", example_inputs=(_x(),), tolerance=0.99, e2e_tolerance=None)
+    fitted = favor_graph[1]
     extra = sorted(set(fitted.state_dict()) - set(net.state_dict()))
-    assert extra == ["attnopt_site_0.feature_map.weight_HDP", "attnopt_site_1.feature_map.weight_HDP"]
+    assert extra == ["attnopt_site_0.feature_map.omega_DM", "attnopt_site_1.feature_map.omega_DM"]
     assert set(net.state_dict()) <= set(fitted.state_dict())
     # Inside a parent module the keys keep the same names below the parent's prefix, both ways.
     parent = nn.ModuleDict({"net": opt})
