@@ -11,6 +11,9 @@ two files of attnopt's own:
 
 `load` reads the model back with its saved class, rebuilds every site module from its form and
 params (`forms.get(form).build`), loads its state, and installs them as `attnopt.compile` did.
+Plain `from_pretrained(path)` raises ValueError ('Specified `attn_implementation="use_attnopt_load"`
+is not supported'); called with an explicit attn_implementation= it does load, as the original
+model without the rewrite, since the site modules live only in attnopt's own files.
 
 Graph-path models (`CompiledModule`) are pickled whole (`attnopt_graph.pt`, read with
 `torch.load(weights_only=False)`): the rewritten graph is code plus its site modules, and the
