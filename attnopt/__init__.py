@@ -8,7 +8,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["inspect", "compile", "backend", "Policy", "PolicyError", "ops", "hf", "forms", "__version__"]
+__all__ = ["inspect", "compile", "backend", "Policy", "PolicyError", "ops", "hf", "forms", "save", "load", "__version__"]
 
 
 def __getattr__(name: str):
@@ -21,6 +21,10 @@ def __getattr__(name: str):
         from attnopt import compiler
 
         return getattr(compiler, "compile" if name == "compile" else "backend")
+    if name in ("save", "load"):
+        from attnopt import saving
+
+        return getattr(saving, name)
     if name == "Policy":
         from attnopt.policy import Policy
 

@@ -23,6 +23,11 @@ class CompiledModule(nn.Module):
         super().__init__()
         self.graph_module = graph_module
         self.original_name = original_name
+        # state_dict() keys are the original module's (plus each stateful site module's, as
+        # "attnopt_site_<i>.<name>"), without "graph_module.": hooks rather than overrides of
+        # state_dict/load_state_dict, so the names also hold inside a parent module.
+        self.register_state_dict_post_hook(_drop_graph_module_prefix)
+        self.register_load_state_dict_pre_hook(_add_graph_module_prefix)
 
     def forward(self, *args, **kwargs):
         try:
@@ -35,6 +40,20 @@ class CompiledModule(nn.Module):
                 ) from exc
             raise
 
+    # -- pickling (torch.save / torch.load(weights_only=False))
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_modules"] = {**self._modules, "graph_module": picklable_graph_module(self.graph_module)}
+        return state
+
+    def __deepcopy__(self, memo) -> "CompiledModule":
+        # A deep copy keeps the graph module as it is (guards included); only pickling rewrites it.
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
     def train(self, mode: bool = True) -> "CompiledModule":
         # The captured graph is frozen with inference semantics (exported graphs refuse train()/eval());
         # the flag still reaches the site modules, which behave the same either way.
@@ -42,6 +61,45 @@ class CompiledModule(nn.Module):
         for m in self.graph_module.children():
             m.train(mode)
         return self
+
+
+GRAPH_MODULE_PREFIX = "graph_module."
+
+
+def _drop_graph_module_prefix(module, state_dict, prefix, local_metadata) -> None:
+    inner = prefix + GRAPH_MODULE_PREFIX
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+
+
+def _add_graph_module_prefix(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                             error_msgs) -> None:
+    inner = prefix + GRAPH_MODULE_PREFIX
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+
+
+def picklable_graph_module(graph_module: nn.Module) -> nn.Module:
+    """A copy of an exported graph module that pickles, computing the same outputs.
+
+    GraphModule pickles as its generated code and re-traces it on load. Two things of torch.export's
+    unlifted module stop that: its `_guards_fn` submodule runs a function made by exec (input shape
+    assertions; they cannot be pickled, so the copy goes without them: a wrong input then fails in
+    the first op it breaks instead of a guard), and its tracer class needs a scope it is not given
+    on load (the plain fx tracer re-traces the code the same way).
+    """
+    gm = copy.deepcopy(graph_module)
+    if not isinstance(gm, torch.fx.GraphModule):
+        return gm
+    if "_guards_fn" in gm._modules:
+        for node in list(gm.graph.nodes):
+            if node.op == "call_module" and node.target == "_guards_fn":
+                gm.graph.erase_node(node)
+        del gm._modules["_guards_fn"]
+    gm._tracer_cls = None
+    gm._tracer_extras = {}
+    gm.recompile()
+    return gm
 
 
 class GraphTarget:

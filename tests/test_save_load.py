@@ -1,0 +1,337 @@
+"""attnopt.save / attnopt.load: saved here, loaded in a fresh process, same outputs and same report."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import attnopt
+from attnopt.saving import HEADER_FILE, SITE_STATE_FILE, SaveError
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+B, N, VOCAB = 2, 40, 97
+
+# Run in a fresh interpreter: first plain transformers (attnopt not imported, so its attention
+# names are not registered), then attnopt.load; outputs and the report go to a file.
+FRESH_LOAD = r"""
+import json, sys, torch
+path, inputs_file, out_file = sys.argv[1:4]
+result = {}
+import transformers
+config = transformers.AutoConfig.from_pretrained(path)
+def plain():
+    try:
+        getattr(transformers, config.architectures[0]).from_pretrained(path)
+        return "loaded"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+result["plain"] = plain()
+import attnopt
+model = attnopt.load(path)
+result["plain after attnopt registered"] = plain()
+inputs = torch.load(inputs_file)
+with torch.no_grad():
+    out = model(**inputs["call"])
+result["class"] = type(model).__name__
+result["output"] = out[inputs["key"]]
+if inputs.get("generate") is not None:
+    result["generate"] = model.generate(inputs["generate"], max_new_tokens=4, do_sample=False, pad_token_id=0)
+result["report"] = model.attnopt_report.to_json()
+torch.save(result, out_file)
+"""
+
+
+def _fresh(code, *args, timeout=120):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _load_fresh(tmp_path, saved, call, key, generate=None):
+    torch.save({"call": call, "key": key, "generate": generate}, tmp_path / "inputs.pt")
+    _fresh(FRESH_LOAD, saved, tmp_path / "inputs.pt", tmp_path / "out.pt")
+    return torch.load(tmp_path / "out.pt", weights_only=False)
+
+
+def _statuses(report):
+    return [(r.site.id, str(r.outcome.status), r.outcome.final_form) for r in report.sites]
+
+
+# ---------------------------------------------------------------- transformers decoder
+
+
+@pytest.fixture(scope="module")
+def llama_compiled():
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=4,
+                                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, VOCAB, (B, N), generator=torch.Generator().manual_seed(1))
+    # One site per kind of saved state: none (exact), a fitted hedgehog map + β, a reuse residual
+    # (its anchor a rewritten site), and a buffer rebuilt from params (ssm's decay, not persistent).
+    policy = {"name": "mixed", "rules": [
+        {"form": "exact", "layers": [0, 0]},
+        {"form": "linear+window", "params": {"window": 8, "sinks": 2, "fit_steps": 20}, "layers": [1, 1]},
+        {"form": "reuse", "params": {"anchor": -1, "rank": 4}, "layers": [2, 2]},
+        {"form": "ssm", "layers": [3, 3]},
+    ]}
+    opt = attnopt.compile(model, policy, example_inputs={"input_ids": ids, "use_cache": False}, tolerance=0.99,
+                          e2e_tolerance=None)
+    return model, opt, ids
+
+
+def test_llama_loads_in_a_fresh_process_with_the_same_logits_generation_and_report(llama_compiled, tmp_path):
+    model, opt, ids = llama_compiled
+    assert _statuses(opt.attnopt_report) == [
+        ("model.layers.0.self_attn#0", "kept", "exact"), ("model.layers.1.self_attn#0", "rewritten", "linear+window"),
+        ("model.layers.2.self_attn#0", "rewritten", "reuse"), ("model.layers.3.self_attn#0", "rewritten", "ssm")]
+    saved = attnopt.save(opt, tmp_path / "llama")
+    with torch.no_grad():
+        logits = opt(input_ids=ids, use_cache=False).logits
+        original = model(input_ids=ids, use_cache=False).logits
+    generated = opt.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+    got = _load_fresh(tmp_path, saved, {"input_ids": ids, "use_cache": False}, "logits", generate=ids)
+    assert got["class"] == "LlamaForCausalLM"
+    assert torch.equal(got["output"], logits)
+    assert not torch.allclose(got["output"], original, atol=1e-3)  # the rewrite is what came back
+    assert torch.equal(got["generate"], generated)  # cached decoding, the reuse anchor and x cache included
+    assert got["report"] == opt.attnopt_report.to_json()
+    # Plain transformers refuses the directory, naming attnopt, instead of returning the exact model;
+    # also in a process where attnopt has registered its own attention implementations.
+    for case in ("plain", "plain after attnopt registered"):
+        assert got[case].startswith('ValueError: Specified `attn_implementation="use_attnopt_load"` is not supported'), got[case]
+
+    header = json.loads((saved / HEADER_FILE).read_text())
+    assert [(s["site_id"], s["form"], s["accepted"], s["state"]) for s in header["sites"]] == [
+        ("model.layers.1.self_attn#0", "linear+window", True, {"log_beta": [6], "feature_map.weight_HDP": [6, 8, 8]}),
+        ("model.layers.2.self_attn#0", "reuse", True, {"residual_A": [6, 49, 4], "residual_B": [6, 49, 4]}),
+        ("model.layers.3.self_attn#0", "ssm", True, {}),
+    ]
+    assert header["policy"] == opt.attnopt_report.policy.to_dict()
+    # The model's own weights carry no site module keys; those live in attnopt_sites.safetensors only.
+    from safetensors.torch import load_file
+
+    weights = load_file(str(saved / "model.safetensors"))
+    assert set(weights) == set(model.state_dict()) and not any("attnopt" in k for k in weights)
+    assert len(load_file(str(saved / SITE_STATE_FILE))) == 4
+    # Saving left the compiled model whole.
+    with torch.no_grad():
+        assert torch.equal(opt(input_ids=ids, use_cache=False).logits, logits)
+
+
+def test_load_in_this_process_restores_the_policy_object(llama_compiled, tmp_path):
+    _, opt, ids = llama_compiled
+    loaded = attnopt.load(attnopt.save(opt, tmp_path / "llama"))
+    assert isinstance(loaded.attnopt_report.policy, attnopt.Policy)
+    assert loaded.attnopt_report.policy.to_dict() == opt.attnopt_report.policy.to_dict()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids, use_cache=False).logits, opt(input_ids=ids, use_cache=False).logits)
+
+
+def test_a_model_that_slides_its_own_window_loads_with_attnopt_running_the_band(tmp_path):
+    # Mistral: install() takes the model's window over, so its exact sites run as window modules too.
+    cfg = transformers.MistralConfig(vocab_size=89, hidden_size=40, intermediate_size=56, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                     sliding_window=16)
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(cfg).eval()
+    ids = torch.randint(1, 89, (2, 20), generator=torch.Generator().manual_seed(3))
+    policy = {"name": "middle", "rules": [{"form": "linear", "layers": [1, 1]}]}
+    opt = attnopt.compile(model, policy, example_inputs={"input_ids": ids, "use_cache": False}, tolerance=0.99,
+                          e2e_tolerance=None)
+    saved = attnopt.save(opt, tmp_path / "mistral")
+    entries = json.loads((saved / HEADER_FILE).read_text())["sites"]
+    assert [(e["form"], e["accepted"]) for e in entries] == [("window", False), ("linear", True)]
+    loaded = attnopt.load(saved)
+    assert _statuses(loaded.attnopt_report) == _statuses(opt.attnopt_report)
+    # Decoding past the 16-key window: the same tokens and logits step by step.
+    a, b = (m.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+                       return_dict_in_generate=True) for m in (opt, loaded))
+    assert torch.equal(a.sequences, b.sequences)
+    assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+# ---------------------------------------------------------------- real MiniLM
+
+
+def test_minilm_window_sinks_loads_in_a_fresh_process(minilm, english_256, tmp_path):
+    model, _ = minilm
+    batch = {k: v[:2] for k, v in english_256.items()}
+    opt = attnopt.compile(model, "window:64+sinks:4", example_inputs=batch)
+    assert [s for _, s, _ in _statuses(opt.attnopt_report)] == ["rewritten"] * 6
+    saved = attnopt.save(opt, tmp_path / "minilm")
+    with torch.no_grad():
+        hidden = opt(**batch).last_hidden_state
+    got = _load_fresh(tmp_path, saved, batch, "last_hidden_state")
+    assert got["class"] == "BertModel"
+    assert torch.equal(got["output"], hidden)
+    assert got["report"] == opt.attnopt_report.to_json()
+    assert "use_attnopt_load" in got["plain"] and "use_attnopt_load" in got["plain after attnopt registered"]
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _one_line(exc_info) -> str:
+    text = str(exc_info.value)
+    assert "\n" not in text
+    return text
+
+
+def test_saving_a_model_that_was_not_compiled_says_so(tmp_path):
+    with pytest.raises(SaveError, match="was not compiled by attnopt.compile") as e:
+        attnopt.save(nn.Linear(2, 2), tmp_path / "x")
+    _one_line(e)
+    assert not (tmp_path / "x").exists()
+
+
+def test_saving_to_a_file_or_under_a_file_says_so(llama_compiled, tmp_path):
+    _, opt, _ = llama_compiled
+    file = tmp_path / "file"
+    file.write_text("x")
+    with pytest.raises(SaveError, match="exists and is not a directory") as e:
+        attnopt.save(opt, file)
+    _one_line(e)
+    with pytest.raises(SaveError, match="cannot create the directory") as e:
+        attnopt.save(opt, file / "below")
+    _one_line(e)
+
+
+def test_loading_a_directory_without_attnopt_json_or_from_the_future_says_so(llama_compiled, tmp_path):
+    model, _, _ = llama_compiled
+    model.save_pretrained(tmp_path / "plain")
+    with pytest.raises(SaveError, match="has no attnopt.json") as e:
+        attnopt.load(tmp_path / "plain")
+    _one_line(e)
+    with pytest.raises(SaveError, match="is not a directory"):
+        attnopt.load(tmp_path / "missing")
+    future = tmp_path / "future"
+    future.mkdir()
+    (future / HEADER_FILE).write_text(json.dumps({"format_version": 99, "mechanism": "hf",
+                                                  "versions": {"attnopt": "9.0"}}))
+    with pytest.raises(SaveError, match="format 99, newer than this attnopt reads \\(up to 1\\); upgrade") as e:
+        attnopt.load(future)
+    _one_line(e)
+
+
+# ---------------------------------------------------------------- graph path (torch.export)
+
+C, H = 48, 6
+
+
+class HandAttention(nn.Module):
+    """Fused-qkv causal self-attention written out by hand, with a residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(C, 3 * C)
+        self.o = nn.Linear(C, C)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, H, C // H).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(C // H)
+        keep = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+        return x + self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, C))
+
+
+class HandNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([HandAttention() for _ in range(2)])
+        self.head = nn.Linear(C, 5)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return {"probs": self.head(x).softmax(-1), "hidden": x}
+
+
+def _hand_net():
+    torch.manual_seed(0)
+    return HandNet().eval()
+
+
+def _x(n=37, b=2, seed=1):
+    return torch.randn(b, n, C, generator=torch.Generator().manual_seed(seed))
+
+
+# The fresh process has neither HandNet nor this file: the pickle holds the rewritten graph as code.
+FRESH_GRAPH = r"""
+import sys, torch
+path, pickled, inputs_file, out_file = sys.argv[1:5]
+import attnopt
+inputs = torch.load(inputs_file)
+result = {}
+for how, model in (("load", attnopt.load(path)), ("torch.load", torch.load(pickled, weights_only=False))):
+    with torch.no_grad():
+        result[how] = [model(x) for x in inputs]
+    result[how + " report"] = model.attnopt_report.to_json()
+    result[how + " class"] = type(model).__name__
+torch.save(result, out_file)
+"""
+
+
+@pytest.fixture(scope="module")
+def favor_graph():
+    # FAVOR+: a stateful site module (its random projection is a buffer) with no fit to wait for.
+    net = _hand_net()
+    return net, attnopt.compile(net, "linear:favor", example_inputs=(_x(),), tolerance=0.99, e2e_tolerance=None)
+
+
+def test_graph_module_loads_in_a_fresh_process_with_the_same_outputs_and_report(favor_graph, tmp_path):
+    net, opt = favor_graph
+    assert [s for _, s, _ in _statuses(opt.attnopt_report)] == ["rewritten"] * 2
+    saved = attnopt.save(opt, tmp_path / "graph")
+    torch.save(opt, tmp_path / "compiled.pt")
+    inputs = [_x(), _x(n=50, b=3, seed=2)]  # the example shape and another (the graph is dynamic)
+    torch.save(inputs, tmp_path / "inputs.pt")
+    with torch.no_grad():
+        expected = [opt(x) for x in inputs]
+    _fresh(FRESH_GRAPH, saved, tmp_path / "compiled.pt", tmp_path / "inputs.pt", tmp_path / "out.pt")
+    got = torch.load(tmp_path / "out.pt", weights_only=False)
+    for how in ("load", "torch.load"):
+        assert got[how + " class"] == "CompiledModule"
+        assert got[how + " report"] == opt.attnopt_report.to_json()
+        for out, ref in zip(got[how], expected):
+            assert set(out) == {"probs", "hidden"}
+            assert torch.equal(out["hidden"], ref["hidden"]) and torch.equal(out["probs"], ref["probs"])
+    assert json.loads((saved / HEADER_FILE).read_text())["mechanism"] == "graph"
+    # Pickling rewrote a copy: the compiled module keeps torch.export's input guards.
+    assert "_guards_fn" in opt.graph_module._modules
+
+
+def test_graph_state_dict_has_the_original_keys(favor_graph):
+    net = _hand_net()
+    opt = attnopt.compile(net, "window:8+sinks:2", example_inputs=(_x(),), tolerance=0.99, e2e_tolerance=None)
+    state = opt.state_dict()
+    assert list(state) == list(net.state_dict())
+    assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
+    # And back: the original module's state loads into the compiled one (here: other weights).
+    torch.manual_seed(5)
+    other = HandNet().eval()
+    opt.load_state_dict(other.state_dict())
+    assert torch.equal(opt.graph_module.head.weight, other.head.weight)
+    # A stateful site module adds its own keys under its graph name; nothing else changes.
+    fitted = favor_graph[1]
+    extra = sorted(set(fitted.state_dict()) - set(net.state_dict()))
+    assert extra == ["attnopt_site_0.feature_map.omega_DM", "attnopt_site_1.feature_map.omega_DM"]
+    assert set(net.state_dict()) <= set(fitted.state_dict())
+    # Inside a parent module the keys keep the same names below the parent's prefix, both ways.
+    parent = nn.ModuleDict({"net": opt})
+    assert list(parent.state_dict()) == ["net." + k for k in net.state_dict()]
+    parent.load_state_dict({"net." + k: v for k, v in net.state_dict().items()})
+    assert torch.equal(opt.graph_module.head.weight, net.head.weight)
+    with pytest.raises(RuntimeError, match="Unexpected key.*graph_module.stray"):
+        opt.load_state_dict({**net.state_dict(), "stray": torch.zeros(1)})
