@@ -40,6 +40,7 @@ class CliError(Exception):
     def __init__(self, message: str, code: int):
         super().__init__(message)
         self.code = code
+        self.command: Optional[str] = None  # the subcommand it came from, set by _guarded
 
 
 def policy_presets_help() -> str:
@@ -106,12 +107,18 @@ def _root(
     the output moved."""
 
 
-def _guarded(fn):
-    """Ctrl-C inside a command is an expected failure (one line, code 130), not a traceback."""
+def _guarded(command: str, fn):
+    """Run a subcommand: its failures name it, and Ctrl-C is an expected failure (one line, code
+    130), not a traceback."""
     try:
         return fn()
+    except CliError as exc:
+        exc.command = exc.command or command
+        raise
     except KeyboardInterrupt as exc:
-        raise CliError("interrupted", EXIT_INTERRUPTED) from exc
+        error = CliError("interrupted", EXIT_INTERRUPTED)
+        error.command = command
+        raise error from exc
 
 
 def _load(spec: str, quiet: bool = False, **text_opts):
@@ -136,7 +143,7 @@ def inspect_command(
     method: Method = typer.Option(Method.export, "--method", help="how to capture the graph"),
     static: bool = typer.Option(False, "--static", help="capture with static shapes (default: dynamic length)"),
 ) -> int:
-    return _guarded(lambda: run_inspect(model, as_json, method.value, static))
+    return _guarded("inspect", lambda: run_inspect(model, as_json, method.value, static))
 
 
 def run_inspect(spec: str, as_json: bool, method: str, static: bool) -> int:
@@ -189,7 +196,7 @@ def compile_command(
     json_out: Optional[str] = typer.Option(None, "--json", help="where to write the JSON report (default: beside "
                                                                 "--html)"),
 ) -> int:
-    return _guarded(lambda: run_compile(model, policy, tolerance, e2e_tolerance, seq_len, html, json_out))
+    return _guarded("compile", lambda: run_compile(model, policy, tolerance, e2e_tolerance, seq_len, html, json_out))
 
 
 def run_compile(spec: str, policy_text: str, tolerance: Optional[float], e2e_text: str, seq_len: int,
@@ -279,7 +286,7 @@ def demo_command(
     out: str = typer.Option(".", "--out", help="directory for report.html and report.json"),
     quick: bool = typer.Option(False, "--quick", help="time one length only, with a shorter fit (for tests)"),
 ) -> int:
-    return _guarded(lambda: run_demo(out, quick))
+    return _guarded("demo", lambda: run_demo(out, quick))
 
 
 def run_demo(out: str, quick: bool) -> int:
@@ -317,9 +324,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         rv = command.main(args=argv, prog_name="attnopt", standalone_mode=False)
     except CliError as exc:
-        name = next((a for a in argv if a in ("inspect", "compile", "demo")), None)
-        print(f"attnopt {name}: {_one_line(str(exc))}" if name else f"attnopt: {_one_line(str(exc))}",
-              file=sys.stderr)
+        where = f"attnopt {exc.command}" if exc.command else "attnopt"
+        print(f"{where}: {_one_line(str(exc))}", file=sys.stderr)
         return exc.code
     except _ParseError as exc:  # click's parse errors: no such command or option, bad value
         ctx = getattr(exc, "ctx", None)
