@@ -280,16 +280,19 @@ def summary_line(report) -> str:
          "pretrained MiniLM (window:64+sinks:4, linear+window:64+sinks:4; sites rewritten, mean embedding "
          "cosine), then time a small random-weight Llama-style decoder, original against rewritten, at "
          "several lengths. Writes report.html and report.json (the linear+window MiniLM report).",
-    epilog=_epilog("attnopt demo", "attnopt demo --out demo_out", "attnopt demo --quick"),
+    epilog=_epilog("attnopt demo", "attnopt demo --out demo_out", "attnopt demo --quick --threads 1"),
 )
 def demo_command(
     out: str = typer.Option(".", "--out", help="directory for report.html and report.json"),
     quick: bool = typer.Option(False, "--quick", help="time one length only, with a shorter fit (for tests)"),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1,
+                                          help="torch threads for the run (default: torch's own; 1 gives steadier "
+                                               "timings on a busy machine)"),
 ) -> int:
-    return _guarded("demo", lambda: run_demo(out, quick))
+    return _guarded("demo", lambda: run_demo(out, quick, threads))
 
 
-def run_demo(out: str, quick: bool) -> int:
+def run_demo(out: str, quick: bool, threads: Optional[int]) -> int:
     from attnopt import demo
     from attnopt.models import ModelSpecError
     from attnopt.passes.capture import CaptureError
@@ -297,7 +300,7 @@ def run_demo(out: str, quick: bool) -> int:
     if os.path.exists(out) and not os.path.isdir(out):
         raise CliError(f"--out {out} is a file; give a directory", EXIT_BAD_ARGUMENT)
     try:
-        result = demo.run(out, quick=quick, step=progress)
+        result = demo.run(out, quick=quick, step=progress, threads=threads)
     except ModelSpecError as exc:
         raise CliError(f"the demo needs the pretrained MiniLM: {exc}", EXIT_BAD_ARGUMENT) from exc
     except CaptureError as exc:

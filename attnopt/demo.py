@@ -62,6 +62,8 @@ class DemoResult:
     html: str
     json: str
     seconds: float
+    threads: int  # torch threads the timings ran on
+    load: Optional[float]  # the 1-minute load average just before timing (None where unknown)
     notes: list[str] = field(default_factory=list)
 
 
@@ -72,8 +74,23 @@ def _no_progress(message: str) -> ContextManager:
     return contextlib.nullcontext()
 
 
-def run(out: str = ".", quick: bool = False, step: Step = _no_progress) -> DemoResult:
-    """Run the demo; write report.html and report.json under `out`."""
+def run(out: str = ".", quick: bool = False, step: Step = _no_progress, threads: Optional[int] = None) -> DemoResult:
+    """Run the demo; write report.html and report.json under `out`. threads: torch threads for the
+    whole run (default: torch's own), restored afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _run(out, quick, step)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(out: str, quick: bool, step: Step) -> DemoResult:
+    import torch
+
     import attnopt
     from attnopt.models import load_model
     from attnopt.samples import english_passages
@@ -113,12 +130,19 @@ def run(out: str = ".", quick: bool = False, step: Step = _no_progress) -> DemoR
         compiled[policy] = opt
         rewritten[policy] = f"{opt.attnopt_report.count('rewritten')}/{len(opt.attnopt_report.sites)}"
     lengths = QUICK_LENGTHS if quick else LENGTHS
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     with step(f"timing the forward at {', '.join(map(str, lengths))} tokens ..."):
         timings = time_forward(compiled, lengths)
     notes = ["the decoder's weights are random: its compiles set no end-to-end budget (e2e_tolerance=None) and "
              "only its speed means something, not its outputs"]
+    cores = os.cpu_count() or 1
+    if load is not None and load > cores - 0.5:
+        # Measured on a shared 2-core machine: with other jobs running, torch's threads wait on
+        # each other and one forward took 40x its idle time; best-of-3 does not filter that out.
+        notes.append(f"the machine was busy while timing (load average {load:.1f} on {cores} cores): the times "
+                     f"are unreliable; rerun when it is idle, or with --threads 1")
     return DemoResult(description, sites, runs, decoder_description, rewritten, timings, html, json_path,
-                      time.perf_counter() - start, notes)
+                      time.perf_counter() - start, torch.get_num_threads(), load, notes)
 
 
 def build_decoder():
@@ -183,7 +207,7 @@ def render(result: DemoResult, console=None) -> None:
                   + ", ".join(f"{p} {k}" for p, k in result.decoder_rewritten.items()))
     names = list(result.timings[0].seconds) if result.timings else []
     t = Table("tokens", *[f"{n} ms" if i == 0 else f"{n} ms (speed-up)" for i, n in enumerate(names)],
-              title=f"decoder forward, best of {REPEATS}, interleaved")
+              title=f"decoder forward, best of {REPEATS}, interleaved, {result.threads} torch thread(s)")
     for row in result.timings:
         base = row.seconds[names[0]]
         cells = [f"{row.seconds[n] * 1e3:.1f}" if i == 0 else

