@@ -31,6 +31,7 @@ DECODER_EXAMPLE_TOKENS = 128  # compile's verification adds a longer input where
 LENGTHS = (512, 2048, 4096)
 QUICK_LENGTHS = (1024,)
 REPEATS = 3
+UNSTEADY = 1.5  # slowest / fastest repeat above which the timings are called unreliable
 SEED = 0
 
 
@@ -49,6 +50,7 @@ class Timing:
 
     length: int
     seconds: dict[str, float]
+    spread: dict[str, float]  # slowest / fastest of the repeats: how steady the machine was
 
 
 @dataclass
@@ -63,7 +65,6 @@ class DemoResult:
     json: str
     seconds: float
     threads: int  # torch threads the timings ran on
-    load: Optional[float]  # the 1-minute load average just before timing (None where unknown)
     notes: list[str] = field(default_factory=list)
 
 
@@ -130,19 +131,19 @@ def _run(out: str, quick: bool, step: Step) -> DemoResult:
         compiled[policy] = opt
         rewritten[policy] = f"{opt.attnopt_report.count('rewritten')}/{len(opt.attnopt_report.sites)}"
     lengths = QUICK_LENGTHS if quick else LENGTHS
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     with step(f"timing the forward at {', '.join(map(str, lengths))} tokens ..."):
         timings = time_forward(compiled, lengths)
     notes = ["the decoder's weights are random: its compiles set no end-to-end budget (e2e_tolerance=None) and "
              "only its speed means something, not its outputs"]
-    cores = os.cpu_count() or 1
-    if load is not None and load > cores - 0.5:
-        # Measured on a shared 2-core machine: with other jobs running, torch's threads wait on
-        # each other and one forward took 40x its idle time; best-of-3 does not filter that out.
-        notes.append(f"the machine was busy while timing (load average {load:.1f} on {cores} cores): the times "
-                     f"are unreliable; rerun when it is idle, or with --threads 1")
+    spread = max((v for row in timings for v in row.spread.values()), default=1.0)
+    if spread > UNSTEADY:
+        # Measured on a shared 2-core machine: with other jobs running, torch's threads waited on
+        # each other and a forward took 40x its idle time; best-of-3 did not filter that out.
+        notes.append(f"repeats of one forward differed up to {spread:.1f}x: the machine was busy and the times are "
+                     "unreliable; rerun when it is idle" + (", or with --threads 1" if torch.get_num_threads() > 1
+                                                            else ""))
     return DemoResult(description, sites, runs, decoder_description, rewritten, timings, html, json_path,
-                      time.perf_counter() - start, torch.get_num_threads(), load, notes)
+                      time.perf_counter() - start, torch.get_num_threads(), notes)
 
 
 def build_decoder():
@@ -176,6 +177,7 @@ def time_forward(models: dict, lengths, repeats: int = REPEATS) -> list[Timing]:
     for n in lengths:
         ids = _ids(next(iter(models.values())), n)
         best = {name: float("inf") for name in models}
+        worst = {name: 0.0 for name in models}
         with torch.inference_mode():
             for name, m in models.items():  # one untimed warm-up each
                 m(input_ids=ids, use_cache=False)
@@ -183,8 +185,9 @@ def time_forward(models: dict, lengths, repeats: int = REPEATS) -> list[Timing]:
                 for name, m in models.items():
                     t = time.perf_counter()
                     m(input_ids=ids, use_cache=False)
-                    best[name] = min(best[name], time.perf_counter() - t)
-        rows.append(Timing(n, best))
+                    seconds = time.perf_counter() - t
+                    best[name], worst[name] = min(best[name], seconds), max(worst[name], seconds)
+        rows.append(Timing(n, best, {name: worst[name] / best[name] for name in models}))
     return rows
 
 

@@ -155,3 +155,27 @@ def test_demo_quick_writes_the_reports_and_prints_the_numbers(tmp_path, capsys):
     assert abs(float(row[1]) / float(row[2]) - float(row[3])) < 0.01 + 0.01 * float(row[3])
     assert "1 torch thread(s)" in flat
     assert str(out_dir / "report.html") in flat and str(out_dir / "report.json") in flat
+
+
+def test_demo_timing_interleaves_the_models_and_keeps_the_best():
+    from types import SimpleNamespace
+
+    from attnopt import demo
+
+    calls = []
+
+    class Recorder(torch.nn.Module):
+        config = SimpleNamespace(vocab_size=50)
+
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def forward(self, input_ids, use_cache):
+            calls.append((self.name, input_ids.shape[1]))
+            return input_ids
+
+    [row] = demo.time_forward({"original": Recorder("a"), "rewritten": Recorder("b")}, (7,), repeats=3)
+    assert calls == [("a", 7), ("b", 7)] * 4  # one warm-up each, then turns
+    assert row.length == 7 and set(row.seconds) == {"original", "rewritten"}
+    assert all(row.spread[k] >= 1.0 and 0 < row.seconds[k] < 1 for k in row.seconds)
