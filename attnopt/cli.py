@@ -297,16 +297,18 @@ def run_demo(out: str, quick: bool, threads: Optional[int]) -> int:
     from attnopt.models import ModelSpecError
     from attnopt.passes.capture import CaptureError
 
+    import importlib.util
+
     if os.path.exists(out) and not os.path.isdir(out):
         raise CliError(f"--out {out} is a file; give a directory", EXIT_BAD_ARGUMENT)
+    if importlib.util.find_spec("transformers") is None:
+        raise CliError("the demo needs transformers (pip install -e '.[hf]')", EXIT_BAD_ARGUMENT)
     try:
         result = demo.run(out, quick=quick, step=progress, threads=threads)
     except ModelSpecError as exc:
         raise CliError(f"the demo needs the pretrained MiniLM: {exc}", EXIT_BAD_ARGUMENT) from exc
     except CaptureError as exc:
         raise CliError(f"could not capture: {exc}", EXIT_CAPTURE) from exc
-    except ImportError as exc:
-        raise CliError(f"the demo needs transformers (pip install 'attnopt[hf]'): {exc}", EXIT_BAD_ARGUMENT) from exc
     except OSError as exc:
         raise CliError(f"could not write the report under {out}: {exc}", EXIT_BAD_ARGUMENT) from exc
     demo.render(result)
