@@ -1,19 +1,37 @@
-"""`attnopt` command line. Subcommands: `inspect MODEL` and `compile MODEL --policy P`.
+"""`attnopt` command line (typer, rich): `inspect MODEL`, `compile MODEL --policy P`, `demo`.
 
-Every expected failure (bad MODEL, model that does not trace, no attention) prints one clear
-message to stderr and exits non-zero; no traceback.
+Every expected failure (bad argument or MODEL, model that does not trace, no attention, Ctrl-C)
+prints one line to stderr and returns its exit code; no traceback. `main(argv) -> int` is the
+entry point; it never calls sys.exit, so tests read the code it returns.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import enum
 import json
+import os
 import sys
 from typing import Optional
 
-EXIT_BAD_MODEL = 2
+import typer
+
+try:  # typer 0.2x vendors click: its parse errors derive from TyperException
+    from typer import TyperException as _ParseError
+except ImportError:  # older typer raises click's own
+    from click import ClickException as _ParseError
+
+EXIT_OK = 0
+EXIT_BAD_ARGUMENT = 2
 EXIT_CAPTURE = 3
 EXIT_NO_ATTENTION = 4
+EXIT_INTERRUPTED = 130
+
+EXIT_CODES_HELP = (
+    "Exit codes: 0 success; 2 bad argument, option or MODEL; 3 the model could not be captured; "
+    "4 no attention found; 130 interrupted."
+)
+MODEL_HELP = "'minilm' (default), a Hugging Face model directory, or path/to/file.py:factory"
 
 
 class CliError(Exception):
@@ -22,6 +40,7 @@ class CliError(Exception):
     def __init__(self, message: str, code: int):
         super().__init__(message)
         self.code = code
+        self.command: Optional[str] = None  # the subcommand it came from, set by _guarded
 
 
 def policy_presets_help() -> str:
@@ -32,52 +51,112 @@ def policy_presets_help() -> str:
     return ", ".join(examples + ["hybrid", "auto"])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attnopt", description="Find attention in PyTorch models and rewrite it.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-    p = sub.add_parser("inspect", help="list the attention sites of a model and near misses with reasons")
-    p.add_argument("model", metavar="MODEL", nargs="?", default="minilm",
-                   help="'minilm' (default), a Hugging Face model directory, or path/to/file.py:factory")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--method", choices=("export", "dynamo"), default="export",
-                   help="how to capture the graph (default: export)")
-    p.add_argument("--static", action="store_true", help="capture with static shapes (default: dynamic length)")
-    p.set_defaults(run=run_inspect)
-
-    c = sub.add_parser("compile", help="rewrite a model's attention per a policy, verify drift, write the report")
-    c.add_argument("model", metavar="MODEL", nargs="?", default="minilm",
-                   help="'minilm' (default), a Hugging Face model directory, or path/to/file.py:factory")
-    c.add_argument("--policy", default="window:64+sinks:4",
-                   help=f"preset ({policy_presets_help()}) or a .yaml/.toml/.json policy file "
-                        "(default: window:64+sinks:4)")
-    c.add_argument("--tolerance", type=float, default=None,
-                   help="relative RMS drift of a site's output at which it reverts (default: per form, all below 1)")
-    c.add_argument("--e2e-tolerance", default="0.5", metavar="FLOAT|none",
-                   help="end-to-end budget: worst relative RMS drift of the model outputs at which the worst sites "
-                        "revert one by one (default 0.5; 'none': no budget)")
-    c.add_argument("--seq-len", type=int, default=256,
-                   help="tokens per example for Hugging Face models (built-in English passages; default 256)")
-    c.add_argument("--html", default="report.html", help="where to write the HTML report (default report.html)")
-    c.add_argument("--json", dest="json_out", default=None, help="where to write the JSON report (default: beside --html)")
-    c.set_defaults(run=run_compile)
-    return parser
+def _epilog(*examples: str) -> str:
+    # typer's rich help joins single newlines; each paragraph is separated by a blank line.
+    return "\n\n".join(["Examples:"] + [f"  {e}" for e in examples] + [EXIT_CODES_HELP])
 
 
-def run_inspect(ns: argparse.Namespace) -> int:
-    from attnopt.inspection import inspect
+@contextlib.contextmanager
+def progress(message: str, quiet: bool = False):
+    """A rich spinner on stderr while a slow step runs (model load, compile); nothing when quiet
+    or when stderr is not a terminal, so captured stderr holds only the one-line errors."""
+    if quiet:
+        yield
+        return
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        yield
+        return
+    with console.status(message):
+        yield
+
+
+class Method(str, enum.Enum):
+    export = "export"
+    dynamo = "dynamo"
+
+
+def _version(value: bool) -> None:
+    if value:
+        from attnopt import __version__
+
+        typer.echo(f"attnopt {__version__}")
+        raise typer.Exit()
+
+
+app = typer.Typer(
+    name="attnopt",
+    help="Find attention in PyTorch models, rewrite it into cheaper forms per policy, and report how far "
+         "the output moved.",
+    epilog=_epilog("attnopt inspect minilm", "attnopt compile minilm --policy window:64+sinks:4",
+                   "attnopt demo --out demo_out"),
+    add_completion=False,
+    no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="print the version and exit"),
+) -> None:
+    """Find attention in PyTorch models, rewrite it into cheaper forms per policy, and report how far
+    the output moved."""
+
+
+def _guarded(command: str, fn):
+    """Run a subcommand: its failures name it, and Ctrl-C is an expected failure (one line, code
+    130), not a traceback."""
+    try:
+        return fn()
+    except CliError as exc:
+        exc.command = exc.command or command
+        raise
+    except KeyboardInterrupt as exc:
+        error = CliError("interrupted", EXIT_INTERRUPTED)
+        error.command = command
+        raise error from exc
+
+
+def _load(spec: str, quiet: bool = False, **text_opts):
     from attnopt.models import ModelSpecError, load_model
+
+    try:
+        with progress(f"loading {spec} ...", quiet):
+            return load_model(spec, **text_opts)
+    except ModelSpecError as exc:
+        raise CliError(f"bad MODEL: {exc}", EXIT_BAD_ARGUMENT) from exc
+
+
+@app.command(
+    "inspect",
+    help="List the attention sites of a model, and its near misses with reasons.",
+    epilog=_epilog("attnopt inspect minilm", "attnopt inspect examples/custom_model.py:build --json",
+                   "attnopt inspect path/to/hf_model_dir --method dynamo --static"),
+)
+def inspect_command(
+    model: str = typer.Argument("minilm", metavar="MODEL", help=MODEL_HELP),
+    as_json: bool = typer.Option(False, "--json", help="print the result as JSON (no progress line)"),
+    method: Method = typer.Option(Method.export, "--method", help="how to capture the graph"),
+    static: bool = typer.Option(False, "--static", help="capture with static shapes (default: dynamic length)"),
+) -> int:
+    return _guarded("inspect", lambda: run_inspect(model, as_json, method.value, static))
+
+
+def run_inspect(spec: str, as_json: bool, method: str, static: bool) -> int:
+    from attnopt.inspection import inspect
     from attnopt.passes.capture import CaptureError
 
+    model, args, kwargs, description = _load(spec, quiet=as_json)
     try:
-        model, args, kwargs, description = load_model(ns.model)
-    except ModelSpecError as exc:
-        raise CliError(f"bad MODEL: {exc}", EXIT_BAD_MODEL) from exc
-    try:
-        result = inspect(model, *args, method=ns.method, dynamic=not ns.static, **kwargs)
+        with progress(f"capturing {description} ...", as_json):
+            result = inspect(model, *args, method=method, dynamic=not static, **kwargs)
     except CaptureError as exc:
         raise CliError(f"could not capture {description}: {exc}", EXIT_CAPTURE) from exc
-    if ns.json:
+    if as_json:
         data = result.to_dict()
         data["model"] = description
         print(json.dumps(data, indent=2))
@@ -90,80 +169,181 @@ def run_inspect(ns: argparse.Namespace) -> int:
         raise CliError(f"no attention found in {description}"
                        + (f" ({len(result.near_misses)} near miss(es) listed above)" if result.near_misses else ""),
                        EXIT_NO_ATTENTION)
-    return 0
+    return EXIT_OK
 
 
-def run_compile(ns: argparse.Namespace) -> int:
-    import os
+@app.command(
+    "compile",
+    help="Rewrite a model's attention per a policy, verify the drift, and write the HTML and JSON reports.",
+    epilog=_epilog("attnopt compile minilm --policy window:64+sinks:4",
+                   "attnopt compile minilm --policy linear+window:64+sinks:4 --html out/report.html",
+                   "attnopt compile examples/custom_model.py:build --policy my_policy.yaml --e2e-tolerance none"),
+)
+def compile_command(
+    model: str = typer.Argument("minilm", metavar="MODEL", help=MODEL_HELP),
+    policy: str = typer.Option("window:64+sinks:4", "--policy",
+                               help=f"preset ({policy_presets_help()}) or a .yaml/.toml/.json policy file"),
+    tolerance: Optional[float] = typer.Option(
+        None, "--tolerance", help="relative RMS drift of a site's output at which it reverts (default: per form, "
+                                  "all below 1)"),
+    e2e_tolerance: str = typer.Option(
+        "0.5", "--e2e-tolerance", metavar="FLOAT|none",
+        help="end-to-end budget: worst relative RMS drift of the model outputs at which the worst sites revert "
+             "one by one ('none': no budget)"),
+    seq_len: int = typer.Option(256, "--seq-len", help="tokens per example for Hugging Face models (built-in "
+                                                       "English passages)"),
+    html: str = typer.Option("report.html", "--html", help="where to write the HTML report"),
+    json_out: Optional[str] = typer.Option(None, "--json", help="where to write the JSON report (default: beside "
+                                                                "--html)"),
+) -> int:
+    return _guarded("compile", lambda: run_compile(model, policy, tolerance, e2e_tolerance, seq_len, html, json_out))
 
-    from attnopt.compiler import compile as attnopt_compile
-    from attnopt.models import ModelSpecError, load_model
-    from attnopt.passes.capture import CaptureError
-    from attnopt.policy.errors import PolicyError
+
+def run_compile(spec: str, policy_text: str, tolerance: Optional[float], e2e_text: str, seq_len: int,
+                html: str, json_out: Optional[str]) -> int:
     from attnopt.policy import Policy
+    from attnopt.policy.errors import PolicyError
     from attnopt.samples import english_passages
 
     try:
-        policy = Policy.parse(ns.policy)
+        policy = Policy.parse(policy_text)
     except PolicyError as exc:
-        raise CliError(f"bad --policy: {exc}", EXIT_BAD_MODEL) from exc
-    if ns.tolerance is not None and not 0 <= ns.tolerance < float("inf"):
-        raise CliError(f"--tolerance must be a finite number >= 0 (relative RMS drift per site); got {ns.tolerance}",
-                       EXIT_BAD_MODEL)
+        raise CliError(f"bad --policy: {exc}", EXIT_BAD_ARGUMENT) from exc
+    if tolerance is not None and not 0 <= tolerance < float("inf"):
+        raise CliError(f"--tolerance must be a finite number >= 0 (relative RMS drift per site); got {tolerance}",
+                       EXIT_BAD_ARGUMENT)
+    e2e = parse_e2e_tolerance(e2e_text)
+    if seq_len < 1:
+        raise CliError(f"--seq-len must be >= 1; got {seq_len}", EXIT_BAD_ARGUMENT)
+    model, args, kwargs, description = _load(spec, texts=english_passages(), max_length=seq_len)
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and seq_len > limit:
+        raise CliError(f"--seq-len {seq_len} is beyond {description}'s {limit} positions; use --seq-len {limit} "
+                       "or less", EXIT_BAD_ARGUMENT)
+    opt = compile_or_fail(model, policy, (args, kwargs), description, tolerance=tolerance, e2e_tolerance=e2e)
+    report = opt.attnopt_report
+    print(report.to_markdown())
+    json_path = json_out or os.path.splitext(html)[0] + ".json"
+    write_reports(report, html, json_path)
+    print(f"\n{summary_line(report)}\nwrote {html} and {json_path}")
+    return EXIT_OK
+
+
+def parse_e2e_tolerance(text: str) -> Optional[float]:
     try:
-        e2e = None if ns.e2e_tolerance.strip().lower() == "none" else float(ns.e2e_tolerance)
+        e2e = None if text.strip().lower() == "none" else float(text)
     except ValueError:
         e2e = float("nan")
     if e2e is not None and not 0 < e2e < float("inf"):
-        raise CliError(f"--e2e-tolerance must be a finite number > 0 or 'none'; got {ns.e2e_tolerance}", EXIT_BAD_MODEL)
-    if ns.seq_len < 1:
-        raise CliError(f"--seq-len must be >= 1; got {ns.seq_len}", EXIT_BAD_MODEL)
+        raise CliError(f"--e2e-tolerance must be a finite number > 0 or 'none'; got {text}", EXIT_BAD_ARGUMENT)
+    return e2e
+
+
+def compile_or_fail(model, policy, example_inputs, description: str, **options):
+    """attnopt.compile with the CLI's failures: capture (3) and no attention (4)."""
+    from attnopt.compiler import compile as attnopt_compile
+    from attnopt.passes.capture import CaptureError
+
     try:
-        model, args, kwargs, description = load_model(ns.model, texts=english_passages(), max_length=ns.seq_len)
-    except ModelSpecError as exc:
-        raise CliError(f"bad MODEL: {exc}", EXIT_BAD_MODEL) from exc
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if isinstance(limit, int) and ns.seq_len > limit:
-        raise CliError(f"--seq-len {ns.seq_len} is beyond {description}'s {limit} positions; use --seq-len {limit} or less",
-                       EXIT_BAD_MODEL)
-    try:
-        opt = attnopt_compile(model, policy, example_inputs=(args, kwargs), tolerance=ns.tolerance,
-                              e2e_tolerance=e2e, name=description)
+        with progress(f"compiling {description} with {policy} ..."):
+            opt = attnopt_compile(model, policy, example_inputs=example_inputs, name=description, **options)
     except CaptureError as exc:
         raise CliError(f"could not capture {description}: {exc}", EXIT_CAPTURE) from exc
-    report = opt.attnopt_report
-    if not report.sites:
+    if not opt.attnopt_report.sites:
         raise CliError(f"no attention found in {description}", EXIT_NO_ATTENTION)
-    print(report.to_markdown())
-    json_path = ns.json_out or os.path.splitext(ns.html)[0] + ".json"
+    return opt
+
+
+def write_reports(report, html: str, json_path: str) -> None:
     try:
-        for path in (ns.html, json_path):
+        for path in (html, json_path):
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        report.to_html(ns.html)
+        report.to_html(html)
         report.to_json(json_path)
     except OSError as exc:
-        raise CliError(f"could not write the report: {exc}", EXIT_BAD_MODEL) from exc
+        raise CliError(f"could not write the report: {exc}", EXIT_BAD_ARGUMENT) from exc
+
+
+def summary_line(report) -> str:
     e2e = report.end_to_end
     summary = f"{report.count('rewritten')}/{len(report.sites)} sites rewritten"
     if e2e is not None and e2e.embedding_cosine is not None:
         summary += f"; mean embedding cosine {e2e.embedding_cosine:.4f}"
     elif e2e is not None and e2e.worst is not None:
         summary += f"; worst output relative RMS drift {e2e.worst.rel_rms:.4g}"
-    print(f"\n{summary}\nwrote {ns.html} and {json_path}")
-    return 0
+    return summary
+
+
+@app.command(
+    "demo",
+    help="The whole job on built-in defaults, in under 3 minutes on 2 CPU cores: inspect and compile the "
+         "pretrained MiniLM (window:64+sinks:4, linear+window:64+sinks:4; sites rewritten, mean embedding "
+         "cosine), then time a small random-weight Llama-style decoder, original against rewritten, at "
+         "several lengths. Writes report.html and report.json (the linear+window MiniLM report).",
+    epilog=_epilog("attnopt demo", "attnopt demo --out demo_out", "attnopt demo --quick --threads 1"),
+)
+def demo_command(
+    out: str = typer.Option(".", "--out", help="directory for report.html and report.json"),
+    quick: bool = typer.Option(False, "--quick", help="time one length only, with a shorter fit (for tests)"),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1,
+                                          help="torch threads for the run (default: torch's own; 1 gives steadier "
+                                               "timings on a busy machine)"),
+) -> int:
+    return _guarded("demo", lambda: run_demo(out, quick, threads))
+
+
+def run_demo(out: str, quick: bool, threads: Optional[int]) -> int:
+    from attnopt import demo
+    from attnopt.models import ModelSpecError
+    from attnopt.passes.capture import CaptureError
+
+    import importlib.util
+
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise CliError(f"--out {out} is a file; give a directory", EXIT_BAD_ARGUMENT)
+    if importlib.util.find_spec("transformers") is None:
+        raise CliError("the demo needs transformers (pip install -e '.[hf]')", EXIT_BAD_ARGUMENT)
+    try:
+        result = demo.run(out, quick=quick, step=progress, threads=threads)
+    except ModelSpecError as exc:
+        raise CliError(f"the demo needs the pretrained MiniLM: {exc}", EXIT_BAD_ARGUMENT) from exc
+    except CaptureError as exc:
+        raise CliError(f"could not capture: {exc}", EXIT_CAPTURE) from exc
+    except OSError as exc:
+        raise CliError(f"could not write the report under {out}: {exc}", EXIT_BAD_ARGUMENT) from exc
+    demo.render(result)
+    return EXIT_OK
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
+    """Run the command line on `argv` (default sys.argv[1:]); return the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # transformers' own "Loading weights" bar would sit under the spinner and in captured stderr;
+    # read when transformers is first imported, so in a fresh process it is off for the whole run.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    command = typer.main.get_command(app)
     try:
-        return ns.run(ns)
+        rv = command.main(args=argv, prog_name="attnopt", standalone_mode=False)
     except CliError as exc:
-        print(f"attnopt {ns.command}: {exc}", file=sys.stderr)
+        where = f"attnopt {exc.command}" if exc.command else "attnopt"
+        print(f"{where}: {_one_line(str(exc))}", file=sys.stderr)
         return exc.code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except _ParseError as exc:  # click's parse errors: no such command or option, bad value
+        ctx = getattr(exc, "ctx", None)
+        if type(exc).__name__ == "NoArgsIsHelpError":  # bare `attnopt`: the help, as a success
+            print(ctx.get_help() if ctx is not None else exc.format_message())
+            return EXIT_OK
+        where = ctx.command_path if ctx is not None else "attnopt"
+        print(f"{where}: {_one_line(exc.format_message())} (see '{where} --help')", file=sys.stderr)
+        return EXIT_BAD_ARGUMENT if getattr(exc, "exit_code", 2) == 2 else exc.exit_code
+    except (typer.Abort, KeyboardInterrupt):
+        print("attnopt: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return rv if isinstance(rv, int) else EXIT_OK
 
 
 if __name__ == "__main__":

@@ -43,3 +43,23 @@ def test_seq_len_beyond_the_models_positions_is_a_clear_error(minilm, capsys, tm
     assert main(["compile", "minilm", "--seq-len", "1024", "--html", str(tmp_path / "r.html")]) == 2
     err = capsys.readouterr().err
     assert "512 positions" in err and "Traceback" not in err
+
+
+def test_json_path_and_no_budget(tmp_path, capsys):
+    html, js = tmp_path / "a" / "r.html", tmp_path / "b" / "other.json"
+    code = main(["compile", f"{EXAMPLE}:build", "--policy", "window:16+sinks:2", "--tolerance", "0.99",
+                 "--e2e-tolerance", "none", "--html", str(html), "--json", str(js)])
+    out = capsys.readouterr().out
+    assert code == 0 and f"wrote {html} and {js}" in out
+    data = json.loads(js.read_text())
+    assert data["counts"]["budget"] == {"e2e_tolerance": None, "reverted": 0}
+    assert not (tmp_path / "a" / "r.json").exists()
+
+
+def test_model_without_attention_is_code_4(tmp_path, capsys):
+    plain = tmp_path / "plain.py"
+    plain.write_text("import torch\n\ndef make():\n    return torch.nn.Linear(4, 3), (torch.randn(2, 4),)\n")
+    assert main(["compile", f"{plain}:make", "--html", str(tmp_path / "r.html")]) == 4
+    err = capsys.readouterr().err
+    assert err.startswith("attnopt compile: no attention found in make()") and "Traceback" not in err
+    assert not (tmp_path / "r.html").exists()
