@@ -4,6 +4,7 @@ are replaced in the captured graph, and the result is called like the original m
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 from torch import nn
@@ -129,7 +130,10 @@ class GraphTarget:
 
     def splice(self, sites: list, modules: dict) -> tuple[nn.Module, dict]:
         # On a copy: the end-to-end budget may splice again with fewer sites.
-        spliced = splice_graph(copy.deepcopy(self.captured.graph_module), sites, modules)
+        with warnings.catch_warnings():  # torch's own pytree deprecation, raised while copying an exported graph
+            warnings.simplefilter("ignore", FutureWarning)
+            pristine = copy.deepcopy(self.captured.graph_module)
+        spliced = splice_graph(pristine, sites, modules)
         return CompiledModule(spliced.graph_module, self.name), spliced.counts
 
     def longer_batch(self, batch, length: int):
