@@ -6,11 +6,40 @@ output on the recorded (q, k, v); nothing outside the module moves.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from attnopt.forms.base import FitResult
+
+
+@dataclass
+class SampledRows:
+    """A recorded call as 4-D tensors on a subset of query rows, k and v repeated to the query heads."""
+
+    q: torch.Tensor  # [B, H, R, D]
+    k: torch.Tensor  # [B, H, Nk, D]
+    v: torch.Tensor  # [B, H, Nk, Dv]
+    ref: torch.Tensor  # [B, H, R, Dv] the exact output on those rows
+    positions: torch.Tensor  # [R] key position of each row (bottom-right aligned)
+
+
+def sample_rows(module, call, rows: int = 0) -> SampledRows:
+    """`rows` evenly spaced query rows of `call` (0: all), in the layout the fit formulas use."""
+    q, k, v = call.q, call.k, call.v
+    if q.dim() == 3:  # bmm spelling [B*H, N, D]
+        q, k, v = module.unfold_heads(q), module.unfold_heads(k), module.unfold_heads(v)
+    ref = call.out if call.out.dim() == 4 else call.out.reshape(q.shape[0], q.shape[1], q.shape[2], -1)
+    nq, nk = q.shape[-2], k.shape[-2]
+    idx = torch.arange(nq, device=q.device)
+    if rows and nq > rows:
+        idx = torch.linspace(0, nq - 1, rows, device=q.device).round().long()
+        q, ref = q[:, :, idx], ref[:, :, idx]
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return SampledRows(q, k, v, ref, idx + (nk - nq))
 
 
 def relative_mse(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

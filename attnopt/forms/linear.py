@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from attnopt.forms.base import CostAt, Form, Param, SiteModule, io_elements, no_arbitrary_mask
-from attnopt.forms.fitting import adam_fit, relative_mse
+from attnopt.forms.fitting import adam_fit, relative_mse, sample_rows
 from attnopt.kernels.feature_maps import FEATURE_MAP_NAMES, make_feature_map
 from attnopt.kernels.linear import linear_attention
 from attnopt.passes.masks import key_keep
@@ -73,25 +73,14 @@ def quadratic_linear(module: LinearSite, call, rows: int = 0) -> tuple[torch.Ten
     (rows are independent). Returns (output, matching target rows).
     """
     g = module.geometry
-    q, k, v = call.q, call.k, call.v
-    if q.dim() == 3:
-        q, k, v = module.unfold_heads(q), module.unfold_heads(k), module.unfold_heads(v)
-    ref = call.out if call.out.dim() == 4 else call.out.reshape(q.shape[0], q.shape[1], q.shape[2], -1)
-    nq, nk = q.shape[-2], k.shape[-2]
-    idx = torch.arange(nq, device=q.device)
-    if rows and nq > rows:
-        idx = torch.linspace(0, nq - 1, rows, device=q.device).round().long()
-        q, ref = q[:, :, idx], ref[:, :, idx]
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    a = module.feature_map(q, g.scale) @ module.feature_map(k, g.scale).transpose(-2, -1)  # [B, H, Nq, Nk]
+    s = sample_rows(module, call, rows)
+    a = module.feature_map(s.q, g.scale) @ module.feature_map(s.k, g.scale).transpose(-2, -1)  # [B, H, R, Nk]
     if call.mask is not None:
         a = a * key_keep(call.mask, g.keep_when, a.shape[0], a.shape[-1])[:, None, None, :]
     if g.causal:
-        a = a * (torch.arange(nk, device=a.device)[None, :] <= idx[:, None] + (nk - nq))
-    out = (a @ v) / (a.sum(-1, keepdim=True) + module.params["eps"])
-    return out, ref
+        a = a * (torch.arange(a.shape[-1], device=a.device)[None, :] <= s.positions[:, None])
+    out = (a @ s.v) / (a.sum(-1, keepdim=True) + module.params["eps"])
+    return out, s.ref
 
 
 class LinearForm(Form):

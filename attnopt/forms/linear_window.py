@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from attnopt.forms.base import CostAt, Form, Param, SiteModule, io_elements, no_arbitrary_mask
-from attnopt.forms.fitting import adam_fit, relative_mse
+from attnopt.forms.fitting import adam_fit, relative_mse, sample_rows
 from attnopt.forms.linear import LINEAR_PARAMS, feature_count, kernel_flops
 from attnopt.forms.window import WINDOW_PARAMS, aligned_positions_reason, effective_window, visible_keys
 from attnopt.kernels.feature_maps import make_feature_map
@@ -58,23 +58,13 @@ class RowTerms:
 def row_terms(module: "LinearWindowSite", call, rows: int = 0) -> RowTerms:
     """The formula's window sums and key sets on `rows` evenly spaced query rows (0: all), densely."""
     g, p = module.geometry, module.params
-    q, k, v = call.q, call.k, call.v
-    if q.dim() == 3:
-        q, k, v = module.unfold_heads(q), module.unfold_heads(k), module.unfold_heads(v)
-    ref = call.out if call.out.dim() == 4 else call.out.reshape(q.shape[0], q.shape[1], q.shape[2], -1)
-    B, H, nq, _ = q.shape
-    nk = k.shape[-2]
-    idx = torch.arange(nq, device=q.device)
-    if rows and nq > rows:
-        idx = torch.linspace(0, nq - 1, rows, device=q.device).round().long()
-        q, ref = q[:, :, idx], ref[:, :, idx]
-    groups = H // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    s = sample_rows(module, call, rows)
+    q, k, v, ref = s.q, s.k, s.v, s.ref
+    B, nk = q.shape[0], k.shape[-2]
     keep = torch.ones(B, nk, dtype=torch.bool, device=q.device)
     if call.mask is not None:
         keep = key_keep(call.mask, g.keep_when, B, nk)
-    pos = (idx + (nk - nq))[:, None]  # [R, 1] key position of each query row
+    pos = s.positions[:, None]  # [R, 1] key position of each query row
     j = torch.arange(nk, device=q.device)[None, :]
     w = effective_window(p, g.model_window)
     band = ((pos - j >= 0) & (pos - j < w)) if g.causal else ((pos - j).abs() < w)
