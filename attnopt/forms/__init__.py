@@ -22,7 +22,7 @@ __all__ = ["Form", "Param", "SiteModule", "SiteGeometry", "SiteUnsupported", "Bu
            "COMMON_PARAMS", "registry", "get", "names", "aliases", "policy_table"]
 
 # Modules in this package that hold shared pieces, not a form.
-_SUPPORT = {"base", "fitting"}
+_SUPPORT = {"base", "fitting", "decoding"}
 
 
 def _discover() -> dict[str, Form]:

@@ -18,6 +18,7 @@ from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
+from attnopt.forms.decoding import DecodeState, ExactPrefix, exact_on_prefix, extend_prefix, kv_cache_bytes, real_positions
 from attnopt.passes.masks import exact_attention, key_keep
 from attnopt.passes.records import SiteCall
 from attnopt.passes.site import AttentionSite
@@ -87,14 +88,19 @@ class SiteGeometry:
     causal: bool
     model_window: Optional[int]  # the model's own sliding window, if any
     keep_when: str
+    v_head_dim: int = 0  # 0: same as head_dim (geometries saved before this field existed)
 
     @classmethod
     def of(cls, site: AttentionSite) -> "SiteGeometry":
         return cls(
             site_id=site.id, heads=site.heads, kv_heads=site.kv_heads, head_dim=site.head_dim,
             scale=float(site.scale), causal=bool(site.causal), model_window=site.window,
-            keep_when=site.mask.keep_when,
+            keep_when=site.mask.keep_when, v_head_dim=int(getattr(site, "v_head_dim", 0) or site.head_dim),
         )
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
 
 
 @dataclass
@@ -144,9 +150,9 @@ class SiteModule(nn.Module, abc.ABC):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None,
                 x: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if q.shape[-2] < self.min_seq_len:
-            return self.exact(q, k, v, mask)
         g = self.geometry
+        if self.min_seq_len and not g.causal and q.shape[-2] < self.min_seq_len:
+            return self.exact(q, k, v, mask)
         folded = q.dim() == 3
         if folded:  # bmm spelling [B*H, N, D]: heads are folded into the batch
             q, k, v = self.unfold_heads(q), self.unfold_heads(k), self.unfold_heads(v)
@@ -155,8 +161,86 @@ class SiteModule(nn.Module, abc.ABC):
             keep = key_keep(mask, g.keep_when, q.shape[0], k.shape[-2], rank=3 if folded else 4)
             if folded and keep is not None and keep.shape[0] != q.shape[0]:
                 keep = keep.reshape(q.shape[0], -1, k.shape[-2])[:, 0]
-        out = self.attend(q, k, v, keep, None if folded else mask, x)
+        mask4 = None if folded else mask
+        exact_q = self.exact_queries(q, k, keep) if self.min_seq_len and g.causal else None
+        if exact_q is not None and bool(exact_q.all()):  # short input: exactly the original attention
+            out = self.exact(q, k, v, mask) if not folded else self._exact_rows(q, k, v, keep, q.shape[-2])
+        else:
+            out = self.attend(q, k, v, keep, mask4, x)
+            if exact_q is not None and bool(exact_q.any()):
+                out = self._with_exact_prefix(out, q, k, v, keep, mask4, exact_q)
         return out.reshape(-1, out.shape[-2], out.shape[-1]) if folded else out
+
+    def exact_queries(self, q: torch.Tensor, k: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
+        """Bool [B, Nq]: the queries that attend exactly under `min_seq_len` -- those among the first
+        min_seq_len REAL tokens of their row, so a left-padded row dispatches as it would alone, and a
+        prefill and token-by-token decoding (`decode`) take the same rows exact."""
+        Nq, Nk = q.shape[-2], k.shape[-2]
+        if keep is None:
+            pos = (Nk - Nq) + torch.arange(Nq, device=q.device)
+            return (pos < self.min_seq_len).expand(q.shape[0], Nq)
+        real = keep.long().cumsum(-1)[:, Nk - Nq:] - 1
+        return real < self.min_seq_len
+
+    def _exact_rows(self, q, k, v, keep, rows: int) -> torch.Tensor:
+        """Exact causal attention of the first `rows` queries over the keys they can reach."""
+        Nq, Nk = q.shape[-2], k.shape[-2]
+        nk = Nk - Nq + rows
+        keep_rows = torch.ones(q.shape[0], nk, dtype=torch.bool, device=q.device) if keep is None else keep[:, :nk]
+        prefix = ExactPrefix(k[:, :, :nk], v[:, :, :nk], keep_rows)
+        return exact_on_prefix(q[:, :, :rows], prefix, self.geometry.scale).to(q.dtype)
+
+    def _with_exact_prefix(self, out, q, k, v, keep, mask, exact_q) -> torch.Tensor:
+        rows = int(exact_q.any(0).nonzero().max()) + 1  # queries past this one all use the form
+        exact = self._exact_rows(q, k, v, keep, rows)
+        head = torch.where(exact_q[:, None, :rows, None], exact, out[:, :, :rows])
+        return torch.cat([head, out[:, :, rows:]], dim=2)
+
+    # -- decoding: the form's state replaces the site's KV cache (causal sites)
+
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: Optional[torch.Tensor],
+               state: Optional[DecodeState]) -> tuple[torch.Tensor, DecodeState]:
+        """Attend the new tokens (q [B, H, Nq, D], k/v [B, Hkv, Nq, ·], the last Nq columns; `keep`
+        [B, Nq] marks the real ones) to `state` plus themselves; return (out, the advanced state).
+
+        A prefill (state None) then any split into steps equals one `forward` over the whole
+        sequence. Under `min_seq_len` = T the state also keeps the exact prefix until every row has
+        T real tokens, then drops it: the rows inside it attend exactly, as `forward` does.
+        """
+        g = self.geometry
+        if not g.causal:
+            raise ValueError(f"site {g.site_id}: decoding needs a causal site; this one is bidirectional")
+        B, Nq = q.shape[0], q.shape[2]
+        keep_BN = torch.ones(B, Nq, dtype=torch.bool, device=q.device) if keep is None else keep
+        if state is not None and state.form != self.form:
+            raise ValueError(f"site {g.site_id}: the decode state was made by form {state.form!r}, not {self.form!r}")
+        real_before = torch.zeros(B, dtype=torch.long, device=q.device) if state is None else state.real_B
+        out, form_state = self.decode_step(q, k, v, None if keep is None and state is None else keep_BN,
+                                           None if state is None else state.form_state)
+        prefix = None
+        if self.min_seq_len:
+            prefix = state.prefix if state is not None else None
+            if state is None or prefix is not None:
+                prefix = extend_prefix(prefix, k, v, keep_BN)
+                exact_q = real_positions(real_before, keep_BN) < self.min_seq_len
+                if bool(exact_q.any()):
+                    exact = exact_on_prefix(q, prefix, g.scale).to(out.dtype)
+                    out = torch.where(exact_q[:, None, :, None], exact, out)
+        real_after = real_before + keep_BN.long().sum(-1)
+        if prefix is not None and bool((real_after >= self.min_seq_len).all()):
+            prefix = None  # every row is past min_seq_len: only the form's own state is needed now
+        columns = (0 if state is None else state.columns) + Nq
+        return out, DecodeState(self.form, form_state, real_after, columns, prefix)
+
+    def decode_step(self, q, k, v, keep, form_state):
+        """The form's own decoding: (out, new form state). Forms with a fixed-size state override it."""
+        raise ValueError(f"site {self.geometry.site_id}: form {self.form!r} keeps a normal KV cache; it has no decode "
+                         "state of its own")
+
+    @property
+    def decodes(self) -> bool:
+        """Whether this module decodes from its own state (else the site keeps the normal KV cache)."""
+        return self.geometry.causal and type(self).decode_step is not SiteModule.decode_step
 
     @abc.abstractmethod
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: Optional[torch.Tensor],
@@ -280,6 +364,22 @@ class Form(abc.ABC):
     @abc.abstractmethod
     def build(self, site: AttentionSite, params: Mapping[str, Any], context: BuildContext) -> SiteModule:
         """The site module; raise SiteUnsupported when this mechanism cannot build it for the site."""
+
+    # -- decoding
+
+    def decode_state_bytes(self, site: AttentionSite, params: Mapping[str, Any], context: int,
+                           element_bytes: int) -> int:
+        """Bytes one batch row of this site holds while decoding at `context` tokens: its KV cache
+        unless the form keeps a state of its own (then also the exact prefix under min_seq_len)."""
+        return kv_cache_bytes(site.kv_heads, site.head_dim, site.v_head_dim or site.head_dim, context, element_bytes)
+
+    def state_bytes_with_prefix(self, site: AttentionSite, params: Mapping[str, Any], context: int,
+                                element_bytes: int, own: int) -> int:
+        """`own` plus the exact prefix a min_seq_len site keeps until `context` passes it."""
+        T = int(params.get("min_seq_len", 0) or 0)
+        if context >= T:
+            return own
+        return own + kv_cache_bytes(site.kv_heads, site.head_dim, site.v_head_dim or site.head_dim, context, element_bytes)
 
     def fit(self, module: SiteModule, calls: list[SiteCall]) -> Optional[FitResult]:
         """Fit the module's own parameters to the recorded calls (in place); None when nothing to fit."""

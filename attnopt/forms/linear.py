@@ -11,6 +11,7 @@ import torch
 from attnopt.forms.base import CostAt, Form, Param, SiteModule, io_elements, no_arbitrary_mask
 from attnopt.forms.fitting import adam_fit, relative_mse, sample_rows
 from attnopt.kernels.feature_maps import FEATURE_MAP_NAMES, make_feature_map
+from attnopt.kernels.layout import compute_dtype
 from attnopt.kernels.linear import linear_attention
 from attnopt.passes.masks import key_keep
 
@@ -64,6 +65,16 @@ class LinearSite(SiteModule):
         return linear_attention(q, k, v, feature_map=self.feature_map, causal=g.causal, scale=g.scale,
                                 eps=self.params["eps"], key_mask=keep)
 
+    def decode_step(self, q, k, v, keep, form_state):
+        """The prefix sums (S [B, H, M, Dv], z [B, H, M]) of φ(k)vᵀ and φ(k): O(M·Dv) per token and head."""
+        g = self.geometry
+        if form_state is None:
+            B, H, M, Dv = q.shape[0], q.shape[1], self.feature_map.num_features(g.head_dim), v.shape[-1]
+            cdt = compute_dtype(q.dtype)
+            form_state = (q.new_zeros(B, H, M, Dv, dtype=cdt), q.new_zeros(B, H, M, dtype=cdt))
+        return linear_attention(q, k, v, feature_map=self.feature_map, causal=True, scale=g.scale,
+                                eps=self.params["eps"], key_mask=keep, state=form_state)
+
 
 def quadratic_linear(module: LinearSite, call, rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The site's linear attention in explicit N×N form, o = (A v) / (A 1 + ε) with A = φ(q)φ(k)ᵀ.
@@ -108,6 +119,13 @@ class LinearForm(Form):
 
     def build(self, site, params, context):
         return LinearSite(site, params)
+
+    def decode_state_bytes(self, site, params, context, element_bytes):
+        if not site.causal:
+            return super().decode_state_bytes(site, params, context, element_bytes)
+        M = feature_count(params["feature_map"], params["num_features"], site.head_dim)
+        own = site.heads * M * (site.v_head_dim + 1) * max(element_bytes, 4)  # fp32 accumulators
+        return self.state_bytes_with_prefix(site, params, context, element_bytes, own)
 
     def public_ops(self):
         from attnopt.kernels.feature_maps import favor_projection

@@ -15,9 +15,10 @@ import torch
 from attnopt.forms.base import CostAt, Form, Param, SiteModule, io_elements, no_arbitrary_mask
 from attnopt.forms.fitting import adam_fit, relative_mse, sample_rows
 from attnopt.forms.linear import LINEAR_PARAMS, feature_count, kernel_flops
-from attnopt.forms.window import WINDOW_PARAMS, aligned_positions_reason, effective_window, visible_keys
+from attnopt.forms.window import WINDOW_PARAMS, aligned_positions_reason, effective_window, visible_keys, window_cache_bytes
 from attnopt.kernels.feature_maps import make_feature_map
 from attnopt.kernels.linear_window import linear_window_attention
+from attnopt.kernels.linear_window_decode import linear_window_decode
 from attnopt.passes.masks import key_keep
 
 
@@ -38,6 +39,13 @@ class LinearWindowSite(SiteModule):
         return linear_window_attention(q, k, v, window=effective_window(p, g.model_window), sinks=p["sinks"],
                                        causal=g.causal, feature_map=self.feature_map, scale=g.scale,
                                        linear_weight=beta, key_mask=keep)
+
+    def decode_step(self, q, k, v, keep, form_state):
+        """The window cache plus the linear sums of the keys that left it: O(S + W + M·Dv) per token."""
+        g, p = self.geometry, self.params
+        beta = torch.exp(self.log_beta) if p["beta"] > 0 else 0.0
+        return linear_window_decode(q, k, v, form_state, window=effective_window(p, g.model_window), sinks=p["sinks"],
+                                    feature_map=self.feature_map, scale=g.scale, linear_weight=beta, key_mask=keep)
 
 
 @dataclass
@@ -130,6 +138,14 @@ class LinearWindowForm(Form):
 
     def build(self, site, params, context):
         return LinearWindowSite(site, params)
+
+    def decode_state_bytes(self, site, params, context, element_bytes):
+        if not site.causal:
+            return super().decode_state_bytes(site, params, context, element_bytes)
+        M = feature_count(params["feature_map"], params["num_features"], site.head_dim)
+        own = window_cache_bytes(site, params, context, element_bytes)
+        own += site.heads * M * (site.v_head_dim + 1) * max(element_bytes, 4)
+        return self.state_bytes_with_prefix(site, params, context, element_bytes, own)
 
     def fit(self, module, calls, *, lr: float = 3e-2, rows: int = 64, seed: int = 0):
         """φ's weights (hedgehog) and β, by Adam on the relative MSE of `rows` query rows per call."""

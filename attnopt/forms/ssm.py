@@ -10,7 +10,7 @@ import torch
 
 from attnopt.forms.base import CostAt, Form, Param, SiteModule, io_elements, no_arbitrary_mask
 from attnopt.forms.linear import feature_count, kernel_flops
-from attnopt.kernels.decay import DECAY_FEATURE_MAPS, decay_attention, retnet_decay
+from attnopt.kernels.decay import DECAY_FEATURE_MAPS, decay_attention, init_decay_state, retnet_decay
 from attnopt.policy.errors import PolicyError
 
 
@@ -37,6 +37,15 @@ class SsmSite(SiteModule):
         p = self.params
         return decay_attention(q, k, v, decay=self.decay, feature_map=p["feature_map"], normalize=p["normalize"],
                                scale=self.geometry.scale, key_mask=keep)
+
+    def decode_step(self, q, k, v, keep, form_state):
+        """The decayed state S_t = γ S_{t−1} + φ(k_t)v_tᵀ (and z_t when normalising): O(D·Dv) per token and head."""
+        p = self.params
+        if form_state is None:
+            form_state = init_decay_state(q.shape[0], q.shape[1], q.shape[-1], v.shape[-1], normalize=p["normalize"],
+                                          dtype=q.dtype, device=q.device)
+        return decay_attention(q, k, v, decay=self.decay, feature_map=p["feature_map"], normalize=p["normalize"],
+                               scale=self.geometry.scale, key_mask=keep, state=form_state)
 
 
 class SsmForm(Form):
@@ -81,6 +90,11 @@ class SsmForm(Form):
 
     def build(self, site, params, context):
         return SsmSite(site, params)
+
+    def decode_state_bytes(self, site, params, context, element_bytes):
+        z = 1 if params["normalize"] else 0
+        own = site.heads * site.head_dim * (site.v_head_dim + z) * max(element_bytes, 4)  # fp32 accumulators
+        return self.state_bytes_with_prefix(site, params, context, element_bytes, own)
 
     def public_ops(self):
         from attnopt.kernels.decay import decay_attention_step

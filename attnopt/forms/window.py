@@ -7,7 +7,9 @@ GroupQueryAttention.local_window_size counts the same way; ONNX Attention's left
 from __future__ import annotations
 
 from attnopt.forms.base import CostAt, Form, Param, SiteModule, io_elements, no_arbitrary_mask
+from attnopt.forms.decoding import kv_cache_bytes
 from attnopt.kernels.window import window_attention
+from attnopt.kernels.window_decode import window_decode
 
 WINDOW_PARAMS = {
     "window": Param(int, 256, minimum=1, doc="keys visible per query, incl. self (causal); half-width+1 otherwise"),
@@ -33,6 +35,13 @@ def aligned_positions_reason(site) -> str | None:
     return None
 
 
+def window_cache_bytes(site, params, context: int, element_bytes: int) -> int:
+    """One row's window cache at `context` tokens: S sinks + the last W − 1 keys and values (+ flags)."""
+    W, S = effective_window(params, site.window), params["sinks"]
+    keys = min(context, W - 1) + S
+    return kv_cache_bytes(site.kv_heads, site.head_dim, site.v_head_dim, keys, element_bytes) + keys + S * 9
+
+
 class WindowSite(SiteModule):
     form = "window"
 
@@ -40,6 +49,12 @@ class WindowSite(SiteModule):
         g, p = self.geometry, self.params
         return window_attention(q, k, v, window=effective_window(p, g.model_window), causal=g.causal,
                                 sinks=p["sinks"], scale=g.scale, key_mask=keep)
+
+    def decode_step(self, q, k, v, keep, form_state):
+        """Each row's sinks and last W − 1 columns (window_decode.WindowCache): O(S + W) per token."""
+        g, p = self.geometry, self.params
+        return window_decode(q, k, v, form_state, window=effective_window(p, g.model_window), sinks=p["sinks"],
+                             scale=g.scale, key_mask=keep)
 
 
 class WindowForm(Form):
@@ -70,6 +85,12 @@ class WindowForm(Form):
 
     def build(self, site, params, context):
         return WindowSite(site, params)
+
+    def decode_state_bytes(self, site, params, context, element_bytes):
+        if not site.causal:
+            return super().decode_state_bytes(site, params, context, element_bytes)
+        return self.state_bytes_with_prefix(site, params, context, element_bytes,
+                                            window_cache_bytes(site, params, context, element_bytes))
 
     def public_ops(self):
         return {"window_attention": window_attention}

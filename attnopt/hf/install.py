@@ -11,6 +11,7 @@ from torch import nn
 
 from attnopt import forms
 from attnopt.forms.base import BuildContext
+from attnopt.hf.cache import decoding_modules, watch_cache
 from attnopt.hf.interface import ModuleState
 from attnopt.hf.record import watch_layer_input
 
@@ -83,7 +84,7 @@ def install(model: nn.Module, sites: list, modules: dict) -> dict:
     banded = take_over_model_windows(model, sites, modules)
     reuse_cache: dict = {}
     by_id = {s.id: s for s in sites}
-    anchors = watched = 0
+    anchors = watched = stateful = 0
     for site_id, module in modules.items():
         target = model.get_submodule(by_id[site_id].module_path)
         target.attnopt_site = module
@@ -100,5 +101,8 @@ def install(model: nn.Module, sites: list, modules: dict) -> dict:
                 if hook is not None:
                     state.hooks.append(hook)
                     watched += 1
+    for target in decoding_modules(model):  # after the loop above: anchors are known by now
+        target.__dict__["_attnopt_state"].hooks.append(watch_cache(target))
+        stateful += 1
     return {"installed": len(modules), "reuse_anchors": anchors, "layer_inputs_watched": watched,
-            "model_window_taken_over": banded}
+            "model_window_taken_over": banded, "decode_state_sites": stateful}

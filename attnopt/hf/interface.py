@@ -34,6 +34,7 @@ class ModuleState:
     last_x: Optional[torch.Tensor] = None  # this forward's input to the q projection (reuse residual)
     x_cache: Optional[torch.Tensor] = None  # layer inputs of every token so far, when decoding with reuse
     hooks: list = field(default_factory=list)  # forward hooks install() added (removed by uninstall)
+    cache_layer: Optional[object] = None  # this call's SiteCacheLayer (attnopt.hf.cache), when decoding from a state
 
 
 def original_attention(module: nn.Module) -> Callable:
@@ -81,6 +82,9 @@ def attention_forward(
         return original_attention(module)(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
+    layer = state.cache_layer if state is not None else None
+    if layer is not None and layer.site_module is site_module:  # decode from the site's own state
+        return layer.attend(query, key, value, attention_mask).transpose(1, 2).contiguous(), None
     x = None
     if site_module.uses_anchor_qk:
         query, key = state.reuse_cache[state.anchor_key]
