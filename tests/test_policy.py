@@ -45,7 +45,7 @@ def test_simple_presets_are_one_rule_each():
     assert Policy.parse("keep").rules[0].form == "exact"
     lin = Policy.parse("linear").rules
     assert len(lin) == 1 and lin[0].form == "linear" and lin[0].params["feature_map"] == "elu"
-    assert lin[0].params["num_features"] == 0 and lin[0].params["eps"] == 1e-6  # defaults filled
+    assert lin[0].params["num_features"] == 0 and lin[0].params["eps"] is None  # defaults filled (None: per map)
     assert Policy.parse("linear:favor").rules[0].params["feature_map"] == "favor"
     hh = Policy.parse("linear:hedgehog+num_features:64").rules[0].params
     assert (hh["feature_map"], hh["num_features"]) == ("hedgehog", 64)

@@ -60,10 +60,15 @@ class LinearSite(SiteModule):
         self.feature_map = make_feature_map(params["feature_map"], site.head_dim, site.heads,
                                             num_features=params["num_features"], seed=params["seed"])
 
+    @property
+    def eps(self) -> float:
+        eps = self.params.get("eps")
+        return (0.0 if self.params["feature_map"] == "favor" else 1e-6) if eps is None else float(eps)
+
     def attend(self, q, k, v, keep, mask, x):
         g = self.geometry
         return linear_attention(q, k, v, feature_map=self.feature_map, causal=g.causal, scale=g.scale,
-                                eps=self.params["eps"], key_mask=keep)
+                                eps=self.eps, key_mask=keep)
 
     def decode_step(self, q, k, v, keep, form_state):
         """The prefix sums (S [B, H, M, Dv], z [B, H, M]) of φ(k)vᵀ and φ(k): O(M·Dv) per token and head."""
@@ -73,7 +78,7 @@ class LinearSite(SiteModule):
             cdt = compute_dtype(q.dtype)
             form_state = (q.new_zeros(B, H, M, Dv, dtype=cdt), q.new_zeros(B, H, M, dtype=cdt))
         return linear_attention(q, k, v, feature_map=self.feature_map, causal=True, scale=g.scale,
-                                eps=self.params["eps"], key_mask=keep, state=form_state)
+                                eps=self.eps, key_mask=keep, state=form_state)
 
 
 def quadratic_linear(module: LinearSite, call, rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +95,7 @@ def quadratic_linear(module: LinearSite, call, rows: int = 0) -> tuple[torch.Ten
         a = a * key_keep(call.mask, g.keep_when, a.shape[0], a.shape[-1])[:, None, None, :]
     if g.causal:
         a = a * (torch.arange(a.shape[-1], device=a.device)[None, :] <= s.positions[:, None])
-    out = (a @ s.v) / (a.sum(-1, keepdim=True) + module.params["eps"])
+    out = (a @ s.v) / (a.sum(-1, keepdim=True) + module.eps)
     return out, s.ref
 
 
@@ -100,7 +105,9 @@ class LinearForm(Form):
     presets = ("linear", "linear:favor", "linear:hedgehog", "linear:taylor", "linear:relu")
     params = {
         **LINEAR_PARAMS,
-        "eps": Param(float, 1e-6, minimum=0.0, doc="added to the denominator φ(q)ᵀz"),
+        "eps": Param((float, type(None)), None, minimum=0.0,
+                     doc="added to the denominator φ(q)ᵀz (null: 1e-6; 0 for favor, whose kernel is positive and "
+                         "whose stabilised units would make a split run differ from a whole one)"),
     }
     preset_arg = "feature_map"
     preset_keys = {"map": "feature_map"}

@@ -372,7 +372,30 @@ def linear_attention(
         return torch.ops.attnopt.linear_attention(
             q, k, v, fmap.name, weight, bool(causal), scale, float(eps), key_mask, int(chunk_size)
         )
+    if q.shape[2] == 1 and k.shape[2] == 1 and fmap.name != "favor":
+        return _one_token(q, k, v, fmap.name, weight, scale, float(eps), key_mask, state)
     return _forward(q, k, v, fmap.name, weight, bool(causal), scale, float(eps), key_mask, int(chunk_size), state)
+
+
+def _one_token(q, k, v, feature_map, weight, scale, eps, key_mask, state) -> tuple[Tensor, State]:
+    """One decoding step from a carried state, O(M·Dv) per head with no chunk machinery: the same
+    sums as `_forward` (FAVOR+ keeps the general path, whose stabiliser is folded in and out)."""
+    _check_inputs(q, k, v, key_mask, scale, eps, 1)
+    cdt = _compute_dtype(q.dtype)
+    B, H = q.shape[0], q.shape[1]
+    weight = None if weight is None else weight.to(device=q.device, dtype=cdt)
+    phi_q, phi_k, _ = query_key_features(feature_map, q.to(cdt), k.to(cdt), scale, weight, key_mask)
+    M, Dv = phi_k.shape[-1], v.shape[-1]
+    S, z = _state_in(state, B, H, phi_k.shape[1], M, Dv, cdt)  # [B, Hf, G, M, Dv], [B, Hf, G, M]
+    G = H // phi_k.shape[1]
+    v_f = v.to(cdt) if v.shape[1] == phi_k.shape[1] else v.to(cdt).repeat_interleave(phi_k.shape[1] // v.shape[1], 1)
+    phi_k1 = phi_k[:, :, None, 0]  # [B, Hf, 1, M]
+    S = S + phi_k1[..., None] * v_f[:, :, None, 0, None, :]
+    z = z + phi_k1
+    phi_q1 = phi_q.reshape(B, phi_k.shape[1], G, M)
+    num = (phi_q1[..., None] * S).sum(-2)  # [B, Hf, G, Dv]
+    out = _safe_ratio(num, (phi_q1 * z).sum(-1), eps).reshape(B, H, 1, Dv).to(q.dtype)
+    return out, (S.reshape(B, H, M, Dv), z.reshape(B, H, M))
 
 
 def linear_attention_reference(

@@ -1,0 +1,169 @@
+"""Per-token decode time and decode-state bytes on CPU: the original model's KV cache against each
+policy's fixed-size state, at contexts 256 … 16k, in one run.
+
+Workload: a random-weight Llama-style decoder (4 layers, hidden 128, 4 query / 2 kv heads, head dim
+32; only its speed and memory mean something). For each context N every variant is prefilled with
+N tokens once; then, in rounds that take turns over the variants, each runs `--steps` single-token
+decode steps through its cache (`model(next_id, past_key_values=cache)`), and the best round's mean
+per step is kept. State bytes are what the cache holds after the prefill (all layers, batch 1).
+Separately, each policy generates 512 tokens from a 16-token prompt and the cache is measured after
+64 and after 512 tokens (a fixed-size state stays flat; a KV cache grows 8×).
+
+    python benchmarks/decode_cpu.py --out benchmarks/results/decode_cpu.json   # + decode_cpu.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import attnopt  # noqa: E402
+from attnopt.hf.cache import decode_state_bytes, make_cache  # noqa: E402
+
+POLICIES = ["linear", "ssm", "window:64+sinks:4", "linear+window:64+sinks:4"]
+CONTEXTS = [256, 1024, 4096, 8192, 16384]
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def build_model(max_len: int):
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_len + 1024)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def variants(base):
+    ids = torch.randint(1, 1000, (1, 64), generator=torch.Generator().manual_seed(1))
+    example = {"input_ids": ids, "use_cache": False}
+    out = {"original": base}
+    for policy in POLICIES:
+        opt = attnopt.compile(base, policy, example_inputs=example)
+        rep = opt.attnopt_report
+        out[policy] = opt
+        print(f"compiled {policy}: {rep.counts.get('accepted', '?')} sites accepted", flush=True)
+    return out
+
+
+def new_cache(model):
+    if hasattr(model, "attnopt_report"):
+        return make_cache(model)
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+@torch.no_grad()
+def prefill(model, n: int):
+    ids = torch.randint(1, 1000, (1, n), generator=torch.Generator().manual_seed(2))
+    cache = new_cache(model)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    return cache, out.logits[:, -1:].argmax(-1)
+
+
+@torch.no_grad()
+def decode_steps(model, cache, token, steps: int) -> float:
+    t = time.perf_counter()
+    for _ in range(steps):
+        token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    return (time.perf_counter() - t) / steps
+
+
+@torch.no_grad()
+def growth(model) -> dict:
+    """Cache bytes after 64 and after 512 generated tokens (16-token prompt, greedy)."""
+    ids = torch.randint(1, 1000, (1, 16), generator=torch.Generator().manual_seed(3))
+    cache = new_cache(model)
+    tok = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    sizes = {}
+    for i in range(1, 513):
+        tok = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        if i in (64, 512):
+            sizes[i] = sum(decode_state_bytes(cache).values())
+    return {"after_64": sizes[64], "after_512": sizes[512], "ratio_512_to_64": sizes[512] / sizes[64]}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", type=int, nargs="*", default=CONTEXTS)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results/decode_cpu.json")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    base = build_model(max(args.contexts))
+    models = variants(base)
+    result = {"hardware": f"{_cpu_name()}, {os.cpu_count()} cores, torch threads {args.threads}",
+              "torch": torch.__version__, "model": "Llama-style, 4 layers, hidden 128, heads 4/2, head dim 32, "
+              "random weights, batch 1, fp32", "method": f"per-token decode, mean of {args.steps} steps, best of "
+              f"{args.rounds} interleaved rounds", "contexts": {}, "growth": {}}
+    for name, model in models.items():
+        result["growth"][name] = growth(model)
+        print(f"growth {name}: {result['growth'][name]}", flush=True)
+    for n in args.contexts:
+        caches = {name: prefill(m, n) for name, m in models.items()}
+        best = {name: float("inf") for name in models}
+        for _ in range(args.rounds):
+            for name, m in models.items():
+                cache, tok = caches[name]
+                best[name] = min(best[name], decode_steps(m, cache, tok, args.steps))
+        row = {}
+        for name in models:
+            row[name] = {"ms_per_token": best[name] * 1e3, "state_bytes": sum(decode_state_bytes(caches[name][0]).values()),
+                         "speedup_vs_original": best["original"] / best[name]}
+        result["contexts"][str(n)] = row
+        print(n, {k: f"{v['ms_per_token']:.2f} ms, {v['state_bytes'] / 1e6:.2f} MB" for k, v in row.items()}, flush=True)
+        del caches
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    plot(result, args.out.replace(".json", ".png"))
+    print("wrote", args.out)
+
+
+def plot(result, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    ns = [int(n) for n in result["contexts"]]
+    names = list(next(iter(result["contexts"].values())))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in names:
+        a.plot(ns, [result["contexts"][str(n)][name]["ms_per_token"] for n in ns], marker="o", label=name)
+        b.plot(ns, [result["contexts"][str(n)][name]["state_bytes"] / 1e6 for n in ns], marker="o", label=name)
+    for ax, label in ((a, "ms per token"), (b, "decode state (MB, batch 1)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    a.legend(fontsize=8)
+    fig.suptitle(result["model"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
