@@ -101,6 +101,14 @@ class CompileReport:
         return [a / b if b else None for a, b in zip(self.flops_after, self.flops_before)]
 
     @property
+    def decode_memory(self):
+        """Decode-state bytes per batch row at 1k / 32k / 128k context against the original KV cache
+        (None for models without causal sites)."""
+        from attnopt.passes.decode_memory import decode_memory
+
+        return decode_memory(self.sites)
+
+    @property
     def totals(self) -> dict[str, Any]:
         return {
             "sites": len(self.sites),
@@ -142,6 +150,7 @@ class CompileReport:
             "notes": list(self.notes),
             "counts": dict(self.counts),
             "budget_steps": list(self.budget_steps),
+            "decode_memory": None if self.decode_memory is None else self.decode_memory.to_dict(),
             "cost_multipliers": list(self.cost_multipliers),
             "versions": {"torch": self.torch_version, "attnopt": self.attnopt_version},
         }

@@ -10,7 +10,7 @@ import html
 import math
 from typing import Any, Optional
 
-from attnopt.report_text import SITE_COLUMNS, column_titles, fmt_flops, fmt_num, site_row
+from attnopt.report_text import SITE_COLUMNS, column_titles, decode_memory_rows, fmt_flops, fmt_num, site_row
 
 STATUS_COLOURS = {"rewritten": "#2f9e44", "reverted": "#e8590c", "kept": "#868e96", "unsupported": "#adb5bd",
                   "unverified": "#f59f00"}
@@ -222,6 +222,17 @@ def _e2e_table(rep) -> str:
     return table
 
 
+def _decode_table(rep) -> str:
+    rows = decode_memory_rows(rep)
+    if not rows:
+        return ""
+    body = "".join("<tr>" + "".join(f'<td class="num">{esc(c)}</td>' for c in r) + "</tr>" for r in rows)
+    return ("<h2>Decode memory</h2><p>Bytes each batch row holds while generating: the rewritten sites' decode "
+            "states (fixed-size for linear and ssm, window-sized for window forms) against the KV cache of the "
+            "same sites left exact.</p><table><thead><tr><th>context</th><th>decode state</th><th>original KV "
+            f"cache</th><th>ratio</th></tr></thead><tbody>{body}</tbody></table>")
+
+
 def _totals_table(rep) -> str:
     t = rep.totals
     rows = "".join(
@@ -274,6 +285,7 @@ def render_html(rep) -> str:
 </div>
 <h2>Totals</h2>
 {_totals_table(rep)}
+{_decode_table(rep)}
 <h2>End-to-end drift</h2>
 {_e2e_table(rep)}
 <h2>Sites</h2>

@@ -26,6 +26,24 @@ def fmt_flops(x: float) -> str:
     return f"{x:.3g} "
 
 
+def decode_memory_rows(rep) -> list[tuple[str, str, str, str]]:
+    """(context, decode state, original KV cache, ratio) per context, per batch row; [] for encoders."""
+    mem = rep.decode_memory
+    if mem is None:
+        return []
+    return [(f"{n:,}", f"{fmt_flops(t)}B", f"{fmt_flops(o)}B", fmt_num(r, 4))
+            for n, t, o, r in zip(mem.contexts, mem.total, mem.original, mem.ratio)]
+
+
+def decode_memory_lines(rep) -> list[str]:
+    rows = decode_memory_rows(rep)
+    if not rows:
+        return []
+    out = ["", "## Decode memory (per batch row, all causal sites)", "",
+           "| context | decode state | original KV cache | ratio |", "|---|---|---|---|"]
+    return out + [f"| {' | '.join(r)} |" for r in rows]
+
+
 def _md_cell(text: Any) -> str:
     return str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
 
@@ -90,6 +108,7 @@ def markdown(rep) -> str:
     )
     for m, b, a, ratio in zip(rep.cost_multipliers, t["flops_before"], t["flops_after"], t["flops_ratio"]):
         out.append(f"- attention FLOPs at {m}× length: {fmt_flops(b)}FLOP → {fmt_flops(a)}FLOP (ratio {fmt_num(ratio)})")
+    out += decode_memory_lines(rep)
     out += ["", "## End-to-end drift", ""]
     e2e = rep.end_to_end
     if e2e is None:

@@ -185,3 +185,30 @@ def reuse_oracle(q_a, k_a, v, x=None, A=None, B_=None, *, scale, causal, key_mas
                 w = torch.softmax(scale * logits[i, js], dim=0)
                 out[b, h, i] = w @ v[b, h // Gv, js].to(F64)
     return out
+
+
+def linear_window_oracle(q, k, v, *, window, causal, sinks=0, name="elu", fmap=None, beta=1.0, key_mask=None):
+    """Softmax weights e^{s·q·k} on the window keys (band + the row's first `sinks` real keys) and
+    β_h·φ(q)·φ(k) on every other allowed real key, in one normalisation; 0 where nothing is seen."""
+    B, H, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(D)
+    beta = [float(beta)] * H if not isinstance(beta, torch.Tensor) else beta.tolist()
+    out = torch.zeros(B, H, Nq, v.shape[-1], dtype=F64)
+    for b in range(B):
+        real = [j for j in range(Nk) if key_mask is None or bool(key_mask[b, j])]
+        sink = real[:sinks]  # the first S real tokens of this row
+        for h in range(H):
+            kv = h // (H // Hkv)
+            kernel = kernel_by_hand(name, q[b, h], k[b, kv], scale, None if fmap is None else fmap.op_weight(), h)
+            for i in range(Nq):
+                p = Nk - Nq + i
+                in_band = lambda j: (p - window < j <= p) if causal else abs(p - j) < window
+                win = [j for j in real if in_band(j) or (j in sink and (j <= p or not causal))]
+                lin = [j for j in real if (j <= p or not causal) and j not in win]
+                w_win = torch.exp(scale * (k[b, kv, win] @ q[b, h, i]))
+                w_lin = beta[h] * kernel[i, lin]
+                den = w_win.sum() + w_lin.sum()
+                if den > 0:
+                    out[b, h, i] = (w_win @ v[b, kv, win] + w_lin @ v[b, kv, lin]) / den
+    return out

@@ -22,34 +22,9 @@ from attnopt.kernels.linear_window import linear_window_attention, linear_window
 from attnopt.kernels.window import window_attention
 from kernel_testing import MaxNumel, assert_exports_as_one_node
 from kernel_testing import sdpa_inputs as _inputs
-from oracles import kernel_by_hand
+from oracles import linear_window_oracle as _oracle
 
 F64 = torch.float64
-
-
-def _oracle(q, k, v, *, window, causal, sinks=0, name="elu", fmap=None, beta=1.0, key_mask=None):
-    B, H, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(D)
-    beta = [float(beta)] * H if not isinstance(beta, torch.Tensor) else beta.tolist()
-    out = torch.zeros(B, H, Nq, v.shape[-1], dtype=F64)
-    for b in range(B):
-        real = [j for j in range(Nk) if key_mask is None or bool(key_mask[b, j])]
-        sink = real[:sinks]  # the first S real tokens of this row
-        for h in range(H):
-            kv = h // (H // Hkv)
-            kernel = kernel_by_hand(name, q[b, h], k[b, kv], scale, None if fmap is None else fmap.op_weight(), h)
-            for i in range(Nq):
-                p = Nk - Nq + i
-                in_band = lambda j: (p - window < j <= p) if causal else abs(p - j) < window
-                win = [j for j in real if in_band(j) or (j in sink and (j <= p or not causal))]
-                lin = [j for j in real if (j <= p or not causal) and j not in win]
-                w_win = torch.exp(scale * (k[b, kv, win] @ q[b, h, i]))
-                w_lin = beta[h] * kernel[i, lin]
-                den = w_win.sum() + w_lin.sum()
-                if den > 0:
-                    out[b, h, i] = (w_win @ v[b, kv, win] + w_lin @ v[b, kv, lin]) / den
-    return out
 
 
 def _fmap(name, D, H):
