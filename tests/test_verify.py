@@ -59,7 +59,7 @@ def test_a_form_that_does_not_act_is_unverified_and_never_rewritten():
     params = window.validate({"window": 64, "sinks": 4})  # covers all 41 keys
     attempt, module = try_form(_site(), "window", params, BuildContext(calls={"a#0": [_call()]}), 0.6)
     assert module is None and attempt.verdict is Verdict.UNVERIFIED and attempt.drift is None
-    assert "acts from about 272 tokens" in attempt.reason
+    assert "verified from about 272 tokens" in attempt.reason
     # Given a long enough call too, it is verified on that call alone.
     long = _call(n=300, seed=1)
     attempt, module = try_form(_site(), "window", params, BuildContext(calls={"a#0": [_call(), long]}), 0.99)

@@ -345,13 +345,17 @@ class Form(abc.ABC):
         """The form's own conditions on a site (after the checks shared by all forms)."""
 
     def acts_at(self, site: AttentionSite, params: Mapping[str, Any], q_len: int, kv_len: int) -> bool:
-        """Whether the form computes anything different from exact attention at these lengths."""
-        return q_len >= int(params.get("min_seq_len", 0) or 0)
+        """Whether the form computes anything different from exact attention at these lengths.
+
+        Under min_seq_len = T a causal site runs its first T positions exact, so it acts only past T."""
+        T = int(params.get("min_seq_len", 0) or 0)
+        return (kv_len > T) if site.causal and T else q_len >= T
 
     def acting_length(self, site: AttentionSite, params: Mapping[str, Any]) -> int:
         """A sequence length at which to verify the form when the example inputs are too short for it
         to act: where it acts, and long enough for its approximation to show."""
-        return max(1, int(params.get("min_seq_len", 0) or 0))
+        T = int(params.get("min_seq_len", 0) or 0)
+        return max(1, 2 * T if site.causal else T)  # causal: half the rows past the exact prefix
 
     # -- cost
 

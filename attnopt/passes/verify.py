@@ -102,8 +102,9 @@ def try_form(site, form: str, params: dict, context: BuildContext, tol: float) -
         lengths = sorted({call_lengths(c)[1] for c in calls})
         need = spec.acting_length(site, params)
         return Attempt(form, params, None, Verdict.UNVERIFIED,
-                       f"unverified: {form} changes nothing at the verification lengths {lengths}; it acts from "
-                       f"about {need} tokens: pass verify_inputs= at that length (kept exact)", tol), None
+                       f"unverified: {form} changes nothing at the verification lengths {lengths}; it is verified "
+                       f"from about {need} tokens{_threshold_note(params)}: pass verify_inputs= at that length "
+                       "(kept exact)", tol), None
     try:
         module = spec.build(site, params, context)
         # Fitted on the example batch only: calibration batches stay held out for the verdict.
@@ -257,3 +258,8 @@ def revert_for_budget(outcome: SiteOutcome, e2e_drift: float, budget: float) -> 
     return replace(outcome, final_form="exact", status=Status.REVERTED,
                    reason=(f"{outcome.reason}; end-to-end drift {e2e_drift:.3g} >= e2e_tolerance {budget:.3g}: "
                            "reverted as the worst remaining site"))
+
+
+def _threshold_note(params) -> str:
+    T = int(params.get("min_seq_len", 0) or 0)
+    return f" (min_seq_len {T}: the first {T} positions run exact)" if T else ""

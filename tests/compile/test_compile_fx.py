@@ -76,7 +76,7 @@ def test_a_window_wider_than_the_input_is_unverified_until_verified_where_it_act
         opt = attnopt.compile(net, "window:64", example_inputs=(_x(),))  # 37 tokens: the band covers all
     rep = opt.attnopt_report
     assert [str(r.outcome.status) for r in rep.sites] == ["unverified"] * 3
-    assert all("acts from about 256 tokens" in r.outcome.reason and r.outcome.drift is None for r in rep.sites)
+    assert all("verified from about 256 tokens" in r.outcome.reason and r.outcome.drift is None for r in rep.sites)
     # Verified where it acts (300 tokens), it is rewritten with a real drift, and at a length the band
     # covers it computes the original model.
     opt = attnopt.compile(net, "window:64", example_inputs=(_x(),), verify_inputs=[(_x(n=300, seed=3),)])

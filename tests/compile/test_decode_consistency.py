@@ -37,7 +37,23 @@ def _step_logits(model, ids, am):
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
                              output_logits=True, return_dict_in_generate=True)
-    return out.sequences, torch.stack(out.logits, dim=1)  # [B, NEW, V]
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    return out.sequences, torch.stack(out.logits, dim=1), cache  # [B, NEW, V]
+
+
+def _assert_sites_decode_from_their_state(opt, cache):
+    """Every site whose form keeps a state ran through a SiteCacheLayer (not HF's growing KV cache)."""
+    from attnopt.hf.cache import SiteCacheLayer
+
+    stateful = 0
+    for r in opt.attnopt_report.sites:
+        layer = cache.layers[opt.get_submodule(r.site.module_path).layer_idx]
+        if r.outcome.final_form in ("linear", "ssm", "window", "linear+window"):
+            assert isinstance(layer, SiteCacheLayer) and layer.get_seq_length() == PROMPT + NEW - 1, r.site.id
+            stateful += 1
+        else:
+            assert not isinstance(layer, SiteCacheLayer), r.site.id
+    assert stateful >= 1
 
 
 def _full_logits(model, seq, am):
@@ -60,11 +76,12 @@ def test_cached_steps_equal_a_full_forward_and_padding_changes_nothing(model, po
     opt = attnopt.compile(base, policy, example_inputs={"input_ids": ids, "attention_mask": am, "use_cache": False})
     rep = opt.attnopt_report
     assert rep.count("rewritten") >= 1, [r.outcome.reason for r in rep.sites]
-    seq, steps = _step_logits(opt, ids, am)
+    seq, steps, cache = _step_logits(opt, ids, am)
+    _assert_sites_decode_from_their_state(opt, cache)
     full = _full_logits(opt, seq, am)
     assert (steps - full).abs().max() < 1e-5  # measured about 1e-7 (fp32)
     # Row 1 generated alone (no padding) gives the same step logits as inside the padded batch.
-    alone_seq, alone = _step_logits(opt, ids[1:, PAD:], am[1:, PAD:])
+    alone_seq, alone, _ = _step_logits(opt, ids[1:, PAD:], am[1:, PAD:])
     assert torch.equal(alone_seq[0, -NEW:], seq[1, -NEW:])
     assert (alone[0] - steps[1]).abs().max() < 1e-5
     # And the rewrite did change the model (the comparison above is not between identical programs).
