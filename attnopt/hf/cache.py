@@ -63,6 +63,9 @@ class SiteCacheLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         return key_states, value_states
 
+    # Under torch.compile the state step runs eagerly (one graph break per site): its shapes change
+    # with the step count, which would otherwise recompile the model at every token.
+    @torch.compiler.disable
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
         """The site's output for the new tokens [B, H, Nq, Dv]; advances the state by them."""
@@ -164,6 +167,7 @@ def watch_cache(module: nn.Module):
     """Forward pre-hook: point the module's state at its SiteCacheLayer for this call (or None)."""
     state: ModuleState = module.__dict__.setdefault("_attnopt_state", ModuleState())
 
+    @torch.compiler.disable
     def hook(mod, args, kwargs):
         cache = _find_cache(kwargs)
         state.cache_layer = None if cache is None else bind_layer(mod, cache)

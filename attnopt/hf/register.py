@@ -11,6 +11,7 @@ import warnings
 
 from attnopt import forms
 from attnopt.forms.base import BuildContext
+from attnopt.hf.cache import watch_cache
 from attnopt.hf.interface import ModuleState, register_names
 from attnopt.hf.sites import site_from_call
 from attnopt.passes.records import SiteCall
@@ -52,5 +53,9 @@ def plan_on_first_call(module, query, key, value, attention_mask, scaling, is_ca
         if form.why_not(site, rule.params, [site]) is None:
             site_module = form.build(site, rule.params, BuildContext(sites=[site])).to(query.device)
             module.attnopt_site = site_module
-    module.__dict__["_attnopt_state"] = ModuleState()
+    state = module.__dict__["_attnopt_state"] = ModuleState()
+    if site_module is not None and site_module.decodes and isinstance(getattr(module, "layer_idx", None), int):
+        # From the next cache on, this site decodes from its own state; the cache of the call that
+        # planned it already holds the prompt's keys, so that generation recomputes over them.
+        state.hooks.append(watch_cache(module))
     return site_module
