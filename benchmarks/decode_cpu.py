@@ -55,10 +55,10 @@ def variants(base):
     example = {"input_ids": ids, "use_cache": False}
     out = {"original": base}
     for policy in POLICIES:
-        opt = attnopt.compile(base, policy, example_inputs=example)
-        rep = opt.attnopt_report
+        # Random weights: drift means nothing here, so every site is kept (no end-to-end budget).
+        opt = attnopt.compile(base, policy, example_inputs=example, e2e_tolerance=None)
         out[policy] = opt
-        print(f"compiled {policy}: {rep.counts.get('accepted', '?')} sites accepted", flush=True)
+        print(f"compiled {policy}: {opt.attnopt_report.count('rewritten')} of 4 sites rewritten", flush=True)
     return out
 
 
@@ -105,7 +105,7 @@ def main(argv=None):
     ap.add_argument("--contexts", type=int, nargs="*", default=CONTEXTS)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="benchmarks/results/decode_cpu.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -164,7 +164,7 @@ class LinearWindowForm(Form):
         return adam_fit(f"{module.params['feature_map']} map and β", weights, loss, steps=steps, lr=lr, seed=seed)
 
     def public_ops(self):
-        return {"linear_window_attention": linear_window_attention}
+        return {"linear_window_attention": linear_window_attention, "linear_window_decode": linear_window_decode}
 
 
 FORM = LinearWindowForm()

@@ -10,7 +10,13 @@ import torch
 
 from attnopt.forms.base import CostAt, Form, Param, SiteModule, io_elements, no_arbitrary_mask
 from attnopt.forms.linear import feature_count, kernel_flops
-from attnopt.kernels.decay import DECAY_FEATURE_MAPS, decay_attention, init_decay_state, retnet_decay
+from attnopt.kernels.decay import (
+    DECAY_FEATURE_MAPS,
+    decay_attention,
+    decay_attention_step,
+    init_decay_state,
+    retnet_decay,
+)
 from attnopt.policy.errors import PolicyError
 
 
@@ -44,6 +50,9 @@ class SsmSite(SiteModule):
         if form_state is None:
             form_state = init_decay_state(q.shape[0], q.shape[1], q.shape[-1], v.shape[-1], normalize=p["normalize"],
                                           dtype=q.dtype, device=q.device)
+        elif q.shape[2] == 1 and (keep is None or bool(keep.all())):  # one real token: the O(1) recurrence
+            return decay_attention_step(q, k, v, form_state, decay=self.decay, feature_map=p["feature_map"],
+                                        normalize=p["normalize"], scale=self.geometry.scale)
         return decay_attention(q, k, v, decay=self.decay, feature_map=p["feature_map"], normalize=p["normalize"],
                                scale=self.geometry.scale, key_mask=keep, state=form_state)
 
@@ -97,10 +106,8 @@ class SsmForm(Form):
         return self.state_bytes_with_prefix(site, params, context, element_bytes, own)
 
     def public_ops(self):
-        from attnopt.kernels.decay import decay_attention_step
-
         return {"decay_attention": decay_attention, "decay_attention_step": decay_attention_step,
-                "retnet_decay": retnet_decay}
+                "retnet_decay": retnet_decay, "init_decay_state": init_decay_state}
 
 
 FORM = SsmForm()

@@ -93,7 +93,7 @@ class WindowForm(Form):
                                             window_cache_bytes(site, params, context, element_bytes))
 
     def public_ops(self):
-        return {"window_attention": window_attention}
+        return {"window_attention": window_attention, "window_decode": window_decode}
 
 
 FORM = WindowForm()

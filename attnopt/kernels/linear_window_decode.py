@@ -138,11 +138,12 @@ def linear_window_decode(
     new_cache = advance_window_cache(cache, k, v, keep, step)
     n_out = cache.k_BHkvLD.shape[2] + Nq - new_cache.k_BHkvLD.shape[2]
     S, z = state.S_BHMDv, state.z_BHM
-    if n_out > 0:
-        k_all = torch.cat([cache.k_BHkvLD, k], dim=2)[:, :, :n_out]
-        v_all = torch.cat([cache.v_BHkvLD, v], dim=2)[:, :, :n_out]
-        cols = step.columns_K[:, cache.sinks:cache.sinks + n_out]
-        take = torch.cat([cache.keep_BL, keep], dim=1)[:, :n_out] & ~_is_sink(new_cache, cols)
-        dS, dz = _linear_sums(fmap, k_all, v_all, take, H, s, cdt)
+    if n_out > 0:  # the oldest n_out columns of buffer ‖ new, which the step already concatenated
+        out_cols = slice(cache.sinks, cache.sinks + n_out)
+        cols = step.columns_K[:, out_cols]
+        L = cache.keep_BL.shape[1]
+        keep_out = cache.keep_BL[:, :n_out] if n_out <= L else torch.cat([cache.keep_BL, keep[:, :n_out - L]], dim=1)
+        take = keep_out & ~_is_sink(new_cache, cols)
+        dS, dz = _linear_sums(fmap, step.k_BHkvKD[:, :, out_cols], step.v_BHkvKD[:, :, out_cols], take, H, s, cdt)
         S, z = S + dS, z + dz
     return out, LinearWindowState(new_cache, S, z)

@@ -101,6 +101,8 @@ def window_step_keys(cache: WindowCache, k: Tensor, v: Tensor, keep_BN: Tensor) 
     """Every key the new queries may see, with window.py's visibility rule, in O(Nq·(S + W + Nq))."""
     W, T, dev = cache.window, cache.columns, k.device
     Nq, L = k.shape[2], cache.k_BHkvLD.shape[2]
+    if Nq == 1:
+        return _one_token_keys(cache, k, v, keep_BN)
     col_q = T + torch.arange(Nq, device=dev)  # [Nq]
     col_buf = torch.arange(T - L, T, device=dev)
     rank_BN = cache.sink_valid_BS.sum(-1, keepdim=True) + keep_BN.long().cumsum(-1)
@@ -119,6 +121,21 @@ def window_step_keys(cache: WindowCache, k: Tensor, v: Tensor, keep_BN: Tensor) 
     )
 
 
+def _one_token_keys(cache: WindowCache, k: Tensor, v: Tensor, keep_BN: Tensor) -> StepKeys:
+    """`window_step_keys` for one new token, the decoding hot path: the whole buffer lies in its band."""
+    W, T, B, L = cache.window, cache.columns, k.shape[0], cache.k_BHkvLD.shape[2]
+    rank_BN = cache.sink_valid_BS.sum(-1, keepdim=True) + keep_BN.long()
+    new_sink_BN = keep_BN & (rank_BN <= cache.sinks)
+    vis_sink = cache.sink_valid_BS & (cache.sink_col_BS <= T - W)
+    visible = torch.cat([vis_sink, cache.keep_BL, keep_BN], dim=1)[:, None, :]
+    col_buf = torch.arange(T - L, T + 1, device=k.device).expand(B, L + 1)
+    return StepKeys(
+        torch.cat([cache.sink_k_BHkvSD, cache.k_BHkvLD, k], dim=2),
+        torch.cat([cache.sink_v_BHkvSD, cache.v_BHkvLD, v], dim=2),
+        visible, torch.cat([cache.sink_col_BS, col_buf], dim=1), new_sink_BN, rank_BN,
+    )
+
+
 def advance_window_cache(cache: WindowCache, k: Tensor, v: Tensor, keep_BN: Tensor, step: StepKeys) -> WindowCache:
     """The cache after the new columns: new sinks fill their slots, the buffer keeps the last W − 1 columns."""
     sink_k, sink_v = cache.sink_k_BHkvSD, cache.sink_v_BHkvSD
@@ -132,8 +149,8 @@ def advance_window_cache(cache: WindowCache, k: Tensor, v: Tensor, keep_BN: Tens
         sink_col[b_idx, slot] = cache.columns + n_idx
         sink_valid[b_idx, slot] = True
     keep_all = cache.window - 1
-    k_all = torch.cat([cache.k_BHkvLD, k], dim=2)
-    v_all = torch.cat([cache.v_BHkvLD, v], dim=2)
+    S = cache.sinks
+    k_all, v_all = step.k_BHkvKD[:, :, S:], step.v_BHkvKD[:, :, S:]  # buffer ‖ new, already concatenated
     m_all = torch.cat([cache.keep_BL, keep_BN], dim=1)
     start = max(k_all.shape[2] - keep_all, 0)
     return WindowCache(k_all[:, :, start:], v_all[:, :, start:], m_all[:, start:], sink_k, sink_v, sink_col, sink_valid,
