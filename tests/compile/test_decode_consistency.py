@@ -51,6 +51,9 @@ def _assert_sites_decode_from_their_state(opt, cache):
         if r.outcome.final_form in ("linear", "ssm", "window", "linear+window"):
             assert isinstance(layer, SiteCacheLayer) and layer.get_seq_length() == PROMPT + NEW - 1, r.site.id
             stateful += 1
+        elif r.site.window is not None and opt.attnopt_report.counts["splice"]["model_window_taken_over"]:
+            # An exact site of a windowed model runs the model's own band, from a band-sized cache.
+            assert isinstance(layer, SiteCacheLayer) and layer.site_module.form == "window", r.site.id
         else:
             assert not isinstance(layer, SiteCacheLayer), r.site.id
     assert stateful >= 1

@@ -95,15 +95,15 @@ def test_state_does_not_grow_with_generated_tokens(base, policy):
     tok = torch.randint(1, VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
     sizes = {}
     with torch.no_grad():
-        for i in range(1, 201):
+        for i in range(1, 49):
             tok = opt(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-            if i in (24, 200):
+            if i in (16, 48):
                 sizes[i] = sum(decode_state_bytes(cache).values())
-    assert sizes[200] == sizes[24], sizes
+    assert sizes[48] == sizes[16], sizes
     # The report's decode memory is what the cache holds (plus 8 bytes per layer of bookkeeping).
     mem = opt.attnopt_report.decode_memory
     predicted = sum(row[0] for row in mem.per_site.values())  # at 1k context
-    assert abs(sizes[200] - predicted) <= 64 * len(cache.layers), (sizes[200], predicted)
+    assert abs(sizes[48] - predicted) <= 64 * len(cache.layers), (sizes[48], predicted)
     assert mem.original[2] > 1000 * mem.total[2]  # at 128k context
 
 
