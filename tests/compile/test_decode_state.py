@@ -134,3 +134,4 @@ def test_a_state_cannot_be_cropped_and_a_cache_cannot_serve_two_models(base):
     with pytest.raises(ValueError, match="belongs to another compiled model"):
         with torch.no_grad():
             other(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+
