@@ -30,7 +30,7 @@ from attnopt.forms.decoding import index_batch, repeat_batch, state_nbytes, to_d
 from attnopt.hf.interface import ModuleState
 from attnopt.passes.masks import key_keep
 
-_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")  # the name changed across transformers 4.x / 5.x
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")  # names across transformers versions and models
 
 
 class SiteCacheLayer(CacheLayerMixin):

@@ -135,3 +135,16 @@ def test_a_state_cannot_be_cropped_and_a_cache_cannot_serve_two_models(base):
         with torch.no_grad():
             other(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
 
+
+
+def test_a_model_that_names_its_cache_layer_past_decodes_from_the_state_too():
+    # GPT-NeoX hands its attention the cache as `layer_past`, not `past_key_values` / `cache`.
+    cfg = transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, max_position_embeddings=256)
+    torch.manual_seed(0)
+    neox = transformers.GPTNeoXForCausalLM(cfg).eval()
+    opt = _compile(neox, "linear")
+    ids, am = _prompt()
+    seq, steps, cache = _generate(opt, ids, am)
+    assert all(isinstance(layer, SiteCacheLayer) for layer in cache.layers)
+    assert (steps - _full_logits(opt, seq, am)).abs().max() < 1e-5
