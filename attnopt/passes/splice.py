@@ -39,7 +39,12 @@ def splice_graph(graph_module: torch.fx.GraphModule, sites: list, modules: dict)
             new = graph.call_module(name, (q, k, nodes[sn.value], mask))
         new.meta.update({key: val for key, val in out.meta.items() if key in ("nn_module_stack", "stack_trace", "val")})
         out.replace_all_uses_with(new)
-    graph.eliminate_dead_code()
+    # The replaced chains are dead now, but FX keeps impure-looking nodes: SDPA is tagged
+    # nondeterministic_seeded (for its dropout), so the original attention would still run next
+    # to the rewrite. A spliced site has dropout 0, so its own chain nodes are pure here.
+    replaced = {name for site_id in modules for name in by_id[site_id].nodes.members} | {
+        by_id[site_id].nodes.output for site_id in modules}
+    graph.eliminate_dead_code(is_impure_node=lambda n: n.name not in replaced and n.is_impure())
     graph.lint()
     graph_module.recompile()
     return Splice(graph_module, {"spliced": len(modules), "removed_nodes": before - len(graph.nodes) + len(modules)})

@@ -200,3 +200,21 @@ def test_reuse_residual_needs_projections_the_graph_path_does_not_read():
     statuses = [r.outcome.status for r in opt.attnopt_report.sites]
     assert statuses == ["kept", "unsupported", "unsupported"]
     assert "rank 0" in opt.attnopt_report.sites[1].outcome.reason
+
+
+def test_a_rewritten_site_leaves_no_original_attention_in_the_graph():
+    # SDPA is tagged nondeterministic_seeded (dropout), which FX's dead-code pass treats as impure:
+    # without care the original attention would still run next to its rewrite.
+    class Two(torch.nn.Module):
+        def forward(self, q, k, v):
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            s = torch.softmax(q @ k.transpose(-1, -2) * 0.125, dim=-1)  # a hand-written chain
+            return a + s @ v
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 64, 8, generator=g) for _ in range(3))
+    opt = attnopt.compile(Two(), "linear", example_inputs=(q, k, v), e2e_tolerance=None, tolerance=5.0)
+    assert opt.attnopt_report.count("rewritten") == 2
+    targets = [str(n.target) for n in opt.graph_module.graph.nodes if n.op == "call_function"]
+    assert not any("scaled_dot_product_attention" in t or "softmax" in t for t in targets), targets
+    assert opt.attnopt_report.counts["splice"]["removed_nodes"] > 0
