@@ -146,14 +146,14 @@ def _run(out: str, quick: bool, step: Step) -> DemoResult:
                       time.perf_counter() - start, torch.get_num_threads(), notes)
 
 
-def build_decoder():
-    """A small Llama-style decoder (GQA 8/2 heads, RoPE) with seeded random weights."""
+def build_decoder(max_len: int = max(LENGTHS)):
+    """A small Llama-style decoder (GQA 8/2 heads, RoPE) with seeded random weights, `max_len` positions."""
     import torch
     import transformers
 
     config = transformers.LlamaConfig(
         vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=max(LENGTHS),
+        num_key_value_heads=2, max_position_embeddings=max_len,
     )
     torch.manual_seed(SEED)
     model = transformers.LlamaModel(config).eval()
