@@ -188,7 +188,9 @@ def compile(
     timer.lap("splice+verify_end_to_end")
     say("dispatch thresholds")
     # After the budget: the drifts above are the forms' own, measured where they act.
-    dispatch_result = resolve_thresholds(found.sites, outcomes, modules, mode, device=_device_of(result), step=say)
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    dispatch_result = resolve_thresholds(found.sites, outcomes, modules, mode, device=_device_of(result), step=say,
+                                         max_len=limit if isinstance(limit, int) else None)
     outcomes = dispatch_result.outcomes
     timer.lap("dispatch")
     if dispatch_result.thresholds and any(t.min_seq_len for t in dispatch_result.thresholds.values()):

@@ -241,11 +241,14 @@ def module_timer(module: torch.nn.Module, geometry: Geometry, repeats: int = REP
 
 def resolve_thresholds(sites: Sequence, outcomes: Sequence, modules: Mapping, mode: str,
                        device: torch.device = torch.device("cpu"), timer: Optional[TimerFactory] = None,
-                       path: Optional[Path] = None, step: Callable[[str], None] = lambda text: None) -> Dispatch:
+                       path: Optional[Path] = None, step: Callable[[str], None] = lambda text: None,
+                       max_len: Optional[int] = None) -> Dispatch:
     """Give every rewritten site its min_seq_len: the rule's own, else (mode "auto") the form's
     crossover for the site's geometry (cached, or measured now and cached), else 0. The site
     modules and the outcomes' params are updated to it; `step(text)` is called before each timing.
-    timer: how a site is timed (default `module_timer`; tests inject fixed timings)."""
+    timer: how a site is timed (default `module_timer`; tests inject fixed timings). max_len: the
+    model's position limit; longer lengths are not timed (part of the cache key)."""
+    lengths = tuple(n for n in LENGTHS if max_len is None or n <= max_len) or LENGTHS[:1]
     from attnopt.passes.records import Status
 
     by_id = {s.id: s for s in sites}
@@ -266,7 +269,7 @@ def resolve_thresholds(sites: Sequence, outcomes: Sequence, modules: Mapping, mo
             t = Threshold(outcome.site_id, form, 0, "fixed", FIXED[form])
         else:
             geometry = Geometry.of(by_id[outcome.site_id], device)
-            key = cache_key(form, outcome.params, geometry)
+            key = cache_key(form, outcome.params, geometry) + ("" if lengths == LENGTHS else f" | up to {lengths[-1]}")
             if key in known:
                 value, detail, timings, source = known[key]
             elif key in cache:
@@ -275,7 +278,7 @@ def resolve_thresholds(sites: Sequence, outcomes: Sequence, modules: Mapping, mo
                                                   tuple(tuple(x) for x in entry["timings"]), "cached")
             else:
                 step(f"timing {form} against exact attention ({geometry.text()})")
-                value, detail, timings = measure((timer or module_timer)(module, geometry))
+                value, detail, timings = measure((timer or module_timer)(module, geometry), lengths)
                 source = "measured"
                 store(key, {"min_seq_len": value, "detail": detail, "timings": [list(x) for x in timings]}, path)
             known[key] = (value, detail, timings, "cached" if source == "measured" else source)
