@@ -24,12 +24,13 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--tokens", type=int, default=256, help="tokens of the example input")
+    p.add_argument("--positions", type=int, default=4096, help="the model's position limit")
     a = p.parse_args(argv)
     policy = Policy.from_file(a.policy)
     print(policy.describe())
     config = transformers.LlamaConfig(vocab_size=1000, hidden_size=a.hidden, intermediate_size=2 * a.hidden,
                                       num_hidden_layers=a.layers, num_attention_heads=8, num_key_value_heads=2,
-                                      max_position_embeddings=4096)
+                                      max_position_embeddings=a.positions)
     torch.manual_seed(0)
     model = transformers.LlamaModel(config).eval()
     example = {"input_ids": torch.randint(1, 1000, (1, a.tokens), generator=torch.Generator().manual_seed(0)),

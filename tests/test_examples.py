@@ -41,9 +41,13 @@ def test_hf_attn_implementation_route():
 
 def test_policy_file_rules_per_layer():
     report = _example("policy_file").main([str(EXAMPLES / "hybrid_policy.yaml"), "--layers", "6", "--hidden", "32",
-                                           "--tokens", "64"])
+                                           "--tokens", "64", "--positions", "1100"])
     planned = [r.plan.form for r in report.sites]
     # layer 0 and the last exact, layer 1 (= 1..33% of 6) windowed, the rest linear from 2048 tokens
     assert planned == ["exact", "window", "linear", "linear", "linear", "exact"]
     assert report.sites[0].plan.rule.startswith("layer 0 ")
     assert [r.plan.params["min_seq_len"] for r in report.sites[2:5]] == [2048] * 3
+    # the window is verified on a 1040-token input built from the example; linear from 2048 tokens
+    # cannot act within the 1100 positions, so it stays exact, reported unverified
+    assert [r.outcome.status for r in report.sites] == ["kept", "rewritten", "unverified", "unverified",
+                                                        "unverified", "kept"]
