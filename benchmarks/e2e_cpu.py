@@ -85,10 +85,35 @@ def build_model(variant: str):
     return opt, info
 
 
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (Linux: writing 5 to /proc/self/clear_refs resets VmHWM), so the
+    next reading is the peak of what follows, not of compile; False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mb() -> float:
+    """VmHWM (the peak RSS since the last reset) where /proc has it, else getrusage's lifetime peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def worker(variant: str) -> None:
     """Build, say "ready", then for each length read from stdin print one JSON line of timings."""
     import torch
 
+    if os.environ.get("E2E_THREADS"):
+        torch.set_num_threads(int(os.environ["E2E_THREADS"]))
     t = time.perf_counter()
     model, info = build_model(variant)
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -97,14 +122,15 @@ def worker(variant: str) -> None:
     for line in sys.stdin:
         n, warm = (int(x) for x in line.split())
         ids = torch.randint(1, CONFIG["vocab_size"], (1, n), generator=torch.Generator().manual_seed(n))
+        reset = reset_peak_rss()
         with torch.inference_mode():
             if warm:
                 model(input_ids=ids, use_cache=False)
             t = time.perf_counter()
             model(input_ids=ids, use_cache=False)
             seconds = time.perf_counter() - t
-        print(json.dumps({"n": n, "seconds": seconds,
-                          "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
+        print(json.dumps({"n": n, "seconds": seconds, "peak_rss_mb": peak_rss_mb(), "peak_reset": reset}),
+              flush=True)
 
 
 # ---------------------------------------------------------------- driver
@@ -141,13 +167,16 @@ def hardware() -> dict:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+    threads = int(os.environ.get("E2E_THREADS") or torch.get_num_threads())
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "threads": threads,
             "python": platform.python_version()}
 
 
-def run(lengths, policies, out: Path, say=print) -> dict:
+def run(lengths, policies, out: Path, threads=None, say=print) -> dict:
     variants = ["original", *policies, "ceiling"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    if threads:
+        env["E2E_THREADS"] = os.environ["E2E_THREADS"] = str(threads)
     # Thresholds measured in this run (a fresh cache), so the JSON says what the dispatch saw.
     cache = Path(tempfile.mkdtemp()) / "crossover.json"
     env["ATTNOPT_CROSSOVER_CACHE"] = str(cache)
@@ -161,20 +190,22 @@ def run(lengths, policies, out: Path, say=print) -> dict:
     try:
         for n in lengths:
             times = {v: [] for v in variants}
-            peak = {}
+            peak, resets = {}, set()
             for r in range(repeats_at(n)):
                 order = variants[r % len(variants):] + variants[:r % len(variants)]  # rotate who goes first
                 for v in order:
                     res = workers[v].run(n, warm=warm_up(n) and r == 0)
                     times[v].append(res["seconds"])
-                    peak[v] = res["peak_rss_mb"]
+                    peak[v] = max(peak.get(v, 0.0), res["peak_rss_mb"])
+                    resets.add(res["peak_reset"])
                     say(f"  N={n} {v}: {res['seconds']:.3f} s")
             best = {v: min(ts) for v, ts in times.items()}
             rows.append({
                 "N": n, "repeats": repeats_at(n), "seconds": best, "seconds_all": times,
                 "speedup": {v: best["original"] / best[v] for v in variants},
                 "of_ceiling": {v: best["ceiling"] / best[v] for v in variants},
-                "peak_rss_mb": peak,
+                "peak_rss_mb": peak, "peak_rss_is_per_forward": resets == {True},
+                "load_average_1min": os.getloadavg()[0],
             })
             _write(out, lengths, policies, workers, rows, start)
     finally:
@@ -208,8 +239,9 @@ def _write(out: Path, lengths, policies, workers, rows, start) -> dict:
         "model": dict(CONFIG, kind="transformers LlamaModel, random weights (seed 0), fp32, batch 1, use_cache=False"),
         "method": ("each variant in its own worker process; at each length the workers take turns (rotating who goes "
                    "first), best of the repeats; an untimed warm-up forward first at N <= 4096; peak RSS is the "
-                   "worker's getrusage ru_maxrss after that length (lengths ascend, so it is the peak up to it, "
-                   "including its compile)"),
+                   "worker's VmHWM over the forwards at that length, reset before them (/proc/self/clear_refs), so it "
+                   "is the weights plus that forward's working set, not the compile's peak; where the reset is not "
+                   "possible (peak_rss_is_per_forward false) getrusage's lifetime peak"),
         "machine_note": ("measured on a 2-core machine shared with 3 other agents' jobs (tests, training runs): "
                          f"load average at the last write {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; absolute "
                          "times are noisy, the interleaved ratios less so"),
@@ -264,17 +296,44 @@ def plot(data: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def markdown(data: dict) -> str:
+    """The README table: seconds of the original, speed-up of every variant, peak RSS, per length."""
+    rows = data["rows"]
+    variants = list(rows[0]["seconds"]) if rows else []
+    head = ["N", "original s"] + [f"`{v}`" if v != "ceiling" else "ceiling" for v in variants[1:]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [str(r["N"]), f"{r['seconds']['original']:.3g}"]
+        for v in variants[1:]:
+            x = r["speedup"][v]
+            cells.append(f"**{x:.2f}×**" if x < 0.95 else f"{x:.2f}×")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("| N | " + " | ".join(f"`{v}`" if v not in ("original", "ceiling") else v for v in variants)
+                 + " |")
+    lines.append("|" + "---|" * (len(variants) + 1))
+    for r in rows:
+        lines.append(f"| {r['N']} | " + " | ".join(f"{r['peak_rss_mb'][v]:.0f}" for v in variants) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="comma-separated token counts")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policies")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="directory for the JSON and PNG")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: torch's own)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--table", action="store_true", help="print the Markdown tables of --out's e2e_cpu.json, run nothing")
     a = p.parse_args(argv)
+    if a.table:
+        print(markdown(json.loads((Path(a.out) / "e2e_cpu.json").read_text())))
+        return 0
     if a.worker:
         worker(a.worker)
         return 0
-    data = run([int(x) for x in a.lengths.split(",")], [x for x in a.policies.split(",") if x], Path(a.out))
+    data = run([int(x) for x in a.lengths.split(",")], [x for x in a.policies.split(",") if x], Path(a.out),
+               threads=a.threads)
     print(json.dumps(data["checks"], indent=1))
     return 0
 
