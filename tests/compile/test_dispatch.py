@@ -102,6 +102,7 @@ def test_compile_measures_caches_and_reports_the_threshold(llama, cache, monkeyp
     again = CompileReport.from_dict(json.loads(report.to_json()))
     assert again.sites[0].threshold == ths[0]
     assert "256 (measured)" in report.to_markdown() and "256 (cached)" in report.to_html()
+    assert 'title="faster than exact attention from 256 tokens on (measured 64..512)"' in report.to_html()
     # below the threshold the compiled model is the original, exactly; from it on the form acts
     short = _ids(200, seed=2)
     assert torch.equal(_logits(opt, short), _logits(llama, short))
