@@ -101,6 +101,16 @@ def step_bar(title: str, quiet: bool = False):
         yield update
 
 
+class Dispatch(str, enum.Enum):
+    auto = "auto"
+    off = "off"
+
+
+DISPATCH_HELP = ("auto: each rewritten site runs exact attention below its form's measured crossover length "
+                 "(timed once, cached in ~/.cache/attnopt/crossover.json); off: the form at every length (unless "
+                 "a rule sets min_seq_len). Default: $ATTNOPT_DISPATCH, else auto")
+
+
 class Method(str, enum.Enum):
     export = "export"
     dynamo = "dynamo"
@@ -205,7 +215,8 @@ def run_inspect(spec: str, as_json: bool, method: str, static: bool) -> int:
     help="Rewrite a model's attention per a policy, verify the drift, and write the HTML and JSON reports.",
     epilog=_epilog("attnopt compile minilm --policy window:64+sinks:4",
                    "attnopt compile minilm --policy linear+window:64+sinks:4 --html out/report.html",
-                   "attnopt compile examples/custom_model.py:build --policy my_policy.yaml --e2e-tolerance none"),
+                   "attnopt compile examples/custom_model.py:build --policy my_policy.yaml --e2e-tolerance none",
+                   "attnopt compile minilm --policy linear --dispatch off"),
 )
 def compile_command(
     model: str = typer.Argument("minilm", metavar="MODEL", help=MODEL_HELP),
@@ -223,12 +234,14 @@ def compile_command(
     html: str = typer.Option("report.html", "--html", help="where to write the HTML report"),
     json_out: Optional[str] = typer.Option(None, "--json", help="where to write the JSON report (default: beside "
                                                                 "--html)"),
+    dispatch: Optional[Dispatch] = typer.Option(None, "--dispatch", help=DISPATCH_HELP),
 ) -> int:
-    return _guarded("compile", lambda: run_compile(model, policy, tolerance, e2e_tolerance, seq_len, html, json_out))
+    return _guarded("compile", lambda: run_compile(model, policy, tolerance, e2e_tolerance, seq_len, html, json_out,
+                                                   dispatch.value if dispatch else None))
 
 
 def run_compile(spec: str, policy_text: str, tolerance: Optional[float], e2e_text: str, seq_len: int,
-                html: str, json_out: Optional[str]) -> int:
+                html: str, json_out: Optional[str], dispatch: Optional[str] = None) -> int:
     from attnopt.policy import Policy
     from attnopt.policy.errors import PolicyError
     from attnopt.samples import english_passages
@@ -248,7 +261,8 @@ def run_compile(spec: str, policy_text: str, tolerance: Optional[float], e2e_tex
     if isinstance(limit, int) and seq_len > limit:
         raise CliError(f"--seq-len {seq_len} is beyond {description}'s {limit} positions; use --seq-len {limit} "
                        "or less", EXIT_BAD_ARGUMENT)
-    opt = compile_or_fail(model, policy, (args, kwargs), description, tolerance=tolerance, e2e_tolerance=e2e)
+    opt = compile_or_fail(model, policy, (args, kwargs), description, tolerance=tolerance, e2e_tolerance=e2e,
+                          dispatch=dispatch)
     report = opt.attnopt_report
     print(report.to_markdown())
     json_path = json_out or os.path.splitext(html)[0] + ".json"
@@ -326,13 +340,14 @@ def bench_command(
     repeats: int = typer.Option(3, "--repeats", min=1, help="forwards per model and length (the best is kept)"),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's own)"),
     as_json: bool = typer.Option(False, "--json", help="print the result as JSON (no progress bar)"),
+    dispatch: Optional[Dispatch] = typer.Option(None, "--dispatch", help=DISPATCH_HELP),
 ) -> int:
     return _guarded("bench", lambda: run_bench(model, list(policy or BENCH_POLICIES), lengths, repeats, threads,
-                                               as_json))
+                                               as_json, dispatch.value if dispatch else None))
 
 
 def run_bench(spec: str, policies: list, lengths_text: str, repeats: int, threads: Optional[int],
-              as_json: bool) -> int:
+              as_json: bool, dispatch: Optional[str] = None) -> int:
     """Compile each policy, then time every model at every length, taking turns; print a table or JSON."""
     import time
     import warnings
@@ -379,7 +394,7 @@ def run_bench(spec: str, policies: list, lengths_text: str, repeats: int, thread
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the table says what a warning would
                 # Random weights: a drift budget would measure noise, so none is set.
-                opt = compile_or_fail(model, pol, (args, kwargs), description,
+                opt = compile_or_fail(model, pol, (args, kwargs), description, dispatch=dispatch,
                                       **({"e2e_tolerance": None} if random_weights else {}))
             models[text] = opt
         if not sized:

@@ -61,3 +61,19 @@ def test_compile_shows_each_step_and_the_sites_verified(factory, tmp_path, monke
                  "dispatch thresholds"):
         assert step in err, (step, err[-2000:])
     assert "0/1" in err  # the bar counts the sites verified
+
+
+def test_compile_dispatch_option_measures_thresholds(factory, tmp_path, monkeypatch, capsys):
+    from attnopt.passes import crossover
+
+    monkeypatch.setenv("ATTNOPT_CROSSOVER_CACHE", str(tmp_path / "xo.json"))
+    # injected timings: the form loses below 256 tokens and wins from there (nothing is timed)
+    monkeypatch.setattr(crossover, "module_timer", lambda module, geometry: lambda n: (2.0 if n < 256 else 0.5, 1.0))
+    assert main(["compile", factory, "--policy", "window:8", "--dispatch", "auto", "--html",
+                 str(tmp_path / "r.html")]) == 0
+    out = capsys.readouterr().out
+    assert "| 256 (measured) |" in out
+    assert main(["compile", factory, "--policy", "window:8", "--dispatch", "off", "--html",
+                 str(tmp_path / "r.html")]) == 0
+    assert "| 0 (off) |" in capsys.readouterr().out
+    assert main(["compile", factory, "--dispatch", "fast"]) == 2
