@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -308,6 +309,17 @@ def markdown(data: dict) -> str:
             x = r["speedup"][v]
             cells.append(f"**{x:.2f}×**" if x < 0.95 else f"{x:.2f}×")
         lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("Median of the repeats instead of the best (same run):")
+    lines.append("")
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "---|" * len(head))
+    for r in rows:
+        med = {v: statistics.median(ts) for v, ts in r["seconds_all"].items()}
+        lines.append(f"| {r['N']} | {med['original']:.3g} | " + " | ".join(
+            f"{med['original'] / med[v]:.2f}×" for v in variants[1:]) + " |")
+    lines.append("")
+    lines.append("Peak RSS (MB) of each worker during the forwards at that length:")
     lines.append("")
     lines.append("| N | " + " | ".join(f"`{v}`" if v not in ("original", "ceiling") else v for v in variants)
                  + " |")
