@@ -273,9 +273,13 @@ def plot(data: dict, path: Path) -> None:
     ns = [r["N"] for r in rows]
     variants = [v for v in rows[0]["speedup"] if v != "original"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    # One colour per variant in both panels; the original grey, the ceiling black and dashed.
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = {v: palette[i % len(palette)] for i, v in enumerate(x for x in variants if x != "ceiling")}
+    colors.update(original="grey", ceiling="black")
     for v in variants:
-        style = dict(linestyle="--", color="black") if v == "ceiling" else {}
-        ax1.plot(ns, [r["speedup"][v] for r in rows], marker="o", label=v, **style)
+        style = dict(linestyle="--") if v == "ceiling" else {}
+        ax1.plot(ns, [r["speedup"][v] for r in rows], marker="o", label=v, color=colors[v], **style)
     ax1.axhline(1.0, color="grey", linewidth=0.8)
     ax1.set_xscale("log", base=2)
     ax1.set_xlabel("tokens N")
@@ -283,7 +287,9 @@ def plot(data: dict, path: Path) -> None:
     ax1.set_title("forward time, original / variant")
     ax1.legend(fontsize=8)
     for v in ["original", *variants]:
-        ax2.plot(ns, [r["peak_rss_mb"][v] for r in rows], marker="o", label=v)
+        style = dict(linestyle="--") if v == "ceiling" else {}
+        ax2.plot(ns, [r["peak_rss_mb"][v] for r in rows], marker="o", label=v, color=colors[v], **style)
+    ax2.legend(fontsize=8)
     ax2.set_xscale("log", base=2)
     ax2.set_xlabel("tokens N")
     ax2.set_ylabel("peak RSS of the worker (MB)")
@@ -291,7 +297,7 @@ def plot(data: dict, path: Path) -> None:
     m = data["model"]
     fig.suptitle(f"Llama-style decoder ({m['num_hidden_layers']} layers, hidden {m['hidden_size']}, "
                  f"{m['num_attention_heads']}/{m['num_key_value_heads']} heads), {data['hardware']['cores']} cores, "
-                 f"{data['hardware']['threads']} threads, shared machine", fontsize=10)
+                 f"{data['hardware']['threads']} torch thread(s) per worker, shared machine", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -336,10 +342,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="directory for the JSON and PNG")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: torch's own)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--table", action="store_true", help="print the Markdown tables of --out's e2e_cpu.json, run nothing")
+    p.add_argument("--table", action="store_true",
+                   help="print the Markdown tables of --out's e2e_cpu.json and redraw its plot; run nothing")
     a = p.parse_args(argv)
     if a.table:
-        print(markdown(json.loads((Path(a.out) / "e2e_cpu.json").read_text())))
+        data = json.loads((Path(a.out) / "e2e_cpu.json").read_text())
+        print(markdown(data))
+        plot(data, Path(a.out) / "e2e_cpu.png")  # redrawn from the same data
         return 0
     if a.worker:
         worker(a.worker)
