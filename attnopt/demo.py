@@ -33,7 +33,7 @@ LENGTHS = (512, 2048, 4096)
 QUICK_LENGTHS = (1024,)
 REPEATS = 3
 DECODE_PROMPT, DECODE_TOKENS = 2048, 8
-QUICK_DECODE_PROMPT, QUICK_DECODE_TOKENS = 256, 2
+QUICK_DECODE_PROMPT, QUICK_DECODE_TOKENS = 256, 3
 UNSTEADY = 1.5  # slowest / fastest repeat above which the timings are called unreliable
 SEED = 0
 
@@ -59,7 +59,7 @@ class Timing:
 
 @dataclass
 class DecodeTiming:
-    """generate() per model: best-of-REPEATS prefill seconds (one new token) and seconds per further token."""
+    """generate() per model, best of REPEATS: seconds to the first token's logits, and per further token."""
 
     prompt: int
     new_tokens: int
@@ -212,21 +212,34 @@ def time_forward(models: dict, lengths, repeats: int = REPEATS) -> list[Timing]:
 
 
 def time_generate(models: dict, prompt: int, new_tokens: int, repeats: int = REPEATS) -> DecodeTiming:
-    """Greedy generate() per model, taking turns: the prefill is generate() of one token, the time
-    per token the extra time of `new_tokens` more, divided by them (the KV cache is HF's own)."""
+    """Greedy generate() per model, taking turns, best of `repeats`: the prefill is the time to the
+    first token's logits, the time per token the mean gap between the next ones, both read by a
+    logits processor that notes the clock at every step (one generate() call, HF's own KV cache)."""
     import torch
+    import transformers
+
+    class Clock(transformers.LogitsProcessor):
+        def __init__(self):
+            self.ticks = []
+
+        def __call__(self, input_ids, scores):
+            self.ticks.append(time.perf_counter())
+            return scores
 
     ids = _ids(next(iter(models.values())), prompt)
     prefill = {name: float("inf") for name in models}
-    longer = {name: float("inf") for name in models}
+    per_token = {name: float("inf") for name in models}
     with torch.inference_mode():
         for _ in range(repeats):
             for name, m in models.items():
-                for n, best in ((1, prefill), (1 + new_tokens, longer)):
-                    t = time.perf_counter()
-                    m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-                    best[name] = min(best[name], time.perf_counter() - t)
-    per_token = {name: max(longer[name] - prefill[name], 0.0) / new_tokens for name in models}
+                clock = Clock()
+                t = time.perf_counter()
+                m.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           logits_processor=transformers.LogitsProcessorList([clock]))
+                ticks = clock.ticks
+                prefill[name] = min(prefill[name], ticks[0] - t)
+                if len(ticks) > 1:
+                    per_token[name] = min(per_token[name], (ticks[-1] - ticks[0]) / (len(ticks) - 1))
     return DecodeTiming(prompt, new_tokens, prefill, per_token)
 
 
@@ -263,10 +276,10 @@ def render(result: DemoResult, console=None) -> None:
         d = result.decode
         t = Table("generate()", *[f"{n} ms" if i == 0 else f"{n} ms (speed-up)" for i, n in enumerate(names)],
                   title=f"greedy generate(), HF KV cache, best of {REPEATS}, interleaved")
-        for label, row in ((f"prefill {d.prompt} + 1 new", d.prefill), (f"per new token (of {d.new_tokens})", d.per_token)):
+        for label, row in ((f"prefill {d.prompt} tokens", d.prefill), (f"per new token (of {d.new_tokens})", d.per_token)):
             base = row[names[0]]
             t.add_row(label, *[f"{row[n] * 1e3:.1f}" if i == 0 else
-                               f"{row[n] * 1e3:.1f} ({base / row[n]:.2f}x)" if row[n] > 0 else "-"
+                               f"{row[n] * 1e3:.1f} ({base / row[n]:.2f}x)" if 0 < row[n] < float("inf") else "-"
                                for i, n in enumerate(names)])
         console.print(t)
     for note in result.notes:
