@@ -1,4 +1,4 @@
-"""`attnopt` command line (typer, rich): `inspect MODEL`, `compile MODEL --policy P`, `demo`.
+"""`attnopt` command line (typer, rich): `inspect MODEL`, `compile MODEL --policy P`, `bench`, `demo`.
 
 Every expected failure (bad argument or MODEL, model that does not trace, no attention, Ctrl-C)
 prints one line to stderr and returns its exit code; no traceback. `main(argv) -> int` is the
@@ -73,6 +73,44 @@ def progress(message: str, quiet: bool = False):
         yield
 
 
+def _no_steps(text: str, done: Optional[int] = None, total: Optional[int] = None) -> None:
+    pass
+
+
+@contextlib.contextmanager
+def step_bar(title: str, quiet: bool = False):
+    """A rich progress bar on stderr for a job of named steps (compile: capture, record, one tick per
+    site verified, dispatch timings; bench: one tick per forward). Yields update(text, done, total);
+    nothing is drawn when quiet or when stderr is not a terminal."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if quiet or not console.is_terminal:
+        yield _no_steps
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task(title, total=None)
+
+        def update(text: str, done: Optional[int] = None, total: Optional[int] = None) -> None:
+            # A step without a count shows a pulsing bar; verification and timings count up.
+            bar.update(task, description=f"{title}: {text}", completed=done or 0, total=total, refresh=True)
+
+        yield update
+
+
+class Dispatch(str, enum.Enum):
+    auto = "auto"
+    off = "off"
+
+
+DISPATCH_HELP = ("auto: each rewritten site runs exact attention below its form's measured crossover length "
+                 "(timed once, cached in ~/.cache/attnopt/crossover.json); off: the form at every length (unless "
+                 "a rule sets min_seq_len). Default: $ATTNOPT_DISPATCH, else auto")
+
+
 class Method(str, enum.Enum):
     export = "export"
     dynamo = "dynamo"
@@ -91,7 +129,7 @@ app = typer.Typer(
     help="Find attention in PyTorch models, rewrite it into cheaper forms per policy, and report how far "
          "the output moved.",
     epilog=_epilog("attnopt inspect minilm", "attnopt compile minilm --policy window:64+sinks:4",
-                   "attnopt demo --out demo_out"),
+                   "attnopt bench --policy linear --lengths 512,2048", "attnopt demo --out demo_out"),
     add_completion=False,
     no_args_is_help=True,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -177,7 +215,8 @@ def run_inspect(spec: str, as_json: bool, method: str, static: bool) -> int:
     help="Rewrite a model's attention per a policy, verify the drift, and write the HTML and JSON reports.",
     epilog=_epilog("attnopt compile minilm --policy window:64+sinks:4",
                    "attnopt compile minilm --policy linear+window:64+sinks:4 --html out/report.html",
-                   "attnopt compile examples/custom_model.py:build --policy my_policy.yaml --e2e-tolerance none"),
+                   "attnopt compile examples/custom_model.py:build --policy my_policy.yaml --e2e-tolerance none",
+                   "attnopt compile minilm --policy linear --dispatch off"),
 )
 def compile_command(
     model: str = typer.Argument("minilm", metavar="MODEL", help=MODEL_HELP),
@@ -195,12 +234,14 @@ def compile_command(
     html: str = typer.Option("report.html", "--html", help="where to write the HTML report"),
     json_out: Optional[str] = typer.Option(None, "--json", help="where to write the JSON report (default: beside "
                                                                 "--html)"),
+    dispatch: Optional[Dispatch] = typer.Option(None, "--dispatch", help=DISPATCH_HELP),
 ) -> int:
-    return _guarded("compile", lambda: run_compile(model, policy, tolerance, e2e_tolerance, seq_len, html, json_out))
+    return _guarded("compile", lambda: run_compile(model, policy, tolerance, e2e_tolerance, seq_len, html, json_out,
+                                                   dispatch.value if dispatch else None))
 
 
 def run_compile(spec: str, policy_text: str, tolerance: Optional[float], e2e_text: str, seq_len: int,
-                html: str, json_out: Optional[str]) -> int:
+                html: str, json_out: Optional[str], dispatch: Optional[str] = None) -> int:
     from attnopt.policy import Policy
     from attnopt.policy.errors import PolicyError
     from attnopt.samples import english_passages
@@ -220,7 +261,8 @@ def run_compile(spec: str, policy_text: str, tolerance: Optional[float], e2e_tex
     if isinstance(limit, int) and seq_len > limit:
         raise CliError(f"--seq-len {seq_len} is beyond {description}'s {limit} positions; use --seq-len {limit} "
                        "or less", EXIT_BAD_ARGUMENT)
-    opt = compile_or_fail(model, policy, (args, kwargs), description, tolerance=tolerance, e2e_tolerance=e2e)
+    opt = compile_or_fail(model, policy, (args, kwargs), description, tolerance=tolerance, e2e_tolerance=e2e,
+                          dispatch=dispatch)
     report = opt.attnopt_report
     print(report.to_markdown())
     json_path = json_out or os.path.splitext(html)[0] + ".json"
@@ -245,8 +287,9 @@ def compile_or_fail(model, policy, example_inputs, description: str, **options):
     from attnopt.passes.capture import CaptureError
 
     try:
-        with progress(f"compiling {description} with {policy} ..."):
-            opt = attnopt_compile(model, policy, example_inputs=example_inputs, name=description, **options)
+        with step_bar(f"compiling {description} with {policy}") as update:
+            opt = attnopt_compile(model, policy, example_inputs=example_inputs, name=description, progress=update,
+                                  **options)
     except CaptureError as exc:
         raise CliError(f"could not capture {description}: {exc}", EXIT_CAPTURE) from exc
     if not opt.attnopt_report.sites:
@@ -272,6 +315,136 @@ def summary_line(report) -> str:
     elif e2e is not None and e2e.worst is not None:
         summary += f"; worst output relative RMS drift {e2e.worst.rel_rms:.4g}"
     return summary
+
+
+BENCH_POLICIES = ("linear", "window:256+sinks:4")
+BENCH_LENGTHS = "512,2048"
+
+
+@app.command(
+    "bench",
+    help="Time a model's forward, original against each policy (compiled with the default dispatch), at a few "
+         "lengths: interleaved, best of --repeats. MODEL 'decoder' (the default) is a built-in random-weight "
+         "Llama-style decoder (4 layers, hidden 256, 8/2 heads); a Hugging Face model directory is fed random "
+         "token ids of each length; a file.py:factory model is timed at its own example only. For the full "
+         "study (8 layers, up to 32k tokens, peak memory, the zero-cost ceiling) run benchmarks/e2e_cpu.py.",
+    epilog=_epilog("attnopt bench", "attnopt bench --policy linear --policy hybrid --lengths 1024,4096",
+                   "attnopt bench minilm --policy window:64+sinks:4 --lengths 128,512 --json",
+                   "attnopt bench examples/custom_model.py:build --policy linear --repeats 5"),
+)
+def bench_command(
+    model: str = typer.Argument("decoder", metavar="MODEL", help="'decoder' (default), or " + MODEL_HELP),
+    policy: Optional[list[str]] = typer.Option(None, "--policy", help="a policy to time (repeat the option); "
+                                               f"default: {', '.join(BENCH_POLICIES)}"),
+    lengths: str = typer.Option(BENCH_LENGTHS, "--lengths", help="comma-separated token counts"),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="forwards per model and length (the best is kept)"),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's own)"),
+    as_json: bool = typer.Option(False, "--json", help="print the result as JSON (no progress bar)"),
+    dispatch: Optional[Dispatch] = typer.Option(None, "--dispatch", help=DISPATCH_HELP),
+) -> int:
+    return _guarded("bench", lambda: run_bench(model, list(policy or BENCH_POLICIES), lengths, repeats, threads,
+                                               as_json, dispatch.value if dispatch else None))
+
+
+def run_bench(spec: str, policies: list, lengths_text: str, repeats: int, threads: Optional[int],
+              as_json: bool, dispatch: Optional[str] = None) -> int:
+    """Compile each policy, then time every model at every length, taking turns; print a table or JSON."""
+    import time
+    import warnings
+
+    import torch
+
+    from attnopt.policy import Policy
+    from attnopt.policy.errors import PolicyError
+
+    try:
+        lengths = [int(x) for x in lengths_text.split(",") if x.strip()]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise CliError(f"--lengths must be comma-separated positive token counts like 512,2048; got {lengths_text!r}",
+                       EXIT_BAD_ARGUMENT)
+    try:
+        parsed = [Policy.parse(p) for p in policies]
+    except PolicyError as exc:
+        raise CliError(f"bad --policy: {exc}", EXIT_BAD_ARGUMENT) from exc
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if spec == "decoder":
+        from attnopt.demo import build_decoder
+
+        model, description = build_decoder(max(lengths))
+        args, kwargs = (), {"input_ids": torch.randint(1, 1000, (1, 128), generator=torch.Generator().manual_seed(0))}
+        random_weights = True
+    else:
+        model, args, kwargs, description = _load(spec, quiet=as_json)
+        random_weights = False
+    ids = kwargs.get("input_ids")
+    sized = not args and isinstance(ids, torch.Tensor) and ids.dim() == 2
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if sized and isinstance(limit, int) and max(lengths) > limit:
+        raise CliError(f"--lengths {max(lengths)} is beyond {description}'s {limit} positions; use at most {limit}",
+                       EXIT_BAD_ARGUMENT)
+    if sized and "use_cache" in getattr(getattr(model, "config", None), "to_dict", dict)():
+        kwargs = {**kwargs, "use_cache": False}
+    models = {"original": model}
+    with step_bar(f"bench {description}", quiet=as_json) as update:
+        for text, pol in zip(policies, parsed):
+            update(f"compiling {text}")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the table says what a warning would
+                # Random weights: a drift budget would measure noise, so none is set.
+                opt = compile_or_fail(model, pol, (args, kwargs), description, dispatch=dispatch,
+                                      **({"e2e_tolerance": None} if random_weights else {}))
+            models[text] = opt
+        if not sized:
+            lengths = [None]  # a factory model's own example: its length cannot be changed here
+        total, done = len(lengths) * (repeats + 1) * len(models), 0
+        rows = []
+        for n in lengths:
+            call_kwargs = kwargs
+            if n is not None:
+                gen = torch.Generator().manual_seed(n)
+                vocab = int(getattr(getattr(model, "config", None), "vocab_size", 1000) or 1000)
+                call_kwargs = {**kwargs, "input_ids": torch.randint(1, vocab, (1, n), generator=gen)}
+                for key in ("attention_mask", "token_type_ids"):  # the example's, shaped for its own length
+                    call_kwargs.pop(key, None)
+            best = {name: float("inf") for name in models}
+            with torch.inference_mode():
+                for r in range(repeats + 1):  # round 0 is an untimed warm-up
+                    for name, m in models.items():
+                        update(f"N={n or 'example'} {name}", done, total)
+                        t = time.perf_counter()
+                        m(*args, **call_kwargs)
+                        if r:
+                            best[name] = min(best[name], time.perf_counter() - t)
+                        done += 1
+            rows.append({"tokens": n, "seconds": best,
+                         "speedup": {name: best["original"] / sec for name, sec in best.items()}})
+    thresholds = {text: [None if r.threshold is None else r.threshold.min_seq_len for r in m.attnopt_report.sites]
+                  for text, m in models.items() if text != "original"}
+    rewritten = {text: f"{m.attnopt_report.count('rewritten')}/{len(m.attnopt_report.sites)}"
+                 for text, m in models.items() if text != "original"}
+    if as_json:
+        print(json.dumps({"model": description, "threads": torch.get_num_threads(), "repeats": repeats,
+                          "rows": rows, "rewritten": rewritten, "thresholds": thresholds}, indent=2))
+        return EXIT_OK
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("tokens", *[f"{name} ms" + ("" if name == "original" else " (speed-up)") for name in models],
+                  title=f"{description}: forward, best of {repeats}, interleaved, {torch.get_num_threads()} thread(s)")
+    for row in rows:
+        table.add_row(str(row["tokens"] or "example"), *[
+            f"{row['seconds'][name] * 1e3:.1f}" + ("" if name == "original" else f" ({row['speedup'][name]:.2f}x)")
+            for name in models])
+    console = Console(highlight=False)
+    console.print(table)
+    for text in thresholds:
+        shown = sorted({t for t in thresholds[text] if t is not None})
+        console.print(f"{text}: {rewritten[text]} sites rewritten; exact below "
+                      f"{', '.join(map(str, shown)) or '-'} tokens (dispatch thresholds)")
+    return EXIT_OK
 
 
 @app.command(

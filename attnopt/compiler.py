@@ -17,6 +17,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
+from attnopt.passes.crossover import dispatch_mode, resolve_thresholds
 from attnopt.passes.plan import plan_sites
 from attnopt.passes.records import Status
 from attnopt.passes.verify import BudgetStep, output_drift, revert_for_budget, verification_length, verify_sites
@@ -85,6 +86,8 @@ def compile(
     verify_inputs: Optional[Sequence[Any]] = None,
     method: str = "auto",
     name: Optional[str] = None,
+    dispatch: Optional[str] = None,
+    progress: Optional[Any] = None,
 ) -> nn.Module:
     """Rewrite the attention of a copy of `model` per `policy`; return it with `.attnopt_report`.
 
@@ -98,6 +101,12 @@ def compile(
     batches used only to verify, e.g. inputs long enough for a window to act (a transformers
     model gets one built from the example when none is). method: "auto" (transformers models keep their class via the attention interface, anything
     else is captured with torch.export), "hf" or "fx". The original model is never modified.
+    dispatch: "auto" (default; $ATTNOPT_DISPATCH when not given) gives every rewritten site whose
+    rule leaves min_seq_len unset the form's measured crossover against exact attention on this
+    device (cached; `attnopt.passes.crossover`), so short inputs run exact; "off" leaves them at 0
+    (the form at every length). Drift is verified on the form itself, before thresholds apply.
+    progress: a callable(text, done=None, total=None) told each step as it starts, and the sites
+    verified so far out of all (the CLI's progress bar).
     """
     from attnopt.graph import GraphTarget
     from attnopt.hf.interface import is_hf_model
@@ -120,6 +129,8 @@ def compile(
                                       or not 0 < e2e_tolerance < float("inf")):
         raise ValueError(f"e2e_tolerance must be a finite number > 0 (relative RMS drift of the outputs) or None; "
                          f"got {e2e_tolerance!r}")
+    mode = dispatch_mode(dispatch)
+    say = progress or (lambda text, done=None, total=None: None)
     policy = Policy.parse(policy)
     batches = [as_batch(example_inputs, "example_inputs")]
     batches += [as_batch(b, f"calibration[{i}]") for i, b in enumerate(calibration or [])]
@@ -133,8 +144,10 @@ def compile(
     timer = _Timer()
     target = (HfTarget if method == "hf" else GraphTarget)(_copy.deepcopy(model).eval(), name)
     timer.lap("copy")
+    say("capture + detect")
     found = target.detect(batches[:1])
     timer.lap("capture+detect")
+    say("record")
     recording = target.record(found, batches)
     planning = plan_sites(found.sites, policy)
     notes = list(found.notes)
@@ -153,10 +166,12 @@ def compile(
                          f"example's tokens (repeated), for forms that act only on inputs longer than the example "
                          f"(about {need} tokens wanted)")
     timer.lap("record")
+    say("build + verify sites")
     verification = verify_sites(found.sites, planning.plans, target.build_context(found.sites, recording), policy,
-                                tolerance, adapt=target.adapt_site)
+                                tolerance, adapt=target.adapt_site, step=say)
     timer.lap("plan+verify_sites")
     outcomes, modules = list(verification.outcomes), dict(verification.modules)
+    say("splice + end-to-end check")
     masks = [_attention_mask_of(b) for b in batches]
     result, splice_counts = target.splice(found.sites, modules)
     e2e = output_drift(target.run(result, batches), recording.outputs, masks)
@@ -171,6 +186,16 @@ def compile(
         before, e2e = e2e, output_drift(target.run(result, batches), recording.outputs, masks)
         steps.append(BudgetStep(worst, outcomes[index[worst]].drift.rel_rms, before.worst.rel_rms, e2e.worst.rel_rms))
     timer.lap("splice+verify_end_to_end")
+    say("dispatch thresholds")
+    # After the budget: the drifts above are the forms' own, measured where they act.
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    dispatch_result = resolve_thresholds(found.sites, outcomes, modules, mode, device=_device_of(result), step=say,
+                                         max_len=limit if isinstance(limit, int) else None)
+    outcomes = dispatch_result.outcomes
+    timer.lap("dispatch")
+    if dispatch_result.thresholds and any(t.min_seq_len for t in dispatch_result.thresholds.values()):
+        notes.append("sites run exact attention below their dispatch threshold (each site's min_seq_len, shown per "
+                     "site); the drifts reported are the forms' own, measured where they act")
     timer.timings["total"] = sum(timer.timings.values())
     if splice_counts.get("model_window_taken_over"):
         notes.append(f"the model slides its own attention window (a sliding window); attnopt runs it on {splice_counts['model_window_taken_over']} "
@@ -180,10 +205,11 @@ def compile(
 
     counts = {"detect": found.counts, "record": recording.counts, "plan": planning.counts,
               "verify": verification.counts, "splice": splice_counts,
-              "budget": {"e2e_tolerance": e2e_tolerance, "reverted": len(steps)}}
+              "budget": {"e2e_tolerance": e2e_tolerance, "reverted": len(steps)}, "dispatch": dispatch_result.counts}
     result.attnopt_report = build_report(
         model_name=name, policy=policy, found=found, plans=planning.plans, outcomes=outcomes,
         end_to_end=e2e, timings=timer.timings, notes=notes + recording.notes, counts=counts, budget_steps=steps,
+        thresholds=dispatch_result.thresholds,
     )
     return result
 
@@ -209,7 +235,15 @@ def _warn_if_nothing_rewritten(name, plans, outcomes, steps, budget) -> None:
                   f"({why}{extra}); see the report's reasons, or relax tolerance / e2e_tolerance", stacklevel=3)
 
 
-def build_report(*, model_name, policy, found, plans, outcomes, end_to_end, timings, notes, counts, budget_steps=()):
+def _device_of(model: nn.Module) -> torch.device:
+    """Where the model runs (its first parameter or buffer; CPU when it has none)."""
+    for t in (*model.parameters(), *model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def build_report(*, model_name, policy, found, plans, outcomes, end_to_end, timings, notes, counts, budget_steps=(),
+                 thresholds=None):
     """The report is assembled from exactly what the passes returned; only costs are computed here."""
     from attnopt.passes.cost import cost_curve
     from attnopt.report import CompileReport, SiteRecord
@@ -225,7 +259,8 @@ def build_report(*, model_name, policy, found, plans, outcomes, end_to_end, timi
             before, after = [], []
             why = "its length is symbolic and no site shows a static one" if "symbolic" in str(exc) else str(exc)
             notes.append(f"site {site.id}: cost not computed ({why})")
-        records.append(SiteRecord(site=site, plan=plan, outcome=outcome, costs_before=before, costs_after=after))
+        records.append(SiteRecord(site=site, plan=plan, outcome=outcome, costs_before=before, costs_after=after,
+                                  threshold=(thresholds or {}).get(site.id)))
     return CompileReport(
         model_name=model_name, policy=policy, capture=found.capture, sites=records, near_misses=found.near_misses,
         end_to_end=end_to_end, timings=timings, notes=notes, counts=counts,

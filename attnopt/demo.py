@@ -3,7 +3,8 @@
 1. the pretrained MiniLM on the built-in English passages: inspect (site count), then compile with
    each of MINILM_POLICIES; sites rewritten and the mean embedding cosine for each;
 2. a small Llama-style decoder with random weights: compile with each of DECODER_POLICIES and time
-   the forward, original against rewritten, interleaved, best of REPEATS;
+   the forward, original against rewritten, interleaved, best of REPEATS; then generate(): the
+   prefill of a DECODE_PROMPT-token prompt and the time per new token (DECODE_TOKENS of them);
 3. the linear+window MiniLM report as report.html and report.json.
 
 `run(out, quick, step)` returns a DemoResult (plain data); `render(result)` is what the CLI prints.
@@ -31,6 +32,8 @@ DECODER_EXAMPLE_TOKENS = 128  # compile's verification adds a longer input where
 LENGTHS = (512, 2048, 4096)
 QUICK_LENGTHS = (1024,)
 REPEATS = 3
+DECODE_PROMPT, DECODE_TOKENS = 2048, 8
+QUICK_DECODE_PROMPT, QUICK_DECODE_TOKENS = 256, 3
 UNSTEADY = 1.5  # slowest / fastest repeat above which the timings are called unreliable
 SEED = 0
 
@@ -42,6 +45,7 @@ class MiniLMRun:
     rewritten: int
     embedding_cosine: Optional[float]
     seconds: float
+    exact_below: str = "-"  # the rewritten sites' dispatch thresholds, e.g. "1024 (measured)"
 
 
 @dataclass
@@ -51,6 +55,16 @@ class Timing:
     length: int
     seconds: dict[str, float]
     spread: dict[str, float]  # slowest / fastest of the repeats: how steady the machine was
+
+
+@dataclass
+class DecodeTiming:
+    """generate() per model, best of REPEATS: seconds to the first token's logits, and per further token."""
+
+    prompt: int
+    new_tokens: int
+    prefill: dict[str, float]
+    per_token: dict[str, float]
 
 
 @dataclass
@@ -66,6 +80,7 @@ class DemoResult:
     seconds: float
     threads: int  # torch threads the timings ran on
     notes: list[str] = field(default_factory=list)
+    decode: Optional[DecodeTiming] = None
 
 
 Step = Callable[[str], ContextManager]
@@ -111,7 +126,9 @@ def _run(out: str, quick: bool, step: Step) -> DemoResult:
             opt = attnopt.compile(model, text, example_inputs=(args, kwargs), name=description)
         rep = opt.attnopt_report
         cosine = rep.end_to_end.embedding_cosine if rep.end_to_end is not None else None
-        runs.append(MiniLMRun(text, len(rep.sites), rep.count("rewritten"), cosine, time.perf_counter() - t))
+        below = sorted({f"{r.threshold.min_seq_len} ({r.threshold.source})" for r in rep.sites if r.threshold})
+        runs.append(MiniLMRun(text, len(rep.sites), rep.count("rewritten"), cosine, time.perf_counter() - t,
+                              ", ".join(below) or "-"))
         if policy == REPORT_POLICY:
             report = rep
     os.makedirs(out, exist_ok=True)
@@ -133,6 +150,9 @@ def _run(out: str, quick: bool, step: Step) -> DemoResult:
     lengths = QUICK_LENGTHS if quick else LENGTHS
     with step(f"timing the forward at {', '.join(map(str, lengths))} tokens ..."):
         timings = time_forward(compiled, lengths)
+    prompt, new = (QUICK_DECODE_PROMPT, QUICK_DECODE_TOKENS) if quick else (DECODE_PROMPT, DECODE_TOKENS)
+    with step(f"timing generate(): a {prompt}-token prompt, then {new} new tokens ..."):
+        decode = time_generate(compiled, prompt, new)
     notes = ["the decoder's weights are random: its compiles set no end-to-end budget (e2e_tolerance=None) and "
              "only its speed means something, not its outputs"]
     spread = max((v for row in timings for v in row.spread.values()), default=1.0)
@@ -143,20 +163,20 @@ def _run(out: str, quick: bool, step: Step) -> DemoResult:
                      "unreliable; rerun when it is idle" + (", or with --threads 1" if torch.get_num_threads() > 1
                                                             else ""))
     return DemoResult(description, sites, runs, decoder_description, rewritten, timings, html, json_path,
-                      time.perf_counter() - start, torch.get_num_threads(), notes)
+                      time.perf_counter() - start, torch.get_num_threads(), notes, decode)
 
 
-def build_decoder():
-    """A small Llama-style decoder (GQA 8/2 heads, RoPE) with seeded random weights."""
+def build_decoder(max_len: int = max(LENGTHS)):
+    """A small Llama-style decoder (GQA 8/2 heads, RoPE) with seeded random weights, `max_len` positions."""
     import torch
     import transformers
 
     config = transformers.LlamaConfig(
         vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=max(LENGTHS),
+        num_key_value_heads=2, max_position_embeddings=max_len,
     )
     torch.manual_seed(SEED)
-    model = transformers.LlamaModel(config).eval()
+    model = transformers.LlamaForCausalLM(config).eval()  # generate() needs the LM head
     return model, (f"Llama-style decoder ({config.num_hidden_layers} layers, hidden {config.hidden_size}, "
                    f"{config.num_attention_heads}/{config.num_key_value_heads} heads, random weights)")
 
@@ -191,6 +211,38 @@ def time_forward(models: dict, lengths, repeats: int = REPEATS) -> list[Timing]:
     return rows
 
 
+def time_generate(models: dict, prompt: int, new_tokens: int, repeats: int = REPEATS) -> DecodeTiming:
+    """Greedy generate() per model, taking turns, best of `repeats`: the prefill is the time to the
+    first token's logits, the time per token the mean gap between the next ones, both read by a
+    logits processor that notes the clock at every step (one generate() call, HF's own KV cache)."""
+    import torch
+    import transformers
+
+    class Clock(transformers.LogitsProcessor):
+        def __init__(self):
+            self.ticks = []
+
+        def __call__(self, input_ids, scores):
+            self.ticks.append(time.perf_counter())
+            return scores
+
+    ids = _ids(next(iter(models.values())), prompt)
+    prefill = {name: float("inf") for name in models}
+    per_token = {name: float("inf") for name in models}
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for name, m in models.items():
+                clock = Clock()
+                t = time.perf_counter()
+                m.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           logits_processor=transformers.LogitsProcessorList([clock]))
+                ticks = clock.ticks
+                prefill[name] = min(prefill[name], ticks[0] - t)
+                if len(ticks) > 1:
+                    per_token[name] = min(per_token[name], (ticks[-1] - ticks[0]) / (len(ticks) - 1))
+    return DecodeTiming(prompt, new_tokens, prefill, per_token)
+
+
 def render(result: DemoResult, console=None) -> None:
     """Print the demo's results with rich (tables), to stdout unless `console` says otherwise."""
     from rich.console import Console
@@ -201,10 +253,13 @@ def render(result: DemoResult, console=None) -> None:
                   f"(inspect), {MINILM_TOKENS}-token English passages")
     t = Table("sites rewritten", "mean embedding cosine", "compile s")
     t.add_column("policy", no_wrap=True)
+    t.add_column("exact below N tokens")
     for r in result.minilm_runs:
         cos = "-" if r.embedding_cosine is None else f"{r.embedding_cosine:.4f}"
-        t.add_row(f"{r.rewritten}/{r.sites}", cos, f"{r.seconds:.1f}", r.policy)
+        t.add_row(f"{r.rewritten}/{r.sites}", cos, f"{r.seconds:.1f}", r.policy, r.exact_below)
     console.print(t)
+    console.print("   the cosine is the forms' own (every site rewritten); each site runs exact attention below its "
+                  "dispatch threshold, the length from which its form is faster than SDPA on this machine")
 
     console.print(f"\n[bold]2. {result.decoder_description}[/bold]: sites rewritten "
                   + ", ".join(f"{p} {k}" for p, k in result.decoder_rewritten.items()))
@@ -217,6 +272,16 @@ def render(result: DemoResult, console=None) -> None:
                  f"{row.seconds[n] * 1e3:.1f} ({base / row.seconds[n]:.2f}x)" for i, n in enumerate(names)]
         t.add_row(str(row.length), *cells)
     console.print(t)
+    if result.decode is not None:
+        d = result.decode
+        t = Table("generate()", *[f"{n} ms" if i == 0 else f"{n} ms (speed-up)" for i, n in enumerate(names)],
+                  title=f"greedy generate(), HF KV cache, best of {REPEATS}, interleaved")
+        for label, row in ((f"prefill {d.prompt} tokens", d.prefill), (f"per new token (of {d.new_tokens})", d.per_token)):
+            base = row[names[0]]
+            t.add_row(label, *[f"{row[n] * 1e3:.1f}" if i == 0 else
+                               f"{row[n] * 1e3:.1f} ({base / row[n]:.2f}x)" if 0 < row[n] < float("inf") else "-"
+                               for i, n in enumerate(names)])
+        console.print(t)
     for note in result.notes:
         console.print(f"note: {note}")
 

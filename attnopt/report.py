@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from attnopt.passes.crossover import Threshold
 from attnopt.passes.records import Cost, Drift, OutputDrift, SiteOutcome, SitePlan, Status
 from attnopt.passes.site import AttentionSite, MaskInfo, NearMiss, SiteNodes
 
@@ -36,6 +37,8 @@ class SiteRecord:
     outcome: SiteOutcome
     costs_before: list = field(default_factory=list)  # list[Cost], one per CompileReport.cost_multipliers
     costs_after: list = field(default_factory=list)
+    # Rewritten sites: the length below which the site runs exact attention, and where it came from.
+    threshold: Optional[Threshold] = None
 
     def flops_ratio(self, i: int) -> Optional[float]:
         """Attention FLOPs after / before at multiplier index `i` (None when not costed)."""
@@ -50,6 +53,7 @@ class SiteRecord:
             "outcome": self.outcome.to_dict(),
             "costs_before": [c.to_dict() for c in self.costs_before],
             "costs_after": [c.to_dict() for c in self.costs_after],
+            "threshold": self.threshold.to_dict() if self.threshold is not None else None,
         }
 
 
@@ -263,6 +267,7 @@ def _record_from_dict(d: dict) -> SiteRecord:
         outcome=SiteOutcome.from_dict(d["outcome"]),
         costs_before=[Cost(**c) for c in d.get("costs_before", [])],
         costs_after=[Cost(**c) for c in d.get("costs_after", [])],
+        threshold=Threshold.from_dict(d["threshold"]) if d.get("threshold") else None,
     )
 
 

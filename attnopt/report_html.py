@@ -168,7 +168,7 @@ def _card(value: Any, label: str) -> str:
 def _site_table(rep) -> str:
     if not rep.sites:
         return "<p>No attention sites found.</p>"
-    numeric = {"layer", "drift", "tolerance", "ratio_first", "ratio_last"}
+    numeric = {"layer", "drift", "tolerance", "threshold", "ratio_first", "ratio_last"}
     head = "".join(f"<th>{esc(t)}</th>" for t in column_titles(rep.cost_multipliers))
     rows = []
     for r in rep.sites:
@@ -177,7 +177,10 @@ def _site_table(rep) -> str:
         for key, _ in SITE_COLUMNS:
             cls = "num" if key in numeric else ("st" if key == "status" else "")
             text = f"<code>{esc(row[key])}</code>" if key in ("id", "module") else esc(row[key])
-            cells.append(f'<td class="{cls}">{text}</td>' if cls else f"<td>{text}</td>")
+            attrs = f' class="{cls}"' if cls else ""
+            if key == "threshold" and r.threshold is not None:  # how it was decided, on hover
+                attrs += f' title="{esc(r.threshold.detail)}"'
+            cells.append(f"<td{attrs}>{text}</td>")
         rows.append(f'<tr class="{esc(r.outcome.status)}">{"".join(cells)}</tr>')
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 

@@ -63,6 +63,8 @@ def site_row(r, multipliers: tuple) -> dict[str, str]:
         "reason": o.reason,
         "drift": "—" if drift is None else f"{fmt_num(drift.rel_rms)} / {fmt_num(drift.cosine, 4)}",
         "tolerance": fmt_num(o.tolerance),
+        # Dispatch: the site runs exact attention below this query length (the form from it on).
+        "threshold": "—" if r.threshold is None else f"{r.threshold.min_seq_len} ({r.threshold.source})",
         "ratio_first": fmt_num(r.flops_ratio(0)),
         "ratio_last": fmt_num(r.flops_ratio(last)),
     }
@@ -78,6 +80,7 @@ SITE_COLUMNS = (
     ("reason", "reason"),
     ("drift", "drift rel-RMS / cosine"),
     ("tolerance", "tolerance"),
+    ("threshold", "exact below N (source)"),
     ("ratio_first", "FLOPs ratio @first"),
     ("ratio_last", "FLOPs ratio @last"),
 )

@@ -1,11 +1,25 @@
 """Shared fixtures: the real pretrained all-MiniLM-L6-v2 (offline) and English text for it."""
 
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Tests compile tiny models at short lengths and expect the forms to act there, so compile's
+# default measured dispatch thresholds are off for the whole session (module- and session-scoped
+# fixtures compile before any function-scoped fixture runs), and the crossover cache is a
+# temporary file: no test times anything or touches the user's cache. Tests marked
+# `dispatch_auto` turn it back on (with injected timings).
+os.environ["ATTNOPT_DISPATCH"] = "off"
+os.environ["ATTNOPT_CROSSOVER_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="attnopt-test-"), "crossover.json")
+
+
+@pytest.fixture(autouse=True)
+def _dispatch_auto_when_marked(monkeypatch, request):
+    if request.node.get_closest_marker("dispatch_auto") is not None:
+        monkeypatch.delenv("ATTNOPT_DISPATCH")
 
 
 @pytest.fixture(scope="session")

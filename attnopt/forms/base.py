@@ -71,7 +71,10 @@ def _type_names(types: tuple) -> str:
 # Parameters every form accepts: run-time fallback to exact below `min_seq_len`, and a per-rule
 # drift tolerance (relative RMS of the site output) overriding the form's default.
 COMMON_PARAMS: dict[str, Param] = {
-    "min_seq_len": Param(int, 0, minimum=0, doc="below this query length the site runs exact attention"),
+    # None: compile resolves it to the form's measured crossover against exact attention
+    # (attnopt.passes.crossover); 0: the form at every length.
+    "min_seq_len": Param((int, type(None)), None, minimum=0,
+                         doc="below this query length the site runs exact attention (null: the measured crossover)"),
     "tolerance": Param((float, type(None)), None, minimum=0.0, doc="max relative RMS drift of the site output"),
 }
 

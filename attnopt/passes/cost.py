@@ -71,7 +71,7 @@ def site_cost(site: Any, form: str, params: Optional[Mapping] = None, seq_len: O
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
     Nq, Nk = scaled_lengths(site, seq_len)
-    if Nq < p.get("min_seq_len", 0):  # the site dispatches to exact attention below min_seq_len
+    if Nq < (p.get("min_seq_len") or 0):  # the site dispatches to exact attention below min_seq_len
         spec, p = forms.get("exact"), {}
     c = spec.cost(site, p, _batch(site, batch), Nq, Nk)
     return Cost(seq_len=seq_len, flops=float(c.flops), bytes=float(c.elements * element_bytes(site.dtype)))

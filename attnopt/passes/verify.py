@@ -128,12 +128,14 @@ def try_form(site, form: str, params: dict, context: BuildContext, tol: float) -
 
 
 def verify_sites(sites, plans, context: BuildContext, policy, tolerance: Optional[float] = None,
-                 adapt: Callable = lambda s: s) -> SiteVerification:
-    """Build, verify and accept or revert every planned site; `adapt` gives the mechanism's view of a site."""
+                 adapt: Callable = lambda s: s, step: Callable = lambda text, done, total: None) -> SiteVerification:
+    """Build, verify and accept or revert every planned site; `adapt` gives the mechanism's view of a site.
+    `step(text, done, total)` is told each site before it is verified (a progress bar)."""
     outcomes, modules = [], {}
     adapted = [adapt(s) for s in sites]
     context = replace(context, sites=adapted)
-    for site, plan in zip(adapted, plans):
+    for i, (site, plan) in enumerate(zip(adapted, plans)):
+        step(f"verifying site {site.id}", i, len(adapted))
         outcome, module = _decide(site, plan, context, policy, tolerance)
         outcomes.append(outcome)
         if module is not None:

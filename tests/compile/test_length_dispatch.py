@@ -1,0 +1,147 @@
+"""Length-adaptive dispatch (attnopt.passes.crossover): thresholds from injected timings, never real ones."""
+
+import json
+
+import pytest
+import torch
+
+import attnopt
+from attnopt.passes import crossover
+from attnopt.report import CompileReport
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.dispatch_auto
+VOCAB = 97
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _llama()
+
+
+def _ids(n, seed=1):
+    return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+class FakeTimer:
+    """A timer factory whose form is slower than exact below `cross` tokens and faster from it on."""
+
+    def __init__(self, cross):
+        self.cross, self.lengths, self.geometries = cross, [], []
+
+    def __call__(self, module, geometry):
+        self.geometries.append(geometry)
+
+        def time_pair(n):
+            self.lengths.append(n)
+            return (2.0 if n < self.cross else 0.5), 1.0
+
+        return time_pair
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    path = tmp_path / "crossover.json"
+    monkeypatch.setenv("ATTNOPT_CROSSOVER_CACHE", str(path))
+    monkeypatch.delenv("ATTNOPT_DISPATCH", raising=False)
+    return path
+
+
+def test_crossover_is_the_start_of_the_last_winning_run():
+    # wins at 256, loses again at 512 (noise or a kernel switch), wins from 1024 on
+    timings = [(64, 2, 1), (128, 1.5, 1), (256, 0.9, 1), (512, 1.1, 1), (1024, 0.5, 1), (2048, 0.4, 1)]
+    assert crossover.crossover(timings) == 1024
+    assert crossover.crossover([(64, 0.5, 1), (128, 0.4, 1)]) == 0
+    assert crossover.crossover([(64, 0.5, 1), (128, 1.4, 1)]) is None
+
+
+def test_measure_stops_after_two_wins_and_bounds_a_form_that_never_wins():
+    seen = []
+    value, detail, timings = crossover.measure(lambda n: (seen.append(n), (1.0 if n < 512 else 0.2, 0.5))[1])
+    assert value == 512 and seen == [64, 128, 256, 512, 1024] and len(timings) == 5
+    assert "from 512 tokens" in detail
+    value, detail, _ = crossover.measure(lambda n: (2.0, 1.0), lengths=(64, 128, 256))
+    assert value == 512 and "slower than exact attention at every length measured up to 256" in detail
+    assert crossover.measure(lambda n: (0.1, 1.0))[0] == 0
+
+
+def test_compile_measures_caches_and_reports_the_threshold(llama, cache, monkeypatch):
+    timer = FakeTimer(cross=256)
+    monkeypatch.setattr(crossover, "module_timer", timer)  # compile's default timer, swapped for the fake
+    example = {"input_ids": _ids(64), "use_cache": False}
+    opt = attnopt.compile(llama, "linear", example_inputs=example, tolerance=0.99, e2e_tolerance=None)
+    report = opt.attnopt_report
+    ths = [r.threshold for r in report.sites]
+    # both layers share one geometry: timed once (64, 128 lose; 256, 512 win), the second is a cache hit
+    assert [(t.min_seq_len, t.source) for t in ths] == [(256, "measured"), (256, "cached")]
+    assert timer.lengths == [64, 128, 256, 512]
+    g = timer.geometries[0]
+    assert (g.heads, g.kv_heads, g.head_dim, g.causal) == (6, 2, 8, True)
+    assert report.counts["dispatch"] == {"mode": "auto", "given": 0, "measured": 1, "cached": 1, "off": 0, "fixed": 0}
+    assert all(r.outcome.params["min_seq_len"] == 256 for r in report.sites)
+    assert all(s.attnopt_site.min_seq_len == 256 for s in (opt.model.layers[0].self_attn, opt.model.layers[1].self_attn))
+    # the cache file holds one entry keyed by device, torch version, form parameters and geometry
+    data = json.loads(cache.read_text())
+    (key, entry), = data.items()
+    assert f"torch {torch.__version__}" in key and "linear(" in key and "H=6, Hkv=2, D=8" in key
+    assert entry["min_seq_len"] == 256 and [t[0] for t in entry["timings"]] == [64, 128, 256, 512]
+    # report: JSON round trip, Markdown and HTML show it
+    again = CompileReport.from_dict(json.loads(report.to_json()))
+    assert again.sites[0].threshold == ths[0]
+    assert "256 (measured)" in report.to_markdown() and "256 (cached)" in report.to_html()
+    assert 'title="faster than exact attention from 256 tokens on (measured 64..512)"' in report.to_html()
+    # below the threshold the compiled model is the original, exactly; from it on the form acts
+    short = _ids(200, seed=2)
+    assert torch.equal(_logits(opt, short), _logits(llama, short))
+    long = _ids(300, seed=3)
+    assert not torch.allclose(_logits(opt, long), _logits(llama, long), atol=1e-3)
+
+    # a second compile reads the file and times nothing
+    never = FakeTimer(cross=0)
+    monkeypatch.setattr(crossover, "module_timer", never)
+    opt2 = attnopt.compile(llama, "linear", example_inputs=example, tolerance=0.99, e2e_tolerance=None)
+    assert never.lengths == []
+    assert [(r.threshold.min_seq_len, r.threshold.source) for r in opt2.attnopt_report.sites] == [(256, "cached")] * 2
+
+
+def test_given_and_off_thresholds_time_nothing(llama, cache, monkeypatch):
+    timer = FakeTimer(cross=256)
+    monkeypatch.setattr(crossover, "module_timer", timer)
+    example = {"input_ids": _ids(64), "use_cache": False}
+    given = attnopt.compile(llama, {"rules": [{"layers": "0", "form": "linear", "min_seq_len": 0},
+                                              {"form": "window", "window": 8, "min_seq_len": 40}]},
+                            example_inputs=example, tolerance=0.99, e2e_tolerance=None)
+    assert [(r.threshold.min_seq_len, r.threshold.source) for r in given.attnopt_report.sites] == [(0, "given"),
+                                                                                                    (40, "given")]
+    off = attnopt.compile(llama, "linear", example_inputs=example, tolerance=0.99, e2e_tolerance=None, dispatch="off")
+    assert [(r.threshold.min_seq_len, r.threshold.source) for r in off.attnopt_report.sites] == [(0, "off")] * 2
+    monkeypatch.setenv("ATTNOPT_DISPATCH", "off")
+    env_off = attnopt.compile(llama, "linear", example_inputs=example, tolerance=0.99, e2e_tolerance=None)
+    assert [r.threshold.source for r in env_off.attnopt_report.sites] == ["off"] * 2
+    assert timer.lengths == [] and not cache.exists()
+
+
+def test_bad_dispatch_values_are_one_line_errors(llama, cache, monkeypatch):
+    example = {"input_ids": _ids(16), "use_cache": False}
+    with pytest.raises(ValueError, match=r"dispatch must be 'auto' .* or 'off' .*got 'fast'"):
+        attnopt.compile(llama, "linear", example_inputs=example, dispatch="fast")
+    monkeypatch.setenv("ATTNOPT_DISPATCH", "0")
+    with pytest.raises(ValueError, match=r"\$ATTNOPT_DISPATCH must be 'auto'"):
+        attnopt.compile(llama, "linear", example_inputs=example)
+    monkeypatch.delenv("ATTNOPT_DISPATCH")
+    cache.write_text("{not json")
+    with pytest.raises(ValueError, match="crossover cache .* cannot be read"):
+        crossover.load_cache()
