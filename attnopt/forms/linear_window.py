@@ -150,5 +150,10 @@ class LinearWindowForm(Form):
     def public_ops(self):
         return {"linear_window_attention": linear_window_attention}
 
+    def onnx_lowering(self):
+        from attnopt.backends.onnx.linear_window import LOWERING
+
+        return LOWERING
+
 
 FORM = LinearWindowForm()
