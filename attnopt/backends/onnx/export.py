@@ -25,9 +25,8 @@ from torch import nn
 
 from attnopt.backends.onnx.lowering import TARGETS, OpLowering
 
-# The dynamo exporter writes opset 18 (its torchlib); newer ones are a version conversion of
-# that graph. ORT 1.32 runs all of these on CPU.
-DEFAULT_OPSET = 18
+# torch.onnx's dynamo exporter writes opset 18 and up (its default, 20 with torch 2.13, when
+# opset=None); other versions are a version conversion of that graph. ORT 1.32 runs them all on CPU.
 SUPPORTED_OPSETS = range(18, 24)
 PARITY_TOLERANCE = 1e-4  # relative RMS of every output, fp32
 PLUGIN_VERSION = "1"
@@ -54,7 +53,7 @@ class OnnxExport:
 
 def export_onnx(model: nn.Module, path, example_inputs: Any = None, *, target: str = "ort",
                 opset: Optional[int] = None, dynamic: bool = True, policy: Any = None,
-                check_lengths: Optional[Sequence[int]] = None) -> OnnxExport:
+                check_lengths: Optional[Sequence[int]] = None, baseline: bool = True) -> OnnxExport:
     """Export a compiled model (HF or graph path; or an original one plus `policy=`) to `path`.
 
     `target`: "ort" (ONNX Runtime contrib kernels where exact), "onnx-std" (standard ops only) or
@@ -63,7 +62,8 @@ def export_onnx(model: nn.Module, path, example_inputs: Any = None, *, target: s
     (onnx.checker; ORT CPU parity with torch at the export length and one other, relative RMS ≤
     1e-4; ReferenceEvaluator on a short input for onnx-std and custom) before it is returned, and
     the result is appended to `model.attnopt_report.exports`. `check_lengths` overrides the two
-    parity lengths.
+    parity lengths; `baseline=False` skips the all-exact export behind `ops_before` (a second
+    export, about as long as the first).
     """
     started = time.perf_counter()
     target, opset = _check_target(target, opset)
@@ -78,15 +78,17 @@ def export_onnx(model: nn.Module, path, example_inputs: Any = None, *, target: s
     export_args = tuple(_batch_of_two(t) for t in flat) if dynamic else flat
     dynamic_shapes = _dynamic_shapes(export_args) if dynamic else None
 
-    with _all_sites_exact(opt):
-        before = _to_onnx(wrapper, export_args, dynamic_shapes, {}, opset)
+    before = None
+    if baseline:
+        with _all_sites_exact(opt):
+            before = _to_onnx(wrapper, export_args, dynamic_shapes, {}, opset)
     calls: list = []
     table = _translation_table(target, calls)
     after = _to_onnx(wrapper, export_args, dynamic_shapes, table, opset)
     functions = [c.pop("function") for c in calls if "function" in c]
     _add_functions(after.model, functions)
-    result = OnnxExport(path=str(out_path), target=target, opset=opset,
-                        sites=_name_sites(calls, _site_calls(opt, wrapper, flat)), ops_before=histogram(before.model),
+    result = OnnxExport(path=str(out_path), target=target, opset=after.model.opset_imports[""],
+                        sites=_name_sites(calls, _site_calls(opt, wrapper, flat)), ops_before=histogram(before.model) if before else {},
                         ops_after=histogram(after.model))
 
     from attnopt.backends.onnx import checks
@@ -114,13 +116,12 @@ def histogram(model) -> dict:
 # ---------------------------------------------------------------- argument checks
 
 
-def _check_target(target: str, opset: Optional[int]) -> tuple[str, int]:
+def _check_target(target: str, opset: Optional[int]) -> tuple[str, Optional[int]]:
     if target not in TARGETS:
         raise ValueError(f"unknown ONNX target {target!r}; choose one of: {', '.join(TARGETS)}")
-    opset = DEFAULT_OPSET if opset is None else opset
-    if isinstance(opset, bool) or not isinstance(opset, int) or opset not in SUPPORTED_OPSETS:
+    if opset is not None and (isinstance(opset, bool) or not isinstance(opset, int) or opset not in SUPPORTED_OPSETS):
         raise ValueError(f"opset {opset!r} is not supported; use {SUPPORTED_OPSETS.start}.."
-                         f"{SUPPORTED_OPSETS.stop - 1} (torch.onnx's dynamo exporter writes 18)")
+                         f"{SUPPORTED_OPSETS.stop - 1}, or None for torch.onnx's default")
     return target, opset
 
 
@@ -238,7 +239,7 @@ def _to_onnx(wrapper: nn.Module, args: tuple, dynamic_shapes, table: dict, opset
         warnings.simplefilter("ignore")
         program = torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes, strict=False)
         onnx_program = torch.onnx.export(program, dynamo=True, custom_translation_table=table,
-                                         opset_version=None if opset == DEFAULT_OPSET else opset, verbose=False)
+                                         opset_version=opset, verbose=False)
     return onnx_program
 
 
@@ -324,10 +325,8 @@ def _describe(start: int, contrib_domain: str) -> str:
 def _add_functions(model, functions: list) -> None:
     """Model-local functions of the custom-domain nodes, one per (name, overload)."""
     for function in functions:
+        function.opset_imports[""] = model.opset_imports[""]  # bodies were traced at the model's opset
         model.functions.setdefault(function.identifier(), function)
-    for function in functions:
-        for domain, version in function.opset_imports.items():
-            model.opset_imports.setdefault(domain, version)
     if functions:
         from attnopt.backends.onnx.functions import ATTNOPT_DOMAIN
 

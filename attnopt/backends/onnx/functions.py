@@ -224,7 +224,7 @@ def causal_linear_chunks(phi_q_BHNM, phi_k_BHNM, v1_BHNW, M: int, W: int, C: int
     vc = op.Reshape(pad_axis(v1_BHNW, 2, 4, C), i64([0, 0, -1, C, W]))
     fk_T = op.Transpose(fk, perm=[0, 1, 2, 4, 3])  # [B, H, nC, M, C]
     chunk_state = op.MatMul(fk_T, vc)  # [B, H, nC, M, W]
-    prefix = op.CumSum(chunk_state, i64([2]), exclusive=1)  # state entering each chunk
+    prefix = op.CumSum(chunk_state, op.Constant(value_int=2), exclusive=1)  # state entering each chunk
     tril = op.CastLike(f32(np.tril(np.ones((C, C)))), fq)
     intra = op.MatMul(op.Mul(op.MatMul(fq, fk_T), tril), vc)
     out = op.Add(op.MatMul(fq, prefix), intra)  # [B, H, nC, C, W]

@@ -39,7 +39,7 @@ from attnopt.backends.onnx.lowering import OpLowering
 
 def sink_positions(keep_BN, N, S: int):
     """Positions [B, S] (int64) of each row's first S kept keys and which of them exist [B, S] (bool)."""
-    kept_BN = op.CumSum(op.Cast(keep_BN, to=7), i64([1]))  # 7 = INT64: kept keys up to and including j
+    kept_BN = op.CumSum(op.Cast(keep_BN, to=7), op.Constant(value_int=1))  # 7 = INT64: kept keys up to and including j
     rank_11S = op.Reshape(i64(range(1, S + 1)), i64([1, S, 1]))
     before = op.Cast(op.Less(op.Unsqueeze(kept_BN, i64([1])), rank_11S), to=7)  # [B, S, N]
     j_BS = op.ReduceSum(before, i64([2]), keepdims=0)  # first j whose running count reaches s + 1
