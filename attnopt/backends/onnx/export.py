@@ -74,7 +74,7 @@ def export_onnx(model: nn.Module, path, example_inputs: Any = None, *, target: s
     _refuse_run_time_switches(report)
     args = _example_args(opt, example_inputs)
     wrapper = _Forward(opt, args[1])
-    flat = tuple(args[0]) + tuple(args[1].values())
+    flat = tuple(args[0]) + tuple(v for v in args[1].values() if isinstance(v, torch.Tensor))
     export_args = tuple(_batch_of_two(t) for t in flat) if dynamic else flat
     dynamic_shapes = _dynamic_shapes(export_args) if dynamic else None
 
@@ -188,9 +188,10 @@ def _example_args(opt: nn.Module, example_inputs: Any) -> tuple[tuple, dict]:
                              "vocab_size get default input_ids)")
         gen = torch.Generator().manual_seed(0)
         args, kwargs = (), {"input_ids": torch.randint(0, vocab, (1, 128), generator=gen)}
-    bad = [type(a).__name__ for a in list(args) + list(kwargs.values()) if not isinstance(a, torch.Tensor)]
+    bad = [type(a).__name__ for a in args if not isinstance(a, torch.Tensor)]
     if bad:
-        raise TypeError(f"export_onnx example_inputs must all be tensors (they become the file's inputs), got {bad}")
+        raise TypeError(f"export_onnx positional example_inputs must be tensors (they become the file's inputs), "
+                        f"got {bad}; pass options such as use_cache=False as keywords")
     return tuple(args), dict(kwargs)
 
 
@@ -198,21 +199,22 @@ def _example_args(opt: nn.Module, example_inputs: Any) -> tuple[tuple, dict]:
 
 
 class _Forward(nn.Module):
-    """Positional inputs in, tensors out: transformers models give their first output without a cache."""
+    """Tensors in (positional, then the tensor keywords), tensors out; keyword options that are not
+    tensors (use_cache=False) are fixed. Transformers models give their first output, without a cache."""
 
-    def __init__(self, model: nn.Module, kwarg_names: dict):
+    def __init__(self, model: nn.Module, kwargs: dict):
         super().__init__()
-        self.model = model
-        self.n_kwargs = len(kwarg_names)
-        self.names = list(kwarg_names)
         import inspect
 
-        params = inspect.signature(model.forward).parameters
-        self.no_cache = {"use_cache": False} if "use_cache" in params else {}
+        self.model = model
+        self.names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        self.options = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+        if "use_cache" in inspect.signature(model.forward).parameters:
+            self.options.setdefault("use_cache", False)
 
     def forward(self, *flat):
-        n_args = len(flat) - self.n_kwargs
-        out = self.model(*flat[:n_args], **dict(zip(self.names, flat[n_args:])), **self.no_cache)
+        n_args = len(flat) - len(self.names)
+        out = self.model(*flat[:n_args], **dict(zip(self.names, flat[n_args:])), **self.options)
         if isinstance(out, torch.Tensor):
             return out
         if isinstance(out, dict):  # a transformers ModelOutput: logits / last_hidden_state first
@@ -240,6 +242,7 @@ def _to_onnx(wrapper: nn.Module, args: tuple, dynamic_shapes, table: dict, opset
         program = torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes, strict=False)
         onnx_program = torch.onnx.export(program, dynamo=True, custom_translation_table=table,
                                          opset_version=opset, verbose=False)
+    quiet.setLevel(level)
     return onnx_program
 
 
