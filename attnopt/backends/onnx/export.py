@@ -234,16 +234,21 @@ def _dynamic_shapes(flat: tuple):
     return (tuple({0: auto, 1: auto} if t.dim() >= 2 else ({0: auto} if t.dim() == 1 else None) for t in flat),)
 
 
-def _to_onnx(wrapper: nn.Module, args: tuple, dynamic_shapes, table: dict, opset: int):
+def _to_onnx(wrapper: nn.Module, args: tuple, dynamic_shapes, table: dict, opset: Optional[int]):
+    import logging
     import warnings
 
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        program = torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes, strict=False)
-        onnx_program = torch.onnx.export(program, dynamo=True, custom_translation_table=table,
-                                         opset_version=opset, verbose=False)
-    quiet.setLevel(level)
-    return onnx_program
+    quiet = logging.getLogger("torch.onnx")  # "torchvision is not installed" and friends, on every export
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            program = torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes, strict=False)
+            return torch.onnx.export(program, dynamo=True, custom_translation_table=table, opset_version=opset,
+                                     verbose=False)
+    finally:
+        quiet.setLevel(level)
 
 
 @contextlib.contextmanager
