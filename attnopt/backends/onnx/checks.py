@@ -81,6 +81,10 @@ def rel_rms(got: np.ndarray, want: np.ndarray) -> float:
 
 
 def _feeds(names: list, inputs: tuple) -> dict:
+    """Inputs by position; the exporter names them <arg>_<i> and drops those the graph never reads."""
+    indices = [n.rsplit("_", 1)[-1] for n in names]
+    if len(names) < len(inputs) and all(i.isdigit() and int(i) < len(inputs) for i in indices):
+        inputs = tuple(inputs[int(i)] for i in indices)
     if len(names) != len(inputs):
         raise ParityError(f"the exported model takes {len(names)} inputs ({', '.join(names)}) but the example has "
                           f"{len(inputs)}; an input the model ignores was dropped by the exporter")

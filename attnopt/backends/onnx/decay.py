@@ -84,10 +84,11 @@ def _scan_prefix_states(U_BHcMW, gamma_C_1H11, like, M: int, W: int):
                     name="decay_chunk_scan")
     zeros = op.Expand(op.CastLike(f32(np.zeros((1, 1, 1, 1))), like),
                       op.Concat(op.Shape(U_BHcMW, start=0, end=2), i64([M, W]), axis=0))
-    _final, prefix = contrib_node("", "Scan", [zeros, U_BHcMW],
-                                  {"body": body, "num_scan_inputs": 1, "scan_input_axes": [2],
-                                   "scan_output_axes": [2]}, num_outputs=2, like=like)
-    return prefix
+    # Chunks first: the scan runs over axis 0 (the reference evaluator implements no other axis).
+    U_cBHMW = op.Transpose(U_BHcMW, perm=[2, 0, 1, 3, 4])
+    _final, prefix_cBHMW = contrib_node("", "Scan", [zeros, U_cBHMW], {"body": body, "num_scan_inputs": 1},
+                                        num_outputs=2, like=like)
+    return op.Transpose(prefix_cBHMW, perm=[1, 2, 0, 3, 4])
 
 
 def decay_std(q, k, v, decay, key_mask, feature_map, normalize, scale, eps, chunk_size):

@@ -375,10 +375,8 @@ def _localise(opt: nn.Module, wrapper: nn.Module, flat: tuple, table: dict, mess
     from attnopt.backends.onnx import checks
 
     for module, a, kw in _site_calls(opt, wrapper, flat):
-        tensors = tuple(a) + tuple(v for v in kw.values() if isinstance(v, torch.Tensor))
-        if any(not isinstance(t, torch.Tensor) for t in tensors):
-            continue
-        site = _SiteAlone(module, len(a), [k for k, v in kw.items() if isinstance(v, torch.Tensor)])
+        site = _SiteAlone(module, a, kw)
+        tensors = site.tensors(a, kw)
         try:
             program = _to_onnx(site, tensors, None, table, opset)
             err = checks.ort_rel_rms(program.model_proto, site, tensors)
@@ -391,9 +389,20 @@ def _localise(opt: nn.Module, wrapper: nn.Module, flat: tuple, table: dict, mess
 
 
 class _SiteAlone(nn.Module):
-    def __init__(self, site: nn.Module, n_args: int, kw_names: list):
+    """One site module called as in the model, its tensor arguments as the inputs (None stays None)."""
+
+    def __init__(self, site: nn.Module, args: tuple, kwargs: dict):
         super().__init__()
-        self.site, self.n_args, self.kw_names = site, n_args, kw_names
+        self.site = site
+        self.arg_kinds = [isinstance(x, torch.Tensor) for x in args]
+        self.kw_tensors = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        self.args = [None if isinstance(x, torch.Tensor) else x for x in args]
+        self.kw_constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+
+    def tensors(self, args: tuple, kwargs: dict) -> tuple:
+        return tuple(x for x in args if isinstance(x, torch.Tensor)) + tuple(kwargs[k] for k in self.kw_tensors)
 
     def forward(self, *tensors):
-        return self.site(*tensors[: self.n_args], **dict(zip(self.kw_names, tensors[self.n_args:])))
+        it = iter(tensors)
+        args = [next(it) if is_tensor else x for is_tensor, x in zip(self.arg_kinds, self.args)]
+        return self.site(*args, **self.kw_constants, **{k: next(it) for k in self.kw_tensors})
