@@ -67,14 +67,20 @@ def capability_validator(op_name: str) -> Callable:
     return validate
 
 
+def plugin_ids() -> list[str]:
+    """"namespace::name" of every attnopt op, one per form that adds one: the TensorRT plugin ids, and
+    (split at "::") the plugin_namespace and op_type of the custom-domain ONNX nodes."""
+    from attnopt import forms
+
+    lowerings = [forms.get(n).onnx_lowering() for n in forms.names()]
+    return [lowering.op for lowering in lowerings if lowering is not None]
+
+
 def register_plugins(op_names: Optional[list] = None) -> list[str]:
     """Generate and register a TensorRT plugin and converter for each attnopt op; returns their ids."""
     torch_tensorrt = require()
     plugins = torch_tensorrt.dynamo.conversion.plugins
-    if op_names is None:
-        from attnopt import forms
-
-        op_names = [forms.get(n).onnx_lowering().op for n in forms.names() if forms.get(n).onnx_lowering()]
+    op_names = plugin_ids() if op_names is None else op_names
     registered = []
     for op_name in op_names:
         plugins.generate_plugin(op_name)

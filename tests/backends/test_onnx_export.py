@@ -207,6 +207,10 @@ def test_custom_target_is_an_attnopt_domain_node_with_a_local_function(net_linea
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
     assert attrs["plugin_namespace"] == b"attnopt" and attrs["plugin_version"] == b"1"
     assert attrs["feature_map"] == b"elu" and attrs["causal"] == 1
+    from attnopt.backends.tensorrt import plugin_ids
+
+    # TensorRT's ONNX parser looks the node up as plugin_namespace::op_type: the generated plugin's id.
+    assert f"{attrs['plugin_namespace'].decode()}::{nodes[0].op_type}" in plugin_ids()
     functions = {(f.domain, f.name, f.overload): f for f in proto.functions}
     assert set(functions) == {("attnopt", "linear_attention", nodes[0].overload)}  # both sites: one variant
     body = functions[("attnopt", "linear_attention", nodes[0].overload)]
