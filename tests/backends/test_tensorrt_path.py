@@ -83,11 +83,11 @@ def test_compile_exports_the_rewritten_model_with_attnopt_ops_for_torch_tensorrt
     g = torch.Generator().manual_seed(0)
     q, k = (0.05 * torch.randn(2, 4, 20, 8, generator=g) for _ in range(2))
     inputs = (q, k, torch.randn(2, 4, 20, 8, generator=g))
-    opt = attnopt.compile(A(), "ssm", example_inputs=inputs, tolerance=10.0, e2e_tolerance=None)
+    opt = attnopt.compile(A(), "linear", example_inputs=inputs, tolerance=10.0, e2e_tolerance=None)
     assert opt.attnopt_report.count("rewritten") == 1
     assert trt_path.compile(opt, inputs) == "engine"
     [(_, program, kw)] = [c for c in calls if c[0] == "compile"]
     targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
-    assert "attnopt.decay_attention.default" in targets and "aten.scaled_dot_product_attention" not in " ".join(targets)
+    assert "attnopt.linear_attention.default" in targets and "aten.scaled_dot_product_attention" not in " ".join(targets)
     assert [t.shape for t in kw["arg_inputs"]] == [x.shape for x in inputs]
     assert [c[1] for c in calls if c[0] == "generate_plugin"] == trt_path.plugin_ids()  # registered before compiling
