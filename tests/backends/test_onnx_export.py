@@ -9,19 +9,21 @@ import math
 import sys
 
 import numpy as np
-import onnx
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import attnopt
-from attnopt.backends.onnx import lowering as lowering_module
-from attnopt.backends.onnx.checks import ParityError
-from attnopt.backends.onnx.linear import LOWERING as LINEAR
 
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxscript")
 ort = pytest.importorskip("onnxruntime")
 transformers = pytest.importorskip("transformers")
+
+from attnopt.backends.onnx import lowering as lowering_module  # noqa: E402  (needs onnxscript)
+from attnopt.backends.onnx.checks import ParityError  # noqa: E402
+from attnopt.backends.onnx.linear import LOWERING as LINEAR  # noqa: E402
 
 VOCAB = 97
 

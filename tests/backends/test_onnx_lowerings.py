@@ -10,16 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from attnopt.backends.onnx import decay, linear, linear_window, reuse, window
+pytest.importorskip("onnxscript")
+ort = pytest.importorskip("onnxruntime")
+
+from onnx.reference import ReferenceEvaluator  # noqa: E402
+
+from attnopt.backends.onnx import decay, linear, linear_window, reuse, window  # noqa: E402
 from attnopt.kernels.decay import decay_attention, decay_attention_reference
 from attnopt.kernels.feature_maps import make_feature_map
 from attnopt.kernels.linear import linear_attention, linear_attention_reference
 from attnopt.kernels.linear_window import linear_window_attention, linear_window_attention_reference
 from attnopt.kernels.reuse import reuse_attention, reuse_attention_reference
 from attnopt.kernels.window import window_attention, window_attention_reference
-
-ort = pytest.importorskip("onnxruntime")
-from onnx.reference import ReferenceEvaluator  # noqa: E402
 
 H, HKV, D, DV = 4, 2, 16, 12
 

@@ -33,7 +33,7 @@ def check_model(proto) -> None:
 
 def default_lengths(flat: tuple, model) -> list:
     """The export length and one other, 1.5× + 1 (within the model's position limit)."""
-    N = _sequence_length(flat)
+    N = sequence_length(flat)
     other = N + N // 2 + 1
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if isinstance(limit, int) and other > limit:
@@ -41,7 +41,7 @@ def default_lengths(flat: tuple, model) -> list:
     return [N, other]
 
 
-def _sequence_length(flat: tuple) -> int:
+def sequence_length(flat: tuple) -> int:
     for t in flat:
         if t.dim() >= 2:
             return int(t.shape[1])
@@ -50,7 +50,7 @@ def _sequence_length(flat: tuple) -> int:
 
 def at_length(flat: tuple, length: int, batch: int) -> tuple:
     """The inputs with dim 1 tiled/cut to `length` and dim 0 tiled/cut to `batch`."""
-    N = _sequence_length(flat)
+    N = sequence_length(flat)
     out = []
     for t in flat:
         if t.dim() >= 2 and t.shape[1] == N:
@@ -146,7 +146,7 @@ def reference_parity(proto, module, flat: tuple, tolerance: float) -> dict:
     """onnx.reference.ReferenceEvaluator (numpy, the ONNX spec's semantics) on a short input."""
     from onnx.reference import ReferenceEvaluator
 
-    length = min(REFERENCE_LENGTH, _sequence_length(flat))
+    length = min(REFERENCE_LENGTH, sequence_length(flat))
     inputs = at_length(flat, length, 1)
     ref = ReferenceEvaluator(proto)
     with torch.no_grad():

@@ -65,16 +65,17 @@ def export_onnx(model: nn.Module, path, example_inputs: Any = None, *, target: s
     parity lengths; `baseline=False` skips the all-exact export behind `ops_before` (a second
     export, about as long as the first).
     """
+    from attnopt.backends.onnx import checks
+
     started = time.perf_counter()
     target, opset = _check_target(target, opset)
     _require_packages()
     out_path = _writable_file(path)
     opt = _compiled(model, policy, example_inputs)
-    report = opt.attnopt_report
-    _refuse_run_time_switches(report)
-    args = _example_args(opt, example_inputs)
-    wrapper = _Forward(opt, args[1])
-    flat = tuple(args[0]) + tuple(v for v in args[1].values() if isinstance(v, torch.Tensor))
+    _refuse_run_time_switches(opt.attnopt_report)
+    args, kwargs = _example_args(opt, example_inputs)
+    wrapper = _Forward(opt, kwargs)
+    flat = tuple(args) + tuple(v for v in kwargs.values() if isinstance(v, torch.Tensor))
     export_args = tuple(_batch_of_two(t) for t in flat) if dynamic else flat
     dynamic_shapes = _dynamic_shapes(export_args) if dynamic else None
 
@@ -85,25 +86,22 @@ def export_onnx(model: nn.Module, path, example_inputs: Any = None, *, target: s
     calls: list = []
     table = _translation_table(target, calls)
     after = _to_onnx(wrapper, export_args, dynamic_shapes, table, opset)
-    functions = [c.pop("function") for c in calls if "function" in c]
-    _add_functions(after.model, functions)
+    _add_functions(after.model, [c.pop("function") for c in calls if "function" in c])
     result = OnnxExport(path=str(out_path), target=target, opset=after.model.opset_imports[""],
-                        sites=_name_sites(calls, _site_calls(opt, wrapper, flat)), ops_before=histogram(before.model) if before else {},
-                        ops_after=histogram(after.model))
-
-    from attnopt.backends.onnx import checks
+                        sites=_name_sites(calls, _site_calls(opt, wrapper, flat)),
+                        ops_before=histogram(before.model) if before else {}, ops_after=histogram(after.model))
 
     proto = after.model_proto
     checks.check_model(proto)
-    lengths = check_lengths or checks.default_lengths(flat, opt)
+    # A static export runs at its own shapes only.
+    lengths = check_lengths or (checks.default_lengths(flat, opt) if dynamic else [checks.sequence_length(flat)])
     result.parity = checks.ort_parity(proto, wrapper, flat, lengths, PARITY_TOLERANCE,
                                       on_failure=lambda msg: _localise(opt, wrapper, flat, table, msg, opset))
     if target in ("onnx-std", "custom"):
         result.parity.append(checks.reference_parity(proto, wrapper, flat, PARITY_TOLERANCE))
     after.save(str(out_path))
     result.seconds = time.perf_counter() - started
-    if hasattr(report, "exports"):
-        report.exports.append(result.to_dict())
+    opt.attnopt_report.exports.append(result.to_dict())
     return result
 
 
