@@ -13,7 +13,7 @@ otherwise; python ints in names (C, M) are static sizes.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -98,17 +98,12 @@ def keep_BN1(keep_BN, dtype_like):
     return op.Unsqueeze(op.CastLike(keep_BN, dtype_like), i64([1, 3]))
 
 
-def pad_axis(x, axis: int, rank: int, multiple: int, before=None):
-    """Zero-pad `axis` at its end up to a multiple of `multiple` (dynamic length); `before`: 1-D int64
-    [1] zeros to put in front first."""
+def pad_axis(x, axis: int, rank: int, multiple: int):
+    """Zero-pad `axis` at its end up to a multiple of `multiple` (the length stays dynamic)."""
     n = dim(x, axis)
-    if before is not None:
-        n = op.Add(n, before)
     pad = op.Mod(op.Sub(i64([multiple]), op.Mod(n, i64([multiple]))), i64([multiple]))
-    zeros = [0] * rank
-    begins = [i64(zeros[:axis]), before if before is not None else i64([0]), i64(zeros[axis + 1:])]
-    ends = [i64(zeros[:axis]), pad, i64(zeros[axis + 1:])]
-    pads = op.Concat(*[p for p in begins + ends if p is not None], axis=0)
+    before_and_after_ends = [i64([0] * (rank + axis)), pad, i64([0] * (rank - axis - 1))]
+    pads = op.Concat(*[p for p, size in zip(before_and_after_ends, (rank + axis, 1, rank - axis - 1)) if size], axis=0)
     return op.Pad(x, pads)
 
 
