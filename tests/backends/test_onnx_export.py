@@ -5,7 +5,6 @@ Every parity figure here is measured again by this file (its own ORT session, in
 length and batch), not only read from what export_onnx returned.
 """
 
-import math
 import sys
 
 import numpy as np
@@ -201,9 +200,10 @@ def test_causal_window_without_sinks_or_padding_is_ort_group_query_attention(tmp
 def test_custom_target_is_an_attnopt_domain_node_with_a_local_function(net_linear, tmp_path):
     opt, x = net_linear
     path = tmp_path / "custom.onnx"
-    result = attnopt.export_onnx(opt, path, (x,), target="custom", baseline=False)
-    assert result.ops_after["attnopt.linear_attention"] == 2
+    result = attnopt.export_onnx(opt, path, (x,), target="custom", opset=23, baseline=False)
+    assert result.ops_after["attnopt.linear_attention"] == 2 and result.opset == 23
     proto = onnx.load(path)
+    assert {i.domain: i.version for i in proto.opset_import}[""] == 23
     nodes = [n for n in proto.graph.node if n.domain == "attnopt"]
     assert [n.op_type for n in nodes] == ["linear_attention"] * 2
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
@@ -217,6 +217,7 @@ def test_custom_target_is_an_attnopt_domain_node_with_a_local_function(net_linea
     assert set(functions) == {("attnopt", "linear_attention", nodes[0].overload)}  # both sites: one variant
     body = functions[("attnopt", "linear_attention", nodes[0].overload)]
     assert {n.domain for n in body.node} == {""} and "CumSum" in {n.op_type for n in body.node}
+    assert {i.domain: i.version for i in body.opset_import}[""] == 23  # traced at the model's opset
     assert {p["runtime"] for p in result.parity} == {"onnxruntime-cpu", "onnx.reference"}
     with torch.no_grad():
         want = opt(x[:1, :30])

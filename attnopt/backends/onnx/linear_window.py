@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import onnx_ir as ir
 from onnxscript import opset18 as op
 
 from attnopt.backends.onnx.functions import (
@@ -73,7 +74,7 @@ def linear_window_std(q, k, v, key_mask, window, causal, sinks, scale, feature_m
 
     lin_keep = keep
     if sinks:  # each row's first S kept keys are sinks: window keys, never linear ones
-        kept_BN = op.CumSum(op.Cast(keep, to=7), op.Constant(value_int=1))
+        kept_BN = op.CumSum(op.Cast(keep, to=ir.DataType.INT64), op.Constant(value_int=1))
         lin_keep = op.And(keep, op.Greater(kept_BN, i64([sinks])))
     phi_q, phi_k, log_c = _linear_features(feature_map, q, k_H, scale, feature_weight, lin_keep, H, D)
     M = feature_count(feature_map, D, feature_weight)

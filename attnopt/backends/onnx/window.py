@@ -39,9 +39,9 @@ from attnopt.backends.onnx.lowering import OpLowering
 
 def sink_positions(keep_BN, N, S: int):
     """Positions [B, S] (int64) of each row's first S kept keys and which of them exist [B, S] (bool)."""
-    kept_BN = op.CumSum(op.Cast(keep_BN, to=7), op.Constant(value_int=1))  # 7 = INT64: kept keys up to and including j
+    kept_BN = op.CumSum(op.Cast(keep_BN, to=ir.DataType.INT64), op.Constant(value_int=1))  # kept keys up to j
     rank_11S = op.Reshape(i64(range(1, S + 1)), i64([1, S, 1]))
-    before = op.Cast(op.Less(op.Unsqueeze(kept_BN, i64([1])), rank_11S), to=7)  # [B, S, N]
+    before = op.Cast(op.Less(op.Unsqueeze(kept_BN, i64([1])), rank_11S), to=ir.DataType.INT64)  # [B, S, N]
     j_BS = op.ReduceSum(before, i64([2]), keepdims=0)  # first j whose running count reaches s + 1
     valid_BS = op.Less(j_BS, N)
     return op.Where(valid_BS, j_BS, i64([0])), valid_BS
@@ -50,7 +50,7 @@ def sink_positions(keep_BN, N, S: int):
 def ones_keep(q):
     """A keep mask [B, N] of True (no key dropped)."""
     shape = op.Concat(op.Shape(q, start=0, end=1), dim(q, 2), axis=0)
-    return op.Cast(op.Expand(i64([1]), shape), to=9)  # 9 = BOOL
+    return op.Cast(op.Expand(i64([1]), shape), to=ir.DataType.BOOL)
 
 
 def arange(n_1):
@@ -87,7 +87,7 @@ def banded_sums(q_BHND, k_BHND, v_BHND, keep_BN, window: int, causal: bool, sink
     r = np.arange(Bq)[:, None]
     lag = r - np.arange(L)[None, :] + left  # query position − key position
     band = (lag >= 0) & (lag < W) if causal else np.abs(lag) < W
-    vis = op.And(op.Cast(op.Unsqueeze(keep_b, i64([1, 3])), to=9), op.Constant(value=_ir_bool(band)))
+    vis = op.And(op.Cast(op.Unsqueeze(keep_b, i64([1, 3])), to=ir.DataType.BOOL), op.Constant(value=_ir_bool(band)))
 
     scores = op.MatMul(op.Mul(qb, op.CastLike(f32(scale), qb)), op.Transpose(kb, perm=[0, 1, 2, 4, 3]))
     neg_inf = op.CastLike(f32(-np.inf), qb)
@@ -120,7 +120,7 @@ def banded_sums(q_BHND, k_BHND, v_BHND, keep_BN, window: int, causal: bool, sink
     def rows(x, width):
         return slice_axis(op.Reshape(x, i64([0, 0, -1, width])), 2, i64([0]), N)
 
-    return rows(num, Dv), rows(den, 1), rows(m, 1), rows(op.Cast(seen, to=9), 1)
+    return rows(num, Dv), rows(den, 1), rows(m, 1), rows(op.Cast(seen, to=ir.DataType.BOOL), 1)
 
 
 def _ir_bool(array):
@@ -146,7 +146,7 @@ def window_ort(q, k, v, key_mask, window, causal, sinks, scale, block_size):
     if not gqa_exact(q, k, v, key_mask, causal, sinks):
         return window_std(q, k, v, key_mask, window, causal, sinks, scale, block_size)
     H, Hkv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv")
-    N32 = op.Cast(dim(q, 2), to=6)  # 6 = INT32
+    N32 = op.Cast(dim(q, 2), to=ir.DataType.INT32)
     B = op.Shape(q, start=0, end=1)
     seqlens_k = op.Expand(op.Sub(N32, op.Constant(value=_ir_int32(1))), B)  # total length − 1 per row
     total = op.Squeeze(N32, i64([0]))
