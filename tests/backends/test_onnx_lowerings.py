@@ -98,6 +98,21 @@ def test_window_bidirectional_band_with_sinks_and_padding():
     assert {n.domain for n in proto.graph.node} == {""}
 
 
+def test_causal_window_with_a_key_mask_runs_gqa_only_when_no_key_is_dropped():
+    kw = dict(window=8, causal=True, sinks=0, scale=0.3)
+    m = Op(lambda q, k, v, keep: window_attention(q, k, v, key_mask=keep, **kw),
+           lambda q, k, v, keep: window_attention_reference(q, k, v, key_mask=keep, **kw))
+    proto = _check(m, window.LOWERING, "ort", dv=D, reference=False)  # padded keys: the banded branch
+    [branch] = [n for n in proto.graph.node if n.op_type == "If"]
+    then = {n.op_type for a in branch.attribute if a.name == "then_branch" for n in a.g.node}
+    assert "GroupQueryAttention" in then
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    q, k, v, keep = _inputs(90, 2, 7, D)
+    keep = torch.ones_like(keep)  # nothing dropped: the GQA branch
+    got = sess.run(None, {i.name: t.numpy() for i, t in zip(sess.get_inputs(), (q, k, v, keep))})[0]
+    assert _rel(got, window_attention_reference(q, k, v, key_mask=keep, **kw)) <= 1e-4
+
+
 @pytest.mark.parametrize("fmap_name,causal,sinks", [("favor", False, 2), ("hedgehog", True, 3)])
 def test_linear_window_with_stabilised_and_per_head_maps(fmap_name, causal, sinks):
     fmap = make_feature_map(fmap_name, D, H, seed=1)

@@ -320,12 +320,21 @@ def _recorded_ops() -> int:
 
 
 def _describe(start: int, contrib_domain: str) -> str:
-    """The contrib op a lowering used, or "standard ops" (read from the nodes it just recorded)."""
+    """The contrib ops a lowering used, or "standard ops" (read from the nodes it just recorded); an If
+    that picks a contrib op at run time reads "If(<then> | <else>)"."""
     import onnxscript
 
+    def contrib(nodes) -> str:
+        found = sorted({f"{n.domain}.{n.op_type}" for n in nodes if n.domain == contrib_domain})
+        return ", ".join(found) if found else "standard ops"
+
     nodes = getattr(onnxscript.evaluator.default(), "nodes", [])[start:]
-    contrib = sorted({f"{n.domain}.{n.op_type}" for n in nodes if n.domain == contrib_domain})
-    return ", ".join(contrib) if contrib else "standard ops"
+    branches = [n for n in nodes if n.op_type == "If" and not n.domain]
+    if branches and contrib(nodes) == "standard ops":
+        then, other = (branches[0].attributes[a].value for a in ("then_branch", "else_branch"))
+        if contrib(then) != "standard ops" or contrib(other) != "standard ops":
+            return f"If({contrib(then)} | {contrib(other)})"
+    return contrib(nodes)
 
 
 def _add_functions(model, functions: list) -> None:

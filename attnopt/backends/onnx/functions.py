@@ -72,6 +72,21 @@ def contrib_node(domain: str, op_type: str, inputs: Sequence, attributes: dict, 
     return list(node.outputs)
 
 
+def traced_graph(name: str, build):
+    """The nodes `build()` records, as a subgraph (an If branch) returning its one output. Traced into
+    a fresh node list and constant cache, so nothing it makes is shared with the enclosing graph;
+    values of the enclosing graph it reads stay outer-scope references, as ONNX subgraphs allow."""
+    recorder = onnxscript.evaluator.default()
+    saved = recorder.nodes, recorder.constant_farm
+    recorder.nodes, recorder.constant_farm = [], {}
+    try:
+        out = build()
+        nodes = recorder.nodes
+    finally:
+        recorder.nodes, recorder.constant_farm = saved
+    return ir.Graph([], [out], nodes=nodes, name=name)
+
+
 # ---------------------------------------------------------------- layout
 
 

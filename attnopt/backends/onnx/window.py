@@ -3,9 +3,10 @@
 ort: com.microsoft.GroupQueryAttention with local_window_size = W (ORT counts the W keys
 including self, as attnopt does; measured on ORT 1.32), but only where it computes exactly what
 the op does: causal, no sinks (its `head_sink`/`smooth_softmax` is a learned logit in the
-denominator, not StreamingLLM's sink tokens), no run-time key mask (its attention_bias must be a
-full [B, H, N, N] tensor, which would make the export O(N²)), head dim a multiple of 8, v's head
-dim equal to q's. Every other case, and onnx-std, is the banded decomposition below.
+denominator, not StreamingLLM's sink tokens), head dim a multiple of 8, v's head dim equal to q's,
+and no key dropped: its attention_bias would have to be a full [B, H, N, N] tensor (O(N²)), so a
+site with a run-time key mask gets an If on "every key kept" that runs GQA then and the banded form
+otherwise. Every other case, and onnx-std, is the banded decomposition below.
 
 Banded decomposition (standard ops, O(N·(Bq + W + S)) time and memory, never N×N): queries in
 blocks of Bq; block b reads the L = Bq + W − 1 keys (causal; Bq + 2W − 2 bidirectional) its band
@@ -32,6 +33,7 @@ from attnopt.backends.onnx.functions import (
     pad_axis,
     slice_axis,
     static_dim,
+    traced_graph,
     unpack_heads,
 )
 from attnopt.backends.onnx.lowering import OpLowering
@@ -135,16 +137,14 @@ def window_std(q, k, v, key_mask, window, causal, sinks, scale, block_size):
     return op.Div(num, op.Max(den, op.CastLike(f32(1.0), den)))
 
 
-def gqa_exact(q, k, v, key_mask, causal: bool, sinks: int) -> bool:
-    """Whether ORT's GroupQueryAttention computes exactly this window (see the module docstring)."""
+def gqa_exact(q, k, v, causal: bool, sinks: int) -> bool:
+    """Whether ORT's GroupQueryAttention computes exactly this window on unpadded keys (module docstring)."""
     D, Dv = static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
     same_len = q.shape is not None and k.shape is not None and q.shape[2] == k.shape[2]
-    return causal and sinks == 0 and key_mask is None and D % 8 == 0 and D == Dv and same_len
+    return causal and sinks == 0 and D % 8 == 0 and D == Dv and same_len
 
 
-def window_ort(q, k, v, key_mask, window, causal, sinks, scale, block_size):
-    if not gqa_exact(q, k, v, key_mask, causal, sinks):
-        return window_std(q, k, v, key_mask, window, causal, sinks, scale, block_size)
+def _gqa(q, k, v, window, scale):
     H, Hkv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv")
     N32 = op.Cast(dim(q, 2), to=ir.DataType.INT32)
     B = op.Shape(q, start=0, end=1)
@@ -156,6 +156,21 @@ def window_ort(q, k, v, key_mask, window, causal, sinks, scale, block_size):
         {"num_heads": H, "kv_num_heads": Hkv, "local_window_size": int(window), "scale": float(scale)},
         num_outputs=3, like=q)
     return unpack_heads(out, H)
+
+
+def window_ort(q, k, v, key_mask, window, causal, sinks, scale, block_size):
+    if not gqa_exact(q, k, v, causal, sinks):
+        return window_std(q, k, v, key_mask, window, causal, sinks, scale, block_size)
+    if key_mask is None:
+        return _gqa(q, k, v, window, scale)
+    # Transformers models always pass a key mask, mostly all True: GQA when no key is dropped in
+    # this call, the banded form when one is (GQA's attention_bias would have to be [B, H, N, N]).
+    none_dropped = op.Cast(op.ReduceMin(op.Cast(key_mask, to=ir.DataType.INT32), keepdims=0), to=ir.DataType.BOOL)
+    fast = traced_graph("window_gqa", lambda: _gqa(q, k, v, window, scale))
+    banded = traced_graph("window_banded", lambda: window_std(q, k, v, key_mask, window, causal, sinks, scale,
+                                                              block_size))
+    [out] = contrib_node("", "If", [none_dropped], {"then_branch": fast, "else_branch": banded}, like=q)
+    return out
 
 
 def _ir_int32(x: int):
