@@ -1,8 +1,8 @@
 """ONNX Runtime CPU against torch, exact against rewritten: one Llama-style decoder exported three ways.
 
 A random-weight Llama-style decoder from a config (speed only: its outputs mean nothing) is
-compiled three times, `exact`, `linear` and `window:256+sinks:4`, and each is written by
-`attnopt.export_onnx(target="ort")` (checked against torch as always). Then at every N the three
+compiled four times, `exact`, `linear`, `window:256+sinks:4` and `window:256`, and each is written by
+`attnopt.export_onnx(target="ort")` (checked against torch as always). Then at every N the four
 ORT sessions (2 intra-op threads) and the torch forwards of the same three models (2 threads) run
 in turns, `--repeats` rounds after one warm-up call each, and the best time of each is kept: interleaving spreads any load
 from other processes over all variants alike. Writes JSON and a PNG plot.
@@ -26,7 +26,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 DEFAULT_SIZES = (1024, 4096, 8192)
-POLICIES = {"exact": "exact", "linear": "linear", "window": "window:256+sinks:4"}
+# window+sinks exports the banded form; window without sinks GroupQueryAttention (behind an If on padding)
+POLICIES = {"exact": "exact", "linear": "linear", "window": "window:256+sinks:4", "window_nosinks": "window:256"}
 THREADS = 2
 EXPORT_LENGTH = 256
 
@@ -145,8 +146,9 @@ def plot(result: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     ns = [r["N"] for r in result["rows"]]
-    for key, style in (("ort_exact", "k-o"), ("ort_linear", "b-o"), ("ort_window", "g-o"),
-                       ("torch_exact", "k--s"), ("torch_linear", "b--s"), ("torch_window", "g--s")):
+    for key, style in (("ort_exact", "k-o"), ("ort_linear", "b-o"), ("ort_window", "g-o"), ("ort_window_nosinks", "m-o"),
+                       ("torch_exact", "k--s"), ("torch_linear", "b--s"), ("torch_window", "g--s"),
+                       ("torch_window_nosinks", "m--s")):
         ax.plot(ns, [r["seconds"][key] for r in result["rows"]], style, label=key.replace("_", " "))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
