@@ -1,9 +1,9 @@
-"""ONNX Runtime CPU against torch, exact against rewritten: one Llama-style decoder exported three ways.
+"""ONNX Runtime CPU against torch, exact against rewritten: one Llama-style decoder exported four ways.
 
 A random-weight Llama-style decoder from a config (speed only: its outputs mean nothing) is
 compiled four times, `exact`, `linear`, `window:256+sinks:4` and `window:256`, and each is written by
 `attnopt.export_onnx(target="ort")` (checked against torch as always). Then at every N the four
-ORT sessions (2 intra-op threads) and the torch forwards of the same three models (2 threads) run
+ORT sessions (2 intra-op threads) and the torch forwards of the same four models (2 threads) run
 in turns, `--repeats` rounds after one warm-up call each, and the best time of each is kept: interleaving spreads any load
 from other processes over all variants alike. Writes JSON and a PNG plot.
 
