@@ -488,6 +488,62 @@ def run_demo(out: str, quick: bool, threads: Optional[int]) -> int:
     return EXIT_OK
 
 
+@app.command(
+    "export",
+    help="Compile a model per a policy and export it to one ONNX file: each rewritten site lowered by its form "
+         "for the target, checked with onnx.checker and against torch in ONNX Runtime at two lengths before the "
+         "file is kept. Exit code 3 also covers an export that fails its checks.",
+    epilog=_epilog("attnopt export minilm --policy window:64+sinks:4 --out minilm.onnx",
+                   "attnopt export path/to/llama_dir --policy linear --target ort --out llama.onnx --json",
+                   "attnopt export examples/custom_model.py:build --policy ssm --target onnx-std --out m.onnx"),
+)
+def export_command(
+    model: str = typer.Argument("minilm", metavar="MODEL", help=MODEL_HELP),
+    policy: str = typer.Option("linear", "--policy", help=f"preset ({policy_presets_help()}) or a policy file"),
+    target: str = typer.Option("ort", "--target", help="ort (ONNX Runtime contrib kernels where exact), onnx-std "
+                                                       "(standard ops only) or custom (attnopt-domain nodes)"),
+    out: str = typer.Option("model.onnx", "--out", help="the ONNX file to write"),
+    seq_len: int = typer.Option(128, "--seq-len", help="export length for Hugging Face models (built-in passages)"),
+    as_json: bool = typer.Option(False, "--json", help="print the export record (lowerings, op histograms, parity) "
+                                                       "as JSON"),
+) -> int:
+    return _guarded("export", lambda: run_export(model, policy, target, out, seq_len, as_json))
+
+
+def run_export(spec: str, policy_text: str, target: str, out: str, seq_len: int, as_json: bool) -> int:
+    from attnopt.backends.onnx.checks import ParityError
+    from attnopt.backends.onnx.export import _check_target, _writable_file, export_onnx
+    from attnopt.policy import Policy
+    from attnopt.policy.errors import PolicyError
+    from attnopt.samples import english_passages
+
+    try:
+        policy = Policy.parse(policy_text)
+        _check_target(target, None)
+        _writable_file(out)
+    except (PolicyError, ValueError, OSError) as exc:
+        raise CliError(f"bad option: {exc}", EXIT_BAD_ARGUMENT) from exc
+    if seq_len < 2:
+        raise CliError(f"--seq-len must be >= 2; got {seq_len}", EXIT_BAD_ARGUMENT)
+    model, args, kwargs, description = _load(spec, quiet=as_json, texts=english_passages()[:1], max_length=seq_len)
+    opt = compile_or_fail(model, policy, (args, kwargs), description)
+    try:
+        with progress(f"exporting {description} to {out} ...", as_json):
+            result = export_onnx(opt, out, (args, kwargs), target=target)
+    except (ParityError, ValueError, RuntimeError) as exc:
+        raise CliError(f"could not export {description}: {exc}", EXIT_CAPTURE) from exc
+    except ImportError as exc:
+        raise CliError(str(exc), EXIT_BAD_ARGUMENT) from exc
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        worst = max(p["rel_rms"] for p in result.parity)
+        lowered = ", ".join(sorted({f"{s['form']}: {s['lowering']}" for s in result.sites})) or "no site rewritten"
+        print(f"wrote {out} ({target}, opset {result.opset}): {lowered}; parity with torch: worst relative RMS "
+              f"{worst:.2e} at lengths {', '.join(str(p['length']) for p in result.parity)}")
+    return EXIT_OK
+
+
 def _one_line(message: str) -> str:
     return " ".join(message.split())
 

@@ -398,6 +398,13 @@ class Form(abc.ABC):
         """The functions `attnopt.ops` exports for this form (its kernels and their helpers)."""
         return {}
 
+    # -- export
+
+    def onnx_lowering(self):
+        """How this form's custom op leaves PyTorch: an `attnopt.backends.onnx.lowering.OpLowering`
+        (the op and one onnxscript function per ONNX target), or None when it adds no op (exact)."""
+        return None
+
 
 def no_arbitrary_mask(site: AttentionSite) -> Optional[str]:
     """The condition every form that recomputes the scores shares: causal, window or padding masks only."""

@@ -152,5 +152,10 @@ class LinearForm(Form):
 
         return adam_fit(f"{module.params['feature_map']} map", weights, loss, steps=steps, lr=lr, seed=seed)
 
+    def onnx_lowering(self):
+        from attnopt.backends.onnx.linear import LOWERING
+
+        return LOWERING
+
 
 FORM = LinearForm()

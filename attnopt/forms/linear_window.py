@@ -166,5 +166,10 @@ class LinearWindowForm(Form):
     def public_ops(self):
         return {"linear_window_attention": linear_window_attention, "linear_window_decode": linear_window_decode}
 
+    def onnx_lowering(self):
+        from attnopt.backends.onnx.linear_window import LOWERING
+
+        return LOWERING
+
 
 FORM = LinearWindowForm()

@@ -152,5 +152,10 @@ class ReuseForm(Form):
             return init_reuse_factors(q_l.weight, q_l.bias, k_l.weight, k_l.bias, q_a.weight, q_a.bias,
                                       k_a.weight, k_a.bias, site.heads, rank, calibration=calibration)
 
+    def onnx_lowering(self):
+        from attnopt.backends.onnx.reuse import LOWERING
+
+        return LOWERING
+
 
 FORM = ReuseForm()

@@ -109,5 +109,10 @@ class SsmForm(Form):
         return {"decay_attention": decay_attention, "decay_attention_step": decay_attention_step,
                 "retnet_decay": retnet_decay, "init_decay_state": init_decay_state}
 
+    def onnx_lowering(self):
+        from attnopt.backends.onnx.decay import LOWERING
+
+        return LOWERING
+
 
 FORM = SsmForm()

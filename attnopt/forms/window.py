@@ -95,5 +95,10 @@ class WindowForm(Form):
     def public_ops(self):
         return {"window_attention": window_attention, "window_decode": window_decode}
 
+    def onnx_lowering(self):
+        from attnopt.backends.onnx.window import LOWERING
+
+        return LOWERING
+
 
 FORM = WindowForm()

@@ -1,0 +1,346 @@
+"""attnopt.export_onnx on whole models: ORT parity at a length other than the export length, the
+lowering each form chose, the op histograms, the custom-domain fallback, and the errors.
+
+Every parity figure here is measured again by this file (its own ORT session, inputs of its own
+length and batch), not only read from what export_onnx returned.
+"""
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import attnopt
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxscript")
+ort = pytest.importorskip("onnxruntime")
+transformers = pytest.importorskip("transformers")
+
+from attnopt.backends.onnx import lowering as lowering_module  # noqa: E402  (needs onnxscript)
+from attnopt.backends.onnx.checks import ParityError  # noqa: E402
+from attnopt.backends.onnx.linear import LOWERING as LINEAR  # noqa: E402
+
+VOCAB = 97
+
+
+def _ort_outputs(path, feeds):
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in sess.get_inputs()]
+    return sess.run(None, {n: t.numpy() for n, t in zip(names, feeds)})
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
+
+
+# ---------------------------------------------------------------- a Llama-style decoder, three forms
+
+
+@pytest.fixture(scope="module")
+def llama():
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
+    policy = {"name": "three forms", "rules": [
+        {"form": "window", "params": {"window": 8}, "layers": [0, 0]},
+        {"form": "linear", "layers": [1, 1]},
+        {"form": "ssm", "layers": [2, 2]},
+    ]}
+    opt = attnopt.compile(model, policy, example_inputs={"input_ids": ids}, tolerance=0.99, e2e_tolerance=None)
+    assert [r.outcome.final_form for r in opt.attnopt_report.sites] == ["window", "linear", "ssm"]
+    return model, opt, ids
+
+
+def test_llama_window_linear_ssm_match_torch_in_ort_at_another_length(llama, tmp_path):
+    model, opt, ids = llama
+    path = tmp_path / "llama.onnx"
+    result = attnopt.export_onnx(opt, path, {"input_ids": ids}, target="ort", baseline=False)
+
+    assert [(s["site"], s["form"], s["lowering"]) for s in result.sites] == [
+        # HF always passes a key mask: GQA when no key is dropped, the band otherwise
+        ("model.layers.0.self_attn#0", "window", "If(com.microsoft.GroupQueryAttention | standard ops)"),
+        ("model.layers.1.self_attn#0", "linear", "com.microsoft.LinearAttention"),
+        ("model.layers.2.self_attn#0", "ssm", "com.microsoft.LinearAttention"),
+    ]
+    assert result.ops_after["com.microsoft.LinearAttention"] == 2 and result.ops_before == {}
+    assert [p["length"] for p in result.parity] == [40, 61]
+    assert all(p["rel_rms"] <= 1e-4 for p in result.parity)
+    assert opt.attnopt_report.exports[-1]["path"] == str(path)
+
+    # Our own run: batch 3 and a length the export never saw.
+    ids_long = torch.randint(0, VOCAB, (3, 83), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = opt(input_ids=ids_long, use_cache=False).logits
+        original = model(input_ids=ids_long, use_cache=False).logits
+    got = _ort_outputs(path, [ids_long])[0]
+    assert got.shape == (3, 83, VOCAB)
+    assert _rel(got, want) <= 1e-4
+    assert _rel(got, original) > 1e-2  # the file computes the rewrite, not the original model
+    onnx.checker.check_model(onnx.load(path))
+
+
+# ---------------------------------------------------------------- real MiniLM (bidirectional)
+
+
+def test_minilm_window_and_linear_match_torch_at_another_length(minilm, tmp_path):
+    model, tok = minilm
+    from attnopt.samples import english_passages
+
+    enc = dict(tok(english_passages()[:2], return_tensors="pt", truncation=True, max_length=32,
+                   padding="max_length"))
+    policy = {"name": "mixed", "rules": [{"form": "window", "params": {"window": 8, "sinks": 2}, "layers": [0, 2]},
+                                         {"form": "linear", "layers": [3, 5]}]}
+    # tolerance 10: keep every site rewritten whatever its drift (what is tested is the export)
+    opt = attnopt.compile(model, policy, example_inputs=enc, tolerance=10.0, e2e_tolerance=None)
+    assert [r.outcome.final_form for r in opt.attnopt_report.sites] == ["window"] * 3 + ["linear"] * 3
+    path = tmp_path / "minilm.onnx"
+    result = attnopt.export_onnx(opt, path, enc, target="ort", baseline=False)
+    assert [s["form"] for s in result.sites] == ["window"] * 3 + ["linear"] * 3
+    assert all(s["lowering"] == "standard ops" for s in result.sites)  # bidirectional: MatMul form, bands
+    assert [p["length"] for p in result.parity] == [32, 49]
+    assert all(p["rel_rms"] <= 1e-4 for p in result.parity)
+
+    long = dict(tok(english_passages()[2:4], return_tensors="pt", truncation=True, max_length=100,
+                    padding="max_length"))
+    with torch.no_grad():
+        want = opt(**long).last_hidden_state
+    got = _ort_outputs(path, [long[k] for k in enc])[0]
+    assert got.shape == (2, 100, 384) and _rel(got, want) <= 1e-4
+
+
+# ---------------------------------------------------------------- graph path: GQA, custom domain, errors
+
+C, H = 64, 4
+
+
+class CausalBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(C, 3 * C)
+        self.o = nn.Linear(C, C)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, H, C // H).permute(2, 0, 3, 1, 4)
+        return x + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, C))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([CausalBlock(), CausalBlock()])
+        self.head = nn.Linear(C, 5)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _net_and_x():
+    torch.manual_seed(0)
+    return Net().eval(), torch.randn(2, 24, C, generator=torch.Generator().manual_seed(2))
+
+
+def test_onnx_std_uses_standard_ops_only_and_passes_the_reference_evaluator(tmp_path):
+    net, x = _net_and_x()
+    policy = {"name": "two forms", "rules": [{"form": "window", "params": {"window": 8, "sinks": 2}, "layers": [0, 0]},
+                                             {"form": "ssm", "layers": [1, 1]}]}
+    opt = attnopt.compile(net, policy, example_inputs=(x,), tolerance=10.0, e2e_tolerance=None)
+    path = tmp_path / "std.onnx"
+    result = attnopt.export_onnx(opt, path, (x,), target="onnx-std", baseline=False)
+    assert [(s["form"], s["lowering"]) for s in result.sites] == [("window", "standard ops"), ("ssm", "standard ops")]
+    assert not any("." in op for op in result.ops_after)
+    assert "Scan" in result.ops_after  # the ssm state carried across chunks
+    assert [(p["runtime"], p["length"]) for p in result.parity] == [
+        ("onnxruntime-cpu", 24), ("onnxruntime-cpu", 37), ("onnx.reference", 16)]
+    assert all(p["rel_rms"] <= 1e-4 for p in result.parity)
+    model_proto = onnx.load(path)
+    assert {n.domain for n in model_proto.graph.node} == {""}
+    # Never a per-position state: no tensor in the graph has more than 5 dims ([B, H, nC, M, W]).
+    inferred = onnx.shape_inference.infer_shapes(model_proto)
+    ranks = [len(v.type.tensor_type.shape.dim) for v in inferred.graph.value_info if v.type.HasField("tensor_type")]
+    assert max(ranks) <= 5
+    x_other = torch.randn(3, 150, C, generator=torch.Generator().manual_seed(6))  # three ssm chunks
+    with torch.no_grad():
+        want = opt(x_other)
+    assert _rel(_ort_outputs(path, [x_other])[0], want) <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def net_linear():
+    net, x = _net_and_x()
+    return attnopt.compile(net, "linear", example_inputs=(x,), tolerance=0.99, e2e_tolerance=None), x
+
+
+def test_causal_window_without_sinks_or_padding_is_ort_group_query_attention(tmp_path):
+    net, x = _net_and_x()
+    opt = attnopt.compile(net, "window:8", example_inputs=(x,), tolerance=0.99, e2e_tolerance=None)
+    result = attnopt.export_onnx(opt, tmp_path / "w.onnx", (x,))
+    assert [s["lowering"] for s in result.sites] == ["com.microsoft.GroupQueryAttention"] * 2
+    assert not any("." in op for op in result.ops_before)  # the all-exact export: standard ops only
+    assert result.ops_before["Softmax"] == 2 and "Softmax" not in result.ops_after
+    assert result.ops_after["com.microsoft.GroupQueryAttention"] == 2
+    assert opt.attnopt_report.exports[-1]["ops_before"] == result.ops_before
+    gqa = [n for n in onnx.load(tmp_path / "w.onnx").graph.node if n.op_type == "GroupQueryAttention"]
+    windows = [a.i for n in gqa for a in n.attribute if a.name == "local_window_size"]
+    assert windows == [8, 8]  # ORT counts the window including self, as attnopt does
+    x_other = torch.randn(1, 50, C, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = opt(x_other)
+    assert _rel(_ort_outputs(tmp_path / "w.onnx", [x_other])[0], want) <= 1e-4
+
+
+def test_custom_target_is_an_attnopt_domain_node_with_a_local_function(net_linear, tmp_path):
+    opt, x = net_linear
+    path = tmp_path / "custom.onnx"
+    result = attnopt.export_onnx(opt, path, (x,), target="custom", opset=23, baseline=False)
+    assert result.ops_after["attnopt.linear_attention"] == 2 and result.opset == 23
+    proto = onnx.load(path)
+    assert {i.domain: i.version for i in proto.opset_import}[""] == 23
+    nodes = [n for n in proto.graph.node if n.domain == "attnopt"]
+    assert [n.op_type for n in nodes] == ["linear_attention"] * 2
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
+    assert attrs["plugin_namespace"] == b"attnopt" and attrs["plugin_version"] == b"1"
+    assert attrs["feature_map"] == b"elu" and attrs["causal"] == 1
+    from attnopt.backends.tensorrt import plugin_ids
+
+    # TensorRT's ONNX parser looks the node up as plugin_namespace::op_type: the generated plugin's id.
+    assert f"{attrs['plugin_namespace'].decode()}::{nodes[0].op_type}" in plugin_ids()
+    functions = {(f.domain, f.name, f.overload): f for f in proto.functions}
+    assert set(functions) == {("attnopt", "linear_attention", nodes[0].overload)}  # both sites: one variant
+    body = functions[("attnopt", "linear_attention", nodes[0].overload)]
+    assert {n.domain for n in body.node} == {""} and "CumSum" in {n.op_type for n in body.node}
+    assert {i.domain: i.version for i in body.opset_import}[""] == 23  # traced at the model's opset
+    assert {p["runtime"] for p in result.parity} == {"onnxruntime-cpu", "onnx.reference"}
+    with torch.no_grad():
+        want = opt(x[:1, :30])
+    assert _rel(_ort_outputs(path, [x[:1, :30]])[0], want) <= 1e-4  # ORT inlines the function
+
+
+def test_a_wrong_lowering_is_an_error_naming_the_site_and_form(net_linear, tmp_path, monkeypatch):
+    opt, x = net_linear
+    good = LINEAR.by_target["ort"]
+
+    def off_by_a_little(*args, **kwargs):
+        from onnxscript import opset18 as op
+
+        out = good(*args, **kwargs)
+        return op.Mul(out, op.CastLike(op.Constant(value_float=1.001), out))
+
+    monkeypatch.setitem(LINEAR.by_target, "ort", off_by_a_little)
+    path = tmp_path / "bad.onnx"
+    with pytest.raises(ParityError, match=r"site layers\.0#0 \(linear\): ONNX Runtime output differs .* by relative "
+                                          r"RMS 1\.0\de-03 > 0\.0001"):
+        attnopt.export_onnx(opt, path, (x,), baseline=False)
+    assert not path.exists()  # never a silently wrong file
+
+
+def _one_line(exc_info) -> str:
+    text = str(exc_info.value)
+    assert "\n" not in text, text
+    return text
+
+
+def test_bad_inputs_get_one_line_errors(net_linear, tmp_path, monkeypatch):
+    opt, x = net_linear
+    with pytest.raises(ValueError) as e:
+        attnopt.export_onnx(opt, tmp_path / "m.onnx", (x,), target="tensorrt")
+    assert _one_line(e) == "unknown ONNX target 'tensorrt'; choose one of: ort, onnx-std, custom"
+    with pytest.raises(ValueError) as e:
+        attnopt.export_onnx(opt, tmp_path / "m.onnx", (x,), opset=12)
+    assert "opset 12 is not supported; use 18..23" in _one_line(e)
+    with pytest.raises(ValueError) as e:
+        attnopt.export_onnx(_net_and_x()[0], tmp_path / "m.onnx", (x,))
+    assert "was not compiled by attnopt" in _one_line(e) and "policy=" in str(e.value)
+    with pytest.raises(ValueError) as e:
+        attnopt.export_onnx(opt, tmp_path / "missing" / "m.onnx", (x,))
+    assert "does not exist" in _one_line(e)
+    with pytest.raises(ValueError) as e:
+        attnopt.export_onnx(opt, tmp_path, (x,))
+    assert "is a directory" in _one_line(e)
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime now raises ImportError
+    with pytest.raises(ImportError) as e:
+        attnopt.export_onnx(opt, tmp_path / "m.onnx", (x,))
+    assert _one_line(e) == ("attnopt.export_onnx needs onnxruntime (to check every export against torch); install it "
+                            "with pip install 'attnopt[onnx]'")
+    assert lowering_module.TARGETS == ("ort", "onnx-std", "custom")
+
+
+def test_a_site_with_a_run_time_exact_switch_is_refused(tmp_path):
+    net, x = _net_and_x()
+    policy = {"name": "late", "rules": [{"form": "linear", "params": {"min_seq_len": 16}}]}
+    opt = attnopt.compile(net, policy, example_inputs=(x,), tolerance=0.99, e2e_tolerance=None)
+    assert opt.attnopt_report.count("rewritten") == 2
+    with pytest.raises(ValueError) as e:
+        attnopt.export_onnx(opt, tmp_path / "m.onnx", (x,))
+    assert "min_seq_len=16" in _one_line(e) and "layers.0#0 (linear)" in str(e.value)
+
+
+def test_policy_compiles_an_original_model_first(tmp_path):
+    net, x = _net_and_x()
+    result = attnopt.export_onnx(net, tmp_path / "p.onnx", (x,), policy="ssm", baseline=False, check_lengths=[24, 9])
+    assert [s["lowering"] for s in result.sites] == ["com.microsoft.LinearAttention"] * 2
+    assert [p["length"] for p in result.parity] == [24, 9] and all(p["rel_rms"] <= 1e-4 for p in result.parity)
+    assert not hasattr(net, "attnopt_report")  # the user's model is untouched
+
+
+def test_cli_export_writes_a_checked_file_and_reports_bad_options(tmp_path, capsys):
+    from attnopt.cli import main
+
+    factory = tmp_path / "f.py"
+    factory.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class A(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.qkv = nn.Linear(16, 48)\n"
+        "    def forward(self, x):\n"
+        "        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 8).permute(2, 0, 3, 1, 4)\n"
+        "        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)\n"
+        "def make():\n"
+        "    torch.manual_seed(0)\n"
+        "    a = A()\n"
+        "    with torch.no_grad():\n"
+        "        a.qkv.weight[:32] *= 0.02  # near-uniform softmax: linear attention stays close\n"
+        "    return a, (torch.randn(2, 20, 16),)\n")
+    out = tmp_path / "a.onnx"
+    assert main(["export", f"{factory}:make", "--policy", "linear", "--out", str(out), "--json"]) == 0
+    import json
+
+    record = json.loads(capsys.readouterr().out)
+    assert record["sites"][0]["lowering"] == "com.microsoft.LinearAttention" and out.exists()
+    assert main(["export", f"{factory}:make", "--target", "trt", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attnopt export: bad option: unknown ONNX target 'trt'") and err.count("\n") == 1
+    assert main(["export", f"{factory}:make", "--out", str(tmp_path / "no" / "a.onnx")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_measured_dispatch_threshold_is_left_out_of_the_file_and_said_so(tmp_path):
+    # Automatic dispatch (on by default) gives every site a measured min_seq_len: a torch-side speed
+    # switch, so the file runs the form at every length and the export record says which it dropped.
+    from attnopt.passes.crossover import Threshold
+
+    net, x = _net_and_x()
+    opt = attnopt.compile(net, "linear", example_inputs=(x,), tolerance=0.99, e2e_tolerance=None, dispatch="off")
+    for r in opt.attnopt_report.sites:
+        r.threshold = Threshold(r.site.id, "linear", 16, "measured", "timed for this test")
+        r.outcome.params["min_seq_len"] = 16
+    for m in opt.modules():
+        if hasattr(m, "decode_step"):
+            m.min_seq_len = 16
+    with torch.no_grad():
+        switched = opt(x)
+    result = attnopt.export_onnx(opt, tmp_path / "m.onnx", (x,), baseline=False, check_lengths=[24, 9])
+    assert result.dispatch_dropped == {r.site.id: 16 for r in opt.attnopt_report.sites}
+    assert all(p["rel_rms"] <= 1e-4 for p in result.parity)  # against the form at every length
+    with torch.no_grad():
+        assert torch.equal(opt(x), switched)  # the compiled model keeps its thresholds

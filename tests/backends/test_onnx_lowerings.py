@@ -1,0 +1,149 @@
+"""Each form's ONNX lowering on its own, against the kernels' dense O(N²) reference formulas (not the
+torch ops the lowerings replace): exported once at one length with dynamic batch and length, run
+in ONNX Runtime at another length and batch, and (standard ops) in onnx.reference.
+
+The cases are the variants the model tests do not reach: per-head and stabilised feature maps,
+bidirectional bands with sinks, padded keys, GQA, a low-rank reuse residual.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("onnxscript")
+ort = pytest.importorskip("onnxruntime")
+
+from onnx.reference import ReferenceEvaluator  # noqa: E402
+
+from attnopt.backends.onnx import decay, linear, linear_window, reuse, window  # noqa: E402
+from attnopt.kernels.decay import decay_attention, decay_attention_reference
+from attnopt.kernels.feature_maps import make_feature_map
+from attnopt.kernels.linear import linear_attention, linear_attention_reference
+from attnopt.kernels.linear_window import linear_window_attention, linear_window_attention_reference
+from attnopt.kernels.reuse import reuse_attention, reuse_attention_reference
+from attnopt.kernels.window import window_attention, window_attention_reference
+
+H, HKV, D, DV = 4, 2, 16, 12
+
+
+def _inputs(n, b, seed, dv=DV):
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(b, n, generator=g) > 0.2
+    keep[:, 0] = True
+    return (torch.randn(b, H, n, D, generator=g), torch.randn(b, HKV, n, D, generator=g),
+            torch.randn(b, HKV, n, dv, generator=g), keep)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), b.double().numpy()
+    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
+
+
+class Op(torch.nn.Module):
+    def __init__(self, call, oracle, weights=()):
+        super().__init__()
+        self.call, self.oracle = call, oracle
+        self.weights = torch.nn.ModuleList(weights)
+
+    def forward(self, q, k, v, keep):
+        return self.call(q, k, v, keep)
+
+
+def _check(module, lowering, target, dv=DV, reference=True):
+    dims = torch.export.Dim("B"), torch.export.Dim("N")
+    spec = ({0: dims[0], 2: dims[1]},) * 3 + ({0: dims[0], 1: dims[1]},)
+    program = torch.export.export(module, _inputs(70, 2, 0, dv), dynamic_shapes=spec)
+    onnx_program = torch.onnx.export(program, dynamo=True, verbose=False,
+                                     custom_translation_table={lowering.torch_op(): lowering.by_target[target]})
+    sess = ort.InferenceSession(onnx_program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [i.name for i in sess.get_inputs()]
+    for n, b in ((131, 3), (5, 1)):  # another length (three chunks), and one shorter than a block
+        inputs = _inputs(n, b, n, dv)
+        with torch.no_grad():
+            want = module.oracle(*inputs)
+        got = sess.run(None, {nm: t.numpy() for nm, t in zip(names, inputs)})[0]
+        assert got.shape == tuple(want.shape) and _rel(got, want) <= 1e-4, (n, b, _rel(got, want))
+    if reference:
+        inputs = _inputs(9, 1, 9, dv)
+        ref = ReferenceEvaluator(onnx_program.model_proto)
+        got = ref.run(None, {nm: t.numpy() for nm, t in zip(ref.input_names, inputs)})[0]
+        with torch.no_grad():
+            assert _rel(got, module.oracle(*inputs)) <= 1e-4
+    return onnx_program.model_proto
+
+
+def test_linear_favor_bidirectional_and_taylor_causal_in_ort():
+    fmap = make_feature_map("favor", D, H, seed=3)
+    kw = dict(scale=0.25, eps=1e-6)
+    m = Op(lambda q, k, v, keep: linear_attention(q, k, v, feature_map=fmap, causal=False, key_mask=keep, **kw),
+           lambda q, k, v, keep: linear_attention_reference(q, k, v, feature_map=fmap, causal=False, key_mask=keep,
+                                                            **kw), [fmap])
+    _check(m, linear.LOWERING, "onnx-std")
+    taylor = make_feature_map("taylor", D, H)
+    m = Op(lambda q, k, v, keep: linear_attention(q, k, v, feature_map=taylor, causal=True, key_mask=keep, **kw),
+           lambda q, k, v, keep: linear_attention_reference(q, k, v, feature_map=taylor, causal=True, key_mask=keep,
+                                                            **kw))
+    proto = _check(m, linear.LOWERING, "ort", reference=False)
+    [node] = [n for n in proto.graph.node if n.op_type == "LinearAttention"]
+    attrs = {a.name: a for a in node.attribute}
+    assert attrs["update_rule"].s == b"linear" and attrs["scale"].f == 1.0  # never the gated_delta default
+    assert (attrs["q_num_heads"].i, attrs["kv_num_heads"].i) == (H, HKV)  # GQA kept, keys not repeated
+
+
+def test_window_bidirectional_band_with_sinks_and_padding():
+    kw = dict(window=5, causal=False, sinks=3, scale=0.3)
+    m = Op(lambda q, k, v, keep: window_attention(q, k, v, key_mask=keep, **kw),
+           lambda q, k, v, keep: window_attention_reference(q, k, v, key_mask=keep, **kw))
+    proto = _check(m, window.LOWERING, "ort", dv=D)  # bidirectional: ORT's GQA cannot, so the band
+    assert {n.domain for n in proto.graph.node} == {""}
+
+
+def test_causal_window_with_a_key_mask_runs_gqa_only_when_no_key_is_dropped():
+    kw = dict(window=8, causal=True, sinks=0, scale=0.3)
+    m = Op(lambda q, k, v, keep: window_attention(q, k, v, key_mask=keep, **kw),
+           lambda q, k, v, keep: window_attention_reference(q, k, v, key_mask=keep, **kw))
+    proto = _check(m, window.LOWERING, "ort", dv=D, reference=False)  # padded keys: the banded branch
+    [branch] = [n for n in proto.graph.node if n.op_type == "If"]
+    then = {n.op_type for a in branch.attribute if a.name == "then_branch" for n in a.g.node}
+    assert "GroupQueryAttention" in then
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    q, k, v, keep = _inputs(90, 2, 7, D)
+    keep = torch.ones_like(keep)  # nothing dropped: the GQA branch
+    got = sess.run(None, {i.name: t.numpy() for i, t in zip(sess.get_inputs(), (q, k, v, keep))})[0]
+    assert _rel(got, window_attention_reference(q, k, v, key_mask=keep, **kw)) <= 1e-4
+
+
+@pytest.mark.parametrize("fmap_name,causal,sinks", [("favor", False, 2), ("hedgehog", True, 3)])
+def test_linear_window_with_stabilised_and_per_head_maps(fmap_name, causal, sinks):
+    fmap = make_feature_map(fmap_name, D, H, seed=1)
+    beta = torch.tensor([0.5, 1.0, 2.0, 0.0])
+    kw = dict(window=6, causal=causal, sinks=sinks, scale=0.25, feature_map=fmap, linear_weight=beta)
+    m = Op(lambda q, k, v, keep: linear_window_attention(q, k, v, key_mask=keep, **kw),
+           lambda q, k, v, keep: linear_window_attention_reference(q, k, v, key_mask=keep, **kw), [fmap])
+    _check(m, linear_window.LOWERING, "onnx-std")
+
+
+@pytest.mark.parametrize("target", ["ort", "onnx-std"])
+def test_decay_with_padded_keys(target):
+    holder = torch.nn.Module()  # γ as a buffer: a plain tensor constant would be value-checked while tracing
+    holder.register_buffer("gamma", torch.tensor([0.9, 0.5, 0.99, 1.0]))
+    kw = dict(feature_map="elu", normalize=True, eps=1e-6)
+    m = Op(lambda q, k, v, keep: decay_attention(q, k, v, decay=holder.gamma, key_mask=keep, **kw),
+           lambda q, k, v, keep: decay_attention_reference(q, k, v, decay=holder.gamma, key_mask=keep, **kw), [holder])
+    proto = _check(m, decay.LOWERING, target, reference=target == "onnx-std")
+    rules = [a.s for n in proto.graph.node if n.op_type == "LinearAttention" for a in n.attribute
+             if a.name == "update_rule"]
+    assert rules == ([b"gated"] if target == "ort" else [])
+
+
+def test_reuse_with_a_low_rank_residual():
+    g = torch.Generator().manual_seed(4)
+    A, B_ = torch.randn(H, 17, 2, generator=g) * 0.3, torch.randn(H, 17, 2, generator=g) * 0.3  # C + 1 rows: bias
+    x_of = torch.nn.Linear(DV, 16)  # the layer input, made from v so the op sees one more [B, N, C] tensor
+
+    def call(q, k, v, keep, fn):
+        return fn(q, k, v, x_of(v[:, 0]), A, B_, scale=0.25, causal=True, key_mask=keep)
+
+    m = Op(lambda q, k, v, keep: call(q, k, v, keep, reuse_attention),
+           lambda q, k, v, keep: call(q, k, v, keep, reuse_attention_reference), [x_of])
+    _check(m, reuse.LOWERING, "onnx-std")
