@@ -165,8 +165,15 @@ class SiteModule(nn.Module, abc.ABC):
             if folded and keep is not None and keep.shape[0] != q.shape[0]:
                 keep = keep.reshape(q.shape[0], -1, k.shape[-2])[:, 0]
         mask4 = None if folded else mask
-        exact_q = self.exact_queries(q, k, keep) if self.min_seq_len and g.causal else None
-        if exact_q is not None and bool(exact_q.all()):  # short input: exactly the original attention
+        exact_q, all_exact = None, False
+        if self.min_seq_len and g.causal:
+            # Decided from the shapes when they suffice (a real position never exceeds its column), so
+            # torch.export sees no data-dependent branch for inputs shorter than the threshold.
+            all_exact = k.shape[-2] <= self.min_seq_len
+            if not all_exact:
+                exact_q = self.exact_queries(q, k, keep)
+                all_exact = bool(exact_q.all())
+        if all_exact:  # short input: exactly the original attention
             out = self.exact(q, k, v, mask) if not folded else self._exact_rows(q, k, v, keep, q.shape[-2])
         else:
             out = self.attend(q, k, v, keep, mask4, x)
