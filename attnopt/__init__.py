@@ -8,7 +8,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["inspect", "compile", "backend", "Policy", "PolicyError", "ops", "hf", "forms", "save", "load", "__version__"]
+__all__ = ["inspect", "compile", "backend", "Policy", "PolicyError", "ops", "hf", "forms", "save", "load", "calibrate", "__version__"]
 
 
 def __getattr__(name: str):
@@ -25,6 +25,10 @@ def __getattr__(name: str):
         from attnopt import saving
 
         return getattr(saving, name)
+    if name == "calibrate":
+        from attnopt.calibration import calibrate
+
+        return calibrate
     if name == "Policy":
         from attnopt.policy import Policy
 

@@ -68,6 +68,7 @@ class CompileReport:
     counts: dict = field(default_factory=dict)  # pass name -> what that pass counted
     budget_steps: list = field(default_factory=list)  # sites reverted to hold the end-to-end budget, in order
     cost_multipliers: tuple = (1, 4, 16)  # the lengths (× example length) of each SiteRecord.costs_*
+    calibration: Optional[dict] = None  # what attnopt.calibrate did (Calibration.to_dict()), once run
     torch_version: str = field(default_factory=lambda: _package_version("torch"))
     attnopt_version: str = field(default_factory=lambda: _package_version("attnopt"))
 
@@ -143,6 +144,7 @@ class CompileReport:
             "counts": dict(self.counts),
             "budget_steps": list(self.budget_steps),
             "cost_multipliers": list(self.cost_multipliers),
+            "calibration": self.calibration,
             "versions": {"torch": self.torch_version, "attnopt": self.attnopt_version},
         }
 
@@ -170,6 +172,7 @@ class CompileReport:
             counts=dict(d.get("counts", {})),
             budget_steps=list(d.get("budget_steps", [])),
             cost_multipliers=tuple(d.get("cost_multipliers", (1, 4, 16))),
+            calibration=d.get("calibration"),
             torch_version=versions.get("torch", "unknown"),
             attnopt_version=versions.get("attnopt", "unknown"),
         )
