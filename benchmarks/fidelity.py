@@ -169,36 +169,41 @@ def run_model(name: str, policies, steps: int, n_cal: int, n_held: int, lr) -> d
 
 
 def plot(results: dict, path: Path) -> None:
-    """One panel per model: the headline metric per policy, before (light) and after (dark) calibration."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results["models"]), figsize=(7 * len(results["models"]), 4.5), squeeze=False)
-    for ax, res in zip(axes[0], results["models"]):
+    """An SVG (hand-drawn, no plotting library): per model, the headline metric per policy, before (light)
+    and after (dark) calibration; the original's value as a dashed line."""
+    panels, width, height, left, bottom = [], 640, 300, 60, 110
+    for p, res in enumerate(results["models"]):
         key = "embedding_cosine" if res["model"] == "minilm" else "perplexity"
         rows = [r for r in res["rows"] if r["policy"] != "original"]
-        names = [r["policy"] for r in rows]
-        before = [r["before"][key] for r in rows]
-        after = [r["after"][key] if r.get("after") else float("nan") for r in rows]
-        xs = range(len(rows))
-        ax.bar([x - 0.2 for x in xs], before, 0.4, label="before calibration", color="#9ecae1")
-        ax.bar([x + 0.2 for x in xs], after, 0.4, label="after calibration", color="#08519c")
-        orig = res["rows"][0][key] if key == "perplexity" else 1.0
-        ax.axhline(orig, color="k", lw=0.8, ls="--", label="original")
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels(names, rotation=45, ha="right", fontsize=8)
-        if key == "perplexity":
-            ax.set_yscale("log")
-            ax.set_ylabel("held-out perplexity (log)")
-        else:
-            ax.set_ylim(0.3, 1.01)
-            ax.set_ylabel("held-out mean embedding cosine")
-        ax.set_title(res["model"])
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
+        vals = [(r["before"][key], (r.get("after") or {}).get(key)) for r in rows]
+        log = key == "perplexity"
+        orig = res["rows"][0][key]
+        lo = min([orig] + [v for pair in vals for v in pair if v is not None])
+        hi = max([orig] + [v for pair in vals for v in pair if v is not None])
+        lo, hi = (math.log10(lo) * 0.98, math.log10(hi) * 1.02) if log else (min(lo, 0.3), 1.0)
+        plot_h = height - 20 - bottom
+        slot = (width - left - 10) / max(len(rows), 1)
+
+        def y(v):
+            v = math.log10(v) if log else v
+            return 20 + plot_h * (1 - (v - lo) / (hi - lo or 1))
+
+        g = [f'<g transform="translate(0,{p * height})"><text x="{left}" y="14">{res["model"]}: held-out '
+             f'{"perplexity (log scale)" if log else "mean embedding cosine"}; light = before, dark = after calibration</text>']
+        for i, (r, (b, a)) in enumerate(zip(rows, vals)):
+            x = left + i * slot
+            for j, (v, colour) in enumerate(((b, "#9ecae1"), (a, "#08519c"))):
+                if v is not None:
+                    g.append(f'<rect x="{x + 4 + j * slot * 0.42:.1f}" y="{y(v):.1f}" width="{slot * 0.4:.1f}" '
+                             f'height="{20 + plot_h - y(v):.1f}" fill="{colour}"><title>{v:.4g}</title></rect>')
+            g.append(f'<text transform="translate({x + slot / 2:.1f},{height - bottom + 12}) rotate(40)" '
+                     f'font-size="10">{r["policy"]}</text>')
+        g.append(f'<line x1="{left}" x2="{width - 10}" y1="{y(orig):.1f}" y2="{y(orig):.1f}" stroke="black" '
+                 f'stroke-dasharray="4 3"/><text x="4" y="{y(orig) + 4:.1f}" font-size="10">{orig:.3g}</text></g>')
+        panels.append("".join(g))
+    total = height * len(panels)
+    path.write_text(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{total}" font-family="sans-serif" '
+                    f'font-size="11">{"".join(panels)}</svg>\n', encoding="utf-8")
 
 
 def main(argv=None) -> None:

@@ -26,7 +26,7 @@ from attnopt.calibration.train import SiteTraining, train_site, trainable_tensor
 
 PARAMS = ("forms", "forms+lora")
 DEFAULT_STEPS = 200  # per site; at 256 tokens about 0.1-0.2 s a step on one CPU core (MiniLM)
-DEFAULT_LR = 1e-2
+DEFAULT_LR = 5e-2  # on MiniLM 5e-2 beat 1e-2 by a wide margin at 120 steps (site rel RMS 0.14 vs 0.22)
 HELD_OUT_EVERY = 4  # without held_out=, batches 3, 7, 11, ... are held out
 CHECKPOINT_TENSORS = "calibration.safetensors"
 CHECKPOINT_STATE = "calibration.json"
