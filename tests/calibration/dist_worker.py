@@ -35,7 +35,7 @@ def main(out: Path) -> None:
     ids = torch.tensor(list(text[: 10 * 128]), dtype=torch.long).reshape(10, 128)
     batches = [{"input_ids": ids[i : i + 1]} for i in range(8)]
     held = [{"input_ids": ids[8:10]}]
-    opt = attnopt.compile(model, "linear+window:16", example_inputs=batches[0], tolerance=10.0, e2e_tolerance=None)
+    opt = attnopt.compile(model, "linear+window:16+fit_steps:5", example_inputs=batches[0], tolerance=10.0, e2e_tolerance=None)
     attnopt.calibrate(opt, batches, held_out=held, steps=12, progress=False, checkpoint=str(out / "checkpoint"))
     tensors = {f"{sid}/{n}": t.contiguous() for sid, m in site_modules(opt).items() for n, t in trainable_tensors(m).items()}
     save_file(tensors, str(out / f"rank{world.rank}.safetensors"))

@@ -46,7 +46,8 @@ def test_trained_lm_held_out_drift_drops_per_site_and_end_to_end(tiny_lm):
     rep = attnopt.report.CompileReport.from_dict(json.loads(opt.attnopt_report.to_json()))
     assert rep.calibration["sites"][0]["site_id"] == c["sites"][0]["site_id"]
     page = opt.attnopt_report.to_html()
-    assert "<h2>Calibration</h2>" in page and page.count("<polyline") == 4
+    section = page.split("<h2>Calibration</h2>")[1].split("<h2>")[0]
+    assert section.count("<polyline") == 4 and section.count("<tr>") == 2 + 1 + 4 + 1  # e2e, sites (+ heads)
     assert any(n.startswith("calibrated (forms, 40 steps") for n in opt.attnopt_report.notes)
 
 

@@ -14,7 +14,7 @@ def test_cli_calibrates_saves_and_reports(tmp_path, capsys):
     from attnopt.calibration.targets import site_modules
     from attnopt.calibration.train import trainable_tensors
 
-    rc = main(["calibrate", "minilm", "--policy", "linear+window:16", "--seq-len", "64", "--steps", "4", "--json",
+    rc = main(["calibrate", "minilm", "--policy", "linear+window:16+fit_steps:5", "--seq-len", "64", "--steps", "4", "--json",
                "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
