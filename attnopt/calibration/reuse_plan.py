@@ -101,12 +101,11 @@ def plan_reuse(model, batches: Sequence[Any], *, budget: float = 0.5, rank: int 
         raise CalibrationError("plan_reuse needs at least one batch of model inputs")
     if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not budget > 0:
         raise CalibrationError(f"budget must be a number > 0 (relative RMS drift of a reusing site); got {budget!r}")
+    from attnopt.compiler import as_batch, compile as attnopt_compile
+
     compiled = model
     if getattr(model, "attnopt_report", None) is None:
-        import attnopt
-
-        compiled = attnopt.compile(model, "exact", example_inputs=batches[0], e2e_tolerance=None)
-    from attnopt.compiler import as_batch
+        compiled = attnopt_compile(model, "exact", example_inputs=batches[0], e2e_tolerance=None)
 
     report = compiled.attnopt_report
     targets = record_targets(compiled, [as_batch(b, f"batches[{i}]") for i, b in enumerate(batches)], report)
