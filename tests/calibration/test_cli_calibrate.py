@@ -19,7 +19,10 @@ def test_cli_calibrates_saves_and_reports(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     cal = json.loads(out)
-    assert cal["train_batches"] == 3 and cal["held_out_batches"] == 1 and len(cal["sites"]) == 6
+    report = json.loads((tmp_path / "report.json").read_text())
+    rewritten = [r["site"]["id"] for r in report["sites"] if r["outcome"]["status"] == "rewritten"]
+    assert cal["train_batches"] == 3 and cal["held_out_batches"] == 1
+    assert rewritten and [s["site_id"] for s in cal["sites"]] == rewritten
     assert all(s["status"] in ("trained", "unchanged") for s in cal["sites"])
     assert (tmp_path / "report.html").read_text().count("<h2>Calibration</h2>") == 1
     saved = load_file(str(tmp_path / "checkpoint" / "calibration.safetensors"))
@@ -32,7 +35,9 @@ def test_cli_calibrates_saves_and_reports(tmp_path, capsys):
 def test_cli_calibrate_errors_in_one_line(capsys):
     rc = main(["calibrate", "minilm", "--policy", "window:16", "--seq-len", "64"])
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and err.count("\n") == 0
+    # In-process, transformers (imported by earlier tests) may print its own loading bar first.
+    assert rc == 2 and "Traceback" not in err
+    err = err.splitlines()[-1]
     assert err.startswith("attnopt calibrate: nothing to calibrate") and "linear:hedgehog" in err
     assert main(["calibrate", "minilm", "--policy", "nope"]) == 2
     assert "bad --policy" in capsys.readouterr().err
