@@ -231,3 +231,20 @@ def test_graph_path_model_is_calibrated():
     attnopt.calibrate(opt, batches, steps=30, progress=False)
     (s,) = opt.attnopt_report.calibration["sites"]
     assert s["status"] == "trained" and s["held_out_after"]["rel_rms"] < s["held_out_before"]["rel_rms"]
+
+
+def test_a_site_that_gets_worse_held_out_keeps_its_compiled_values():
+    # Random weights attend almost uniformly: a rank-4 residual fits the 4 training batches' noise.
+    batches = id_batches(5, seed=3)
+    opt = compiled_llama("reuse:-1+rank:4", layers=3)
+    compiled = _tensors(opt)
+    attnopt.calibrate(opt, batches, steps=25, lr=1e-2, progress=False)
+    sites = opt.attnopt_report.calibration["sites"]
+    kept = [s for s in sites if s["reason"].startswith("held-out drift rose")]
+    assert kept, [s["reason"] for s in sites]
+    now = _tensors(opt)
+    for s in kept:
+        assert s["status"] == "unchanged" and s["held_out_after"] == s["held_out_before"]
+        assert all(torch.equal(now[k], compiled[k]) for k in now if k.startswith(s["site_id"] + "/"))
+    for s in sites:
+        assert s["held_out_after"]["rel_rms"] <= s["held_out_before"]["rel_rms"]
