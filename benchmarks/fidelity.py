@@ -120,7 +120,6 @@ def logits_of(model, batches):
 
 
 def decoder_scores(ref_logits, logits, batches) -> dict:
-    import torch
     import torch.nn.functional as F
 
     total, count, num, den = 0.0, 0, 0.0, 0.0

@@ -12,9 +12,7 @@ sites are then fitted by `attnopt.calibrate`.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Sequence
-
-import torch
+from typing import Any, Sequence
 
 from attnopt.passes.masks import exact_attention
 
