@@ -248,3 +248,28 @@ def test_a_site_that_gets_worse_held_out_keeps_its_compiled_values():
         assert all(torch.equal(now[k], compiled[k]) for k in now if k.startswith(s["site_id"] + "/"))
     for s in sites:
         assert s["held_out_after"]["rel_rms"] <= s["held_out_before"]["rel_rms"]
+
+
+def test_a_model_that_gets_worse_end_to_end_keeps_every_compiled_value(monkeypatch):
+    import attnopt.passes.verify as verify
+
+    batches = id_batches(4)
+    opt = compiled_llama("linear:hedgehog")
+    compiled = _tensors(opt)
+    real, calls = verify.output_drift, {"n": 0}
+
+    def drifted(outs, refs, masks):  # the after-measurement (2nd call) sees outputs moved far away
+        calls["n"] += 1
+        if calls["n"] == 2:
+            for o in outs:
+                o["logits"] = o["logits"] * 3.0
+        return real(outs, refs, masks)
+
+    monkeypatch.setattr(verify, "output_drift", drifted)
+    attnopt.calibrate(opt, batches, steps=8, progress=False)
+    c = opt.attnopt_report.calibration
+    assert calls["n"] == 2 and c["end_to_end_after"] == c["end_to_end_before"]
+    assert any(n.startswith("end to end the held-out drift rose") for n in c["notes"])
+    assert all(s["status"] == "unchanged" for s in c["sites"])
+    now = _tensors(opt)
+    assert all(torch.equal(now[k], compiled[k]) for k in compiled)
