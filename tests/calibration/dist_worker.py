@@ -1,4 +1,4 @@
-"""Run by test_distributed.py under `python -m torch.distributed.run --nproc_per_node=2` (gloo, CPU).
+"""Run by test_calibrate_distributed.py under `python -m torch.distributed.run --nproc_per_node=2` (gloo, CPU).
 
 Each rank compiles the trained tiny LM, calibrates it on its share of the same batches, and writes
 its trained tensors and held-out numbers to OUT/rank<r>.*; rank 0 also writes the checkpoint.
