@@ -8,8 +8,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["inspect", "compile", "backend", "Policy", "PolicyError", "ops", "hf", "forms", "save", "load", "export_onnx",
-           "__version__"]
+__all__ = ["inspect", "compile", "backend", "calibrate", "export_onnx", "Policy", "PolicyError", "ops", "hf", "forms",
+           "save", "load", "__version__"]
 
 
 def __getattr__(name: str):
@@ -30,6 +30,10 @@ def __getattr__(name: str):
         from attnopt.backends.onnx.export import export_onnx
 
         return export_onnx
+    if name == "calibrate":
+        from attnopt.calibration import calibrate
+
+        return calibrate
     if name == "Policy":
         from attnopt.policy import Policy
 

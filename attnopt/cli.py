@@ -1,4 +1,5 @@
-"""`attnopt` command line (typer, rich): `inspect MODEL`, `compile MODEL --policy P`, `bench`, `demo`.
+"""`attnopt` command line (typer, rich): `inspect MODEL`, `compile MODEL --policy P`, `calibrate`, `export`,
+`bench`, `demo`.
 
 Every expected failure (bad argument or MODEL, model that does not trace, no attention, Ctrl-C)
 prints one line to stderr and returns its exit code; no traceback. `main(argv) -> int` is the
@@ -542,6 +543,71 @@ def run_export(spec: str, policy_text: str, target: str, out: str, seq_len: int,
         print(f"wrote {out} ({target}, opset {result.opset}): {lowered}; parity with torch: worst relative RMS "
               f"{worst:.2e} at lengths {', '.join(str(p['length']) for p in result.parity)}")
     return EXIT_OK
+
+
+@app.command(
+    "calibrate",
+    help="Compile a model per a policy, then calibrate its rewritten sites (attention transfer on text, one passage "
+         "per batch, every 4th held out) and report per-site and end-to-end drift before and after.",
+    epilog=_epilog("attnopt calibrate minilm --policy linear+window:64",
+                   "attnopt calibrate minilm --policy linear:hedgehog --steps 300 --texts passages.txt --out calib/",
+                   "torchrun --nproc_per_node=2 -m attnopt calibrate minilm --policy linear+window:64 --json"),
+)
+def calibrate_command(
+    model: str = typer.Argument("minilm", metavar="MODEL", help=MODEL_HELP),
+    policy: str = typer.Option("linear+window:64", "--policy", help=f"preset ({policy_presets_help()}) or a policy file"),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Adam steps per site (default 200)"),
+    params: str = typer.Option("forms", "--params", help="'forms' (maps, β, residuals) or 'forms+lora' (also LoRA "
+                                                         "on q/k/v/o)"),
+    texts: Optional[str] = typer.Option(None, "--texts", help="text file, one passage per line (default: the "
+                                                              "built-in English passages)"),
+    seq_len: int = typer.Option(256, "--seq-len", min=1, help="tokens per passage"),
+    out: Optional[str] = typer.Option(None, "--out", help="directory for the calibrated model (attnopt.save), "
+                                                          "report.html, report.json and the checkpoint"),
+    as_json: bool = typer.Option(False, "--json", help="print the calibration record as JSON"),
+) -> int:
+    def run() -> int:
+        import attnopt
+        from attnopt.calibration import CalibrationError
+        from attnopt.policy import Policy
+        from attnopt.policy.errors import PolicyError
+        from attnopt.samples import english_passages
+
+        try:
+            parsed = Policy.parse(policy)
+        except PolicyError as exc:
+            raise CliError(f"bad --policy: {exc}", EXIT_BAD_ARGUMENT) from exc
+        if texts is not None and not os.path.isfile(texts):
+            raise CliError(f"--texts {texts}: no such file", EXIT_BAD_ARGUMENT)
+        passages = ([t for t in open(texts, encoding="utf-8").read().splitlines() if t.strip()] if texts
+                    else english_passages())
+        loaded, args, kwargs, description = _load(model, texts=passages, max_length=seq_len)
+        rows = [v.shape[0] for v in list(args) + list(kwargs.values()) if hasattr(v, "shape") and v.dim() >= 1]
+        if args or not rows or min(rows) < 2:
+            raise CliError(f"{description}: calibration needs keyword inputs with at least 2 rows (passages) to "
+                           "split into batches", EXIT_BAD_ARGUMENT)
+        batches = [{k: (v[i : i + 1] if hasattr(v, "shape") and v.dim() >= 1 else v) for k, v in kwargs.items()}
+                   for i in range(rows[0])]
+        opt = compile_or_fail(loaded, parsed, batches[0], description)
+        import torch
+
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():  # torchrun
+            torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        leader = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        try:
+            attnopt.calibrate(opt, batches, steps=steps, params=params, progress=not as_json,
+                              checkpoint=os.path.join(out, "checkpoint") if out else None)
+        except CalibrationError as exc:
+            raise CliError(str(exc), EXIT_BAD_ARGUMENT) from exc
+        if out and leader:
+            attnopt.save(opt, os.path.join(out, "model"))
+            write_reports(opt.attnopt_report, os.path.join(out, "report.html"), os.path.join(out, "report.json"))
+        if leader:
+            cal = opt.attnopt_report.calibration
+            print(json.dumps(cal, default=str) if as_json else opt.attnopt_report.notes[-1])
+        return EXIT_OK
+
+    return _guarded("calibrate", run)
 
 
 def _one_line(message: str) -> str:

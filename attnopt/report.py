@@ -73,6 +73,7 @@ class CompileReport:
     budget_steps: list = field(default_factory=list)  # sites reverted to hold the end-to-end budget, in order
     cost_multipliers: tuple = (1, 4, 16)  # the lengths (× example length) of each SiteRecord.costs_*
     exports: list = field(default_factory=list)  # one OnnxExport.to_dict() per attnopt.export_onnx call
+    calibration: Optional[dict] = None  # what attnopt.calibrate did (Calibration.to_dict()), once run
     torch_version: str = field(default_factory=lambda: _package_version("torch"))
     attnopt_version: str = field(default_factory=lambda: _package_version("attnopt"))
 
@@ -158,6 +159,7 @@ class CompileReport:
             "decode_memory": None if self.decode_memory is None else self.decode_memory.to_dict(),
             "cost_multipliers": list(self.cost_multipliers),
             "exports": list(self.exports),
+            "calibration": self.calibration,
             "versions": {"torch": self.torch_version, "attnopt": self.attnopt_version},
         }
 
@@ -186,6 +188,7 @@ class CompileReport:
             budget_steps=list(d.get("budget_steps", [])),
             cost_multipliers=tuple(d.get("cost_multipliers", (1, 4, 16))),
             exports=list(d.get("exports", [])),
+            calibration=d.get("calibration"),
             torch_version=versions.get("torch", "unknown"),
             attnopt_version=versions.get("attnopt", "unknown"),
         )

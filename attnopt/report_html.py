@@ -249,6 +249,69 @@ def _totals_table(rep) -> str:
     )
 
 
+def calibration_html(rep) -> str:
+    """The calibration section: per-site and end-to-end drift before/after on held-out batches, the loss
+    curves, and (with reuse sites) the cross-layer reuse-drift heatmap with the anchors in use."""
+    cal = getattr(rep, "calibration", None)
+    if not cal:
+        return ""
+    rows = []
+    for s in cal["sites"]:
+        hb, ha = s.get("held_out_before") or {}, s.get("held_out_after") or {}
+        rows.append(f"<tr><td><code>{esc(s['site_id'])}</code></td><td>{esc(s['form'])}</td><td>{esc(s['status'])}</td>"
+                    f'<td class="num">{fmt_num(s["rms_before"])} → {fmt_num(s["rms_after"])}</td>'
+                    f'<td class="num">{fmt_num(hb.get("rel_rms"))} → {fmt_num(ha.get("rel_rms"))}</td>'
+                    f"<td>{esc(s['reason'])}</td></tr>")
+    e2e = ""
+    for label, key in (("before", "end_to_end_before"), ("after", "end_to_end_after")):
+        d = cal.get(key) or {}
+        worst = (d.get("worst") or {}).get("rel_rms")
+        e2e += f'<tr><td>{label}</td><td class="num">{fmt_num(worst)}</td><td class="num">{fmt_num(d.get("embedding_cosine"))}</td></tr>'
+    # Loss curves: relative RMS per step, one polyline per site, log scale.
+    w, h, pad = 560, 220, 40
+    curves = [s["curve"] for s in cal["sites"] if s.get("curve")] + ([cal["lora"]["curve"]] if cal.get("lora") else [])
+    pts = [v for c in curves for _, v in c if v > 0 and math.isfinite(v)]
+    svg = ""
+    if pts:
+        lo, hi = math.log10(min(pts)), math.log10(max(pts)) + 1e-9
+        steps = max(max(st for st, _ in c) for c in curves) or 1
+        lines = []
+        for i, c in enumerate(curves):
+            xy = " ".join(f"{pad + (w - 2 * pad) * st / steps:.1f},{h - pad - (h - 2 * pad) * (math.log10(max(v, 1e-30)) - lo) / (hi - lo + 1e-9):.1f}"
+                          for st, v in c if v > 0 and math.isfinite(v))
+            lines.append(f'<polyline fill="none" stroke="hsl({(i * 47) % 360},65%,42%)" stroke-width="1.4" points="{xy}"/>')
+        svg = (f'<svg width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img"><text x="{pad}" y="14">relative RMS '
+               f'{10 ** hi:.3g} (top) to {10 ** lo:.3g} (bottom), log; steps 0 to {steps}</text>{"".join(lines)}</svg>')
+    heat = ""
+    reuse = cal.get("reuse")
+    if reuse and reuse.get("drift"):
+        n, cell = len(reuse["drift"]), 34
+        ids = reuse["site_ids"]
+        cells = []
+        for li, row in enumerate(reuse["drift"]):
+            for ai, d in enumerate(row):
+                if d is None:
+                    continue
+                shade = max(0.0, min(1.0, d))  # drift 0 white .. 1 and above dark red
+                frame = ' stroke="#1c7ed6" stroke-width="3"' if reuse["reuse"].get(ids[li]) == ids[ai] else ""
+                cells.append(f'<rect x="{60 + ai * cell}" y="{20 + li * cell}" width="{cell - 2}" height="{cell - 2}" '
+                             f'fill="rgb(255,{int(255 * (1 - shade))},{int(255 * (1 - shade))})"{frame}><title>site {esc(ids[li])} on '
+                             f'{esc(ids[ai])}: drift {d:.3g}</title></rect><text x="{62 + ai * cell}" y="{40 + li * cell}">{d:.2f}</text>')
+        labels = "".join(f'<text x="4" y="{40 + i * cell}">L{esc(reuse["layers"][i])}</text>'
+                         f'<text x="{64 + i * cell}" y="14">L{esc(reuse["layers"][i])}</text>' for i in range(n))
+        heat = (f'<figure><svg width="{70 + n * cell}" height="{30 + n * cell}" role="img">{labels}{"".join(cells)}'
+                f"</svg><figcaption>Reuse drift: row = site, column = the earlier site whose q, k it would use (pure "
+                f"reuse, calibration data); blue frame = the anchor in use.</figcaption></figure>")
+    return (f"<h2>Calibration</h2><p>{esc(cal['params'])}, {cal['steps']} steps per site, lr {fmt_num(cal['lr'])}, seed "
+            f"{cal['seed']}, {cal['train_batches']} training / {cal['held_out_batches']} held-out batches on "
+            f"{cal['world_size']} rank(s), {fmt_num(cal['seconds'])} s.</p>"
+            "<table><thead><tr><th>held out</th><th>worst output rel RMS</th><th>embedding cosine</th></tr></thead>"
+            f"<tbody>{e2e}</tbody></table><br><table><thead><tr><th>site</th><th>form</th><th>status</th>"
+            "<th>training rel RMS</th><th>held-out rel RMS</th><th>why</th></tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table>"
+            f'<div class="plots"><figure>{svg}<figcaption>Loss curves per site (and LoRA).</figcaption></figure>{heat}</div>')
+
+
 def render_html(rep) -> str:
     t = rep.totals
     ratio = t["flops_ratio"][-1] if t["flops_ratio"] else None
@@ -293,6 +356,7 @@ def render_html(rep) -> str:
 {_e2e_table(rep)}
 <h2>Sites</h2>
 {_site_table(rep)}
+{calibration_html(rep)}
 <h2>Near misses</h2>
 {_near_miss_table(rep)}
 <h2>Policy</h2>

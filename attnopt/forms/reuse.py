@@ -41,6 +41,7 @@ class ReuseSite(SiteModule):
 
     form = "reuse"
     uses_anchor_qk = True
+    calibrated_buffers = ("residual_A", "residual_B")  # attnopt.calibrate trains the residual factors
 
     def __init__(self, site, params, anchor: AttentionSite, residual: Optional[tuple] = None):
         super().__init__(site, params)

