@@ -165,12 +165,14 @@ def bind_layer(module: nn.Module, cache) -> Optional[SiteCacheLayer]:
 
 def watch_cache(module: nn.Module):
     """Forward pre-hook: point the module's state at its SiteCacheLayer for this call (or None)."""
-    state: ModuleState = module.__dict__.setdefault("_attnopt_state", ModuleState())
+    module.__dict__.setdefault("_attnopt_state", ModuleState())
 
     @torch.compiler.disable
     def hook(mod, args, kwargs):
+        # The state is read from the module called, not captured: a deep copy of the model copies
+        # its hooks by reference, and must not write into the original's state.
         cache = _find_cache(kwargs)
-        state.cache_layer = None if cache is None else bind_layer(mod, cache)
+        mod.__dict__["_attnopt_state"].cache_layer = None if cache is None else bind_layer(mod, cache)
 
     return module.register_forward_pre_hook(hook, with_kwargs=True)
 

@@ -70,6 +70,7 @@ def uninstall(model: nn.Module) -> int:
         if "attnopt_site" in m._modules:
             del m._modules["attnopt_site"]
             removed += 1
+        m.__dict__.pop("_attnopt_layer_state", None)
         state = m.__dict__.pop("_attnopt_state", None)
         for h in getattr(state, "hooks", ()):
             h.remove()
@@ -94,7 +95,7 @@ def install(model: nn.Module, sites: list, modules: dict) -> dict:
             anchor_mod = model.get_submodule(by_id[module.anchor_id].module_path)
             astate = anchor_mod.__dict__.setdefault("_attnopt_state", ModuleState())
             astate.store_qk, astate.reuse_cache = True, reuse_cache
-            state.anchor_key = id(anchor_mod)
+            astate.qk_key = state.anchor_key = by_id[module.anchor_id].module_path
             anchors += 1
             if module.needs_layer_input:
                 hook = watch_layer_input(target)

@@ -30,7 +30,8 @@ class ModuleState:
     reuse_cache: Optional[dict] = None  # shared by an anchor and the sites reusing its q, k
     store_qk: bool = False  # this module is an anchor: put (q, k) into reuse_cache
     call_info: list = field(default_factory=list)  # (scaling, is_causal, sliding_window, softcap) seen
-    anchor_key: Optional[int] = None  # reuse site: the reuse_cache key of its anchor module
+    anchor_key: Optional[str] = None  # reuse site: the reuse_cache key of its anchor (the anchor's qk_key)
+    qk_key: Optional[str] = None  # anchor: the key it files its (q, k) under (its module path; survives a deep copy)
     last_x: Optional[torch.Tensor] = None  # this forward's input to the q projection (reuse residual)
     x_cache: Optional[torch.Tensor] = None  # layer inputs of every token so far, when decoding with reuse
     hooks: list = field(default_factory=list)  # forward hooks install() added (removed by uninstall)
@@ -74,10 +75,10 @@ def attention_forward(
         state.recorder.append(SiteCall(query, key, value, attention_mask, out.transpose(1, 2), x=state.last_x))
         state.call_info.append((scaling, is_causal, kwargs.get("sliding_window"), kwargs.get("softcap")))
         if state.store_qk and state.reuse_cache is not None:
-            state.reuse_cache[id(module)] = (query, key)
+            state.reuse_cache[state.qk_key] = (query, key)
         return out, weights
     if state is not None and state.store_qk and state.reuse_cache is not None:
-        state.reuse_cache[id(module)] = (query, key)
+        state.reuse_cache[state.qk_key] = (query, key)
     if site_module is None or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
         return original_attention(module)(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs

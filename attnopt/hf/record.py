@@ -28,10 +28,12 @@ def watch_layer_input(module: nn.Module):
     proj = qk_projections(module)
     if proj is None:
         return None
-    state = module.__dict__.setdefault("_attnopt_state", ModuleState())
+    # The projection holds the state too, so the hook reads it from the module it runs on: a deep
+    # copy of the model copies hooks by reference but both attributes into one new state.
+    proj[0].__dict__["_attnopt_layer_state"] = module.__dict__.setdefault("_attnopt_state", ModuleState())
 
-    def hook(_mod, args):
-        state.last_x = args[0]
+    def hook(mod, args):
+        mod.__dict__["_attnopt_layer_state"].last_x = args[0]
 
     return proj[0].register_forward_pre_hook(hook)
 

@@ -148,3 +148,22 @@ def test_a_model_that_names_its_cache_layer_past_decodes_from_the_state_too():
     seq, steps, cache = _generate(opt, ids, am)
     assert all(isinstance(layer, SiteCacheLayer) for layer in cache.layers)
     assert (steps - _full_logits(opt, seq, am)).abs().max() < 1e-5
+
+
+def test_a_deep_copy_of_a_compiled_model_with_reuse_generates_like_the_original(base):
+    # Hooks are copied by reference: they must find the copy's own state, and the reuse anchor's
+    # (q, k) must be filed under a key that survives the copy (not id(module)).
+    import copy
+
+    policy = {"rules": [{"layers": "0", "form": "exact"}, {"layers": "1", "form": "reuse", "anchor": 0, "rank": 4},
+                        {"form": "linear"}]}
+    opt = _compile(base, policy)
+    assert [r.outcome.final_form for r in opt.attnopt_report.sites] == ["exact", "reuse", "linear", "linear"]
+    twin = copy.deepcopy(opt)
+    ids, am = _prompt()
+    seq, steps, _ = _generate(opt, ids, am)
+    seq_t, steps_t, cache = _generate(twin, ids, am)
+    assert torch.equal(seq, seq_t) and torch.equal(steps, steps_t)
+    assert [type(layer).__name__ for layer in cache.layers] == ["DynamicLayer"] * 2 + ["SiteCacheLayer"] * 2
+    assert all(layer.site_module is twin.get_submodule(f"model.layers.{i}.self_attn").attnopt_site
+               for i, layer in enumerate(cache.layers) if isinstance(layer, SiteCacheLayer))
