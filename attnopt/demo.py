@@ -214,7 +214,8 @@ def time_forward(models: dict, lengths, repeats: int = REPEATS) -> list[Timing]:
 def time_generate(models: dict, prompt: int, new_tokens: int, repeats: int = REPEATS) -> DecodeTiming:
     """Greedy generate() per model, taking turns, best of `repeats`: the prefill is the time to the
     first token's logits, the time per token the mean gap between the next ones, both read by a
-    logits processor that notes the clock at every step (one generate() call, HF's own KV cache)."""
+    logits processor that notes the clock at every step (one generate() call; the original keeps HF's KV
+    cache, the rewritten models their sites' decode states)."""
     import torch
     import transformers
 

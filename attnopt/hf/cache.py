@@ -172,7 +172,9 @@ def watch_cache(module: nn.Module):
         # The state is read from the module called, not captured: a deep copy of the model copies
         # its hooks by reference, and must not write into the original's state.
         cache = _find_cache(kwargs)
-        mod.__dict__["_attnopt_state"].cache_layer = None if cache is None else bind_layer(mod, cache)
+        site = mod._modules.get("attnopt_site")
+        decodes = site is not None and getattr(site, "decodes", False)  # a site put back to exact has none
+        mod.__dict__["_attnopt_state"].cache_layer = bind_layer(mod, cache) if decodes and cache is not None else None
 
     return module.register_forward_pre_hook(hook, with_kwargs=True)
 
