@@ -276,7 +276,7 @@ def render(result: DemoResult, console=None) -> None:
     if result.decode is not None:
         d = result.decode
         t = Table("generate()", *[f"{n} ms" if i == 0 else f"{n} ms (speed-up)" for i, n in enumerate(names)],
-                  title=f"greedy generate(), HF KV cache, best of {REPEATS}, interleaved")
+                  title=f"greedy generate() (original: HF KV cache; rewrites: decode states), best of {REPEATS}, interleaved")
         for label, row in ((f"prefill {d.prompt} tokens", d.prefill), (f"per new token (of {d.new_tokens})", d.per_token)):
             base = row[names[0]]
             t.add_row(label, *[f"{row[n] * 1e3:.1f}" if i == 0 else

@@ -233,9 +233,13 @@ class SiteModule(nn.Module, abc.ABC):
             if state is None or prefix is not None:
                 prefix = extend_prefix(prefix, k, v, keep_BN)
                 exact_q = real_positions(real_before, keep_BN) < self.min_seq_len
-                if bool(exact_q.any()):
-                    exact = exact_on_prefix(q, prefix, g.scale).to(out.dtype)
-                    out = torch.where(exact_q[:, None, :, None], exact, out)
+                if bool(exact_q.any()):  # only the rows up to the last exact one, over the keys they reach
+                    rows = int(exact_q.any(0).nonzero().max()) + 1
+                    nk = prefix.k_BHkvND.shape[2] - Nq + rows
+                    reach = ExactPrefix(prefix.k_BHkvND[:, :, :nk], prefix.v_BHkvND[:, :, :nk], prefix.keep_BN[:, :nk])
+                    exact = exact_on_prefix(q[:, :, :rows], reach, g.scale).to(out.dtype)
+                    head = torch.where(exact_q[:, None, :rows, None], exact, out[:, :, :rows])
+                    out = torch.cat([head, out[:, :, rows:]], dim=2)
         real_after = real_before + keep_BN.long().sum(-1)
         if prefix is not None and bool((real_after >= self.min_seq_len).all()):
             prefix = None  # every row is past min_seq_len: only the form's own state is needed now
