@@ -225,15 +225,23 @@ class SiteModule(nn.Module, abc.ABC):
         if state is not None and state.form != self.form:
             raise ValueError(f"site {g.site_id}: the decode state was made by form {state.form!r}, not {self.form!r}")
         real_before = torch.zeros(B, dtype=torch.long, device=q.device) if state is None else state.real_B
-        out, form_state = self.decode_step(q, k, v, None if keep is None and state is None else keep_BN,
+        exact_q = None
+        if self.min_seq_len and (state is None or state.prefix is not None):
+            exact_q = real_positions(real_before, keep_BN) < self.min_seq_len
+        # A prompt inside min_seq_len runs exact: the form then only has to build its state, which
+        # its prefill path does from the keys, bottom-right aligned, with just the last query.
+        state_only = state is None and exact_q is not None and bool(exact_q.all())
+        out, form_state = self.decode_step(q[:, :, -1:] if state_only else q, k, v,
+                                           None if keep is None and state is None else keep_BN,
                                            None if state is None else state.form_state)
         prefix = None
         if self.min_seq_len:
             prefix = state.prefix if state is not None else None
             if state is None or prefix is not None:
                 prefix = extend_prefix(prefix, k, v, keep_BN)
-                exact_q = real_positions(real_before, keep_BN) < self.min_seq_len
-                if bool(exact_q.any()):  # only the rows up to the last exact one, over the keys they reach
+                if state_only:
+                    out = exact_on_prefix(q, prefix, g.scale)
+                elif bool(exact_q.any()):  # only the rows up to the last exact one, over the keys they reach
                     rows = int(exact_q.any(0).nonzero().max()) + 1
                     nk = prefix.k_BHkvND.shape[2] - Nq + rows
                     reach = ExactPrefix(prefix.k_BHkvND[:, :, :nk], prefix.v_BHkvND[:, :, :nk], prefix.keep_BN[:, :nk])

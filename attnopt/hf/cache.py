@@ -74,6 +74,8 @@ class SiteCacheLayer(CacheLayerMixin):
             g = self.site_module.geometry
             keep = key_keep(attention_mask, g.keep_when, query.shape[0], attention_mask.shape[-1])
             keep = None if keep is None else keep[:, -key.shape[-2]:]
+            if keep is not None and bool(keep.all()):  # no padding among the new tokens: the faster unmasked kernels
+                keep = None
         out, self.state = self.site_module.decode(query, key, value, keep, self.state)
         self.columns += key.shape[-2]
         return out

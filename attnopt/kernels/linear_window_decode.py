@@ -87,25 +87,26 @@ def linear_window_decode(
     whole sequence. Cost per call O(Nq·(S + W + Nq)·(D + Dv) + Nq·M·Dv); state O(S + W + M·Dv) per head.
     """
     check_sdpa_inputs("linear_window_decode", q, k, v, key_mask)
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"linear_window_decode: pass the new tokens' q, k and v alike (q has {q.shape[2]}, "
-                         f"k {k.shape[2]}); the earlier keys live in the state")
     B, H, Nq, D = q.shape
+    Nk = k.shape[2]
     cdt = compute_dtype(q.dtype)
     s = float(scale) if scale is not None else D ** -0.5
     fmap = _resolve_feature_map(feature_map, D, H)
     beta_H = (linear_weight if isinstance(linear_weight, Tensor) else torch.tensor(float(linear_weight)))
     beta_H = beta_H.to(device=q.device, dtype=cdt).expand(H)
-    keep = torch.ones(B, Nq, dtype=torch.bool, device=q.device) if key_mask is None else key_mask
+    keep = torch.ones(B, Nk, dtype=torch.bool, device=q.device) if key_mask is None else key_mask
     if state is None or state.window.columns == 0:
         out = linear_window_attention(q, k, v, window=window, sinks=sinks, causal=True, feature_map=fmap, scale=s,
                                       linear_weight=beta_H, key_mask=key_mask)
         cache = window_cache_from_keys(k, v, key_mask, window=window, sinks=sinks)
-        left = max(Nq - (window - 1), 0)  # columns already outside the next query's band
+        left = max(Nk - (window - 1), 0)  # columns already outside the next query's band
         cols = torch.arange(left, device=q.device).expand(B, left)
         take = keep[:, :left] & ~_is_sink(cache, cols)
         S, z = _linear_sums(fmap, k[:, :, :left], v[:, :, :left], take, H, s, cdt)
         return out, LinearWindowState(cache, S, z)
+    if Nq != Nk:  # (a prefill may ask for its last queries only: bottom-right aligned)
+        raise ValueError(f"linear_window_decode: pass the new tokens' q, k and v alike (q has {Nq}, k {Nk}); "
+                         "the earlier keys live in the state")
     cache = state.window
     if cache.window != window or cache.sinks != sinks:
         raise ValueError(f"linear_window_decode: the state was built for window {cache.window}, sinks {cache.sinks}; "

@@ -172,15 +172,13 @@ def window_decode(
     after the cache's columns; returns (out [B, H, Nq, Dv], advanced cache).
 
     `cache` None starts a sequence (the prefill then runs `window_attention`'s blockwise kernel).
-    `key_mask` [B, Nq] bool marks the new tokens that are real. A prefill followed by any split
+    `key_mask` [B, Nq] bool marks the new tokens that are real. A prefill may pass only its last
+    queries (q shorter than k, bottom-right aligned); steps pass q, k and v of the same tokens. A prefill followed by any split
     into steps equals one `window_attention(causal=True)` call over the whole sequence.
     Cost per call O(Nq·(S + W + Nq)·(D + Dv)); the cache holds S + W − 1 keys per row.
     """
     check_sdpa_inputs("window_decode", q, k, v, key_mask)
     _check_window(window, sinks)
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"window_decode: pass the new tokens' q, k and v alike (q has {q.shape[2]}, k {k.shape[2]}); "
-                         "the earlier keys live in the cache")
     if cache is not None and (cache.window != window or cache.sinks != sinks):
         raise ValueError(f"window_decode: the cache was built for window {cache.window}, sinks {cache.sinks}; "
                          f"this call has window {window}, sinks {sinks}")
@@ -188,6 +186,9 @@ def window_decode(
     if cache is None or cache.columns == 0:
         out = window_attention(q, k, v, window=window, causal=True, sinks=sinks, scale=scale, key_mask=key_mask)
         return out, window_cache_from_keys(k, v, key_mask, window=window, sinks=sinks)
+    if q.shape[2] != k.shape[2]:  # (a prefill may ask for its last queries only: bottom-right aligned)
+        raise ValueError(f"window_decode: pass the new tokens' q, k and v alike (q has {q.shape[2]}, k {k.shape[2]}); "
+                         "the earlier keys live in the cache")
     step = window_step_keys(cache, k, v, keep)
     cdt = compute_dtype(q.dtype)
     vis = step.visible_BQK[:, None]  # [B, 1, Nq, K]
