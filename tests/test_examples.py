@@ -51,3 +51,18 @@ def test_policy_file_rules_per_layer():
     # cannot act within the 1100 positions, so it stays exact, reported unverified
     assert [r.outcome.status for r in report.sites] == ["kept", "rewritten", "unverified", "unverified",
                                                         "unverified", "kept"]
+
+
+def test_calibrate_minilm_improves_held_out_cosine():
+    before, after, report = _example("calibrate_minilm").main(["--tokens", "64", "--passages", "6", "--steps", "15",
+                                                               "--policy", "linear+window:16"])
+    assert report.calibration is not None and report.calibration["held_out_batches"] == 3
+    assert 0.5 < before < 0.9999 and after >= before - 1e-4  # a site that got worse keeps its compiled values
+
+
+def test_export_onnx_runs_in_ort_at_another_length(tmp_path):
+    pytest.importorskip("onnxruntime")
+    record, rel = _example("export_onnx").main(["--export-len", "32", "--run-len", "45", "--out",
+                                                 str(tmp_path / "m.onnx")])
+    assert {s["lowering"] for s in record.sites} == {"com.microsoft.LinearAttention"}
+    assert rel < 1e-4 and (tmp_path / "m.onnx").stat().st_size > 10_000
