@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,21 +26,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import attnopt  # noqa: E402
+from compile_cpu import _cpu_name  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from attnopt.hf.cache import decode_state_bytes, make_cache  # noqa: E402
 from transformers.cache_utils import CacheLayerMixin  # noqa: E402
 
 POLICIES = ["linear", "ssm", "window:64+sinks:4", "linear+window:64+sinks:4"]
 CONTEXTS = [256, 1024, 4096, 8192, 16384]
-
-
-def _cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def build_model(max_len: int):
