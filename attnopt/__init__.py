@@ -39,7 +39,7 @@ def __getattr__(name: str):
 
         return Policy
     if name == "PolicyError":
-        from attnopt.policy.errors import PolicyError
+        from attnopt.ir.errors import PolicyError
 
         return PolicyError
     if name in ("ops", "hf", "forms"):

@@ -187,7 +187,7 @@ def inspect_command(
 
 def run_inspect(spec: str, as_json: bool, method: str, static: bool) -> int:
     from attnopt.inspection import inspect
-    from attnopt.passes.capture import CaptureError
+    from attnopt.ir.errors import CaptureError
 
     model, args, kwargs, description = _load(spec, quiet=as_json)
     try:
@@ -244,7 +244,7 @@ def compile_command(
 def run_compile(spec: str, policy_text: str, tolerance: Optional[float], e2e_text: str, seq_len: int,
                 html: str, json_out: Optional[str], dispatch: Optional[str] = None) -> int:
     from attnopt.policy import Policy
-    from attnopt.policy.errors import PolicyError
+    from attnopt.ir.errors import PolicyError
     from attnopt.samples import english_passages
 
     try:
@@ -285,7 +285,7 @@ def parse_e2e_tolerance(text: str) -> Optional[float]:
 def compile_or_fail(model, policy, example_inputs, description: str, **options):
     """attnopt.compile with the CLI's failures: capture (3) and no attention (4)."""
     from attnopt.compiler import compile as attnopt_compile
-    from attnopt.passes.capture import CaptureError
+    from attnopt.ir.errors import CaptureError
 
     try:
         with step_bar(f"compiling {description} with {policy}") as update:
@@ -356,7 +356,7 @@ def run_bench(spec: str, policies: list, lengths_text: str, repeats: int, thread
     import torch
 
     from attnopt.policy import Policy
-    from attnopt.policy.errors import PolicyError
+    from attnopt.ir.errors import PolicyError
 
     try:
         lengths = [int(x) for x in lengths_text.split(",") if x.strip()]
@@ -469,7 +469,7 @@ def demo_command(
 def run_demo(out: str, quick: bool, threads: Optional[int]) -> int:
     from attnopt import demo
     from attnopt.models import ModelSpecError
-    from attnopt.passes.capture import CaptureError
+    from attnopt.ir.errors import CaptureError
 
     import importlib.util
 
@@ -512,10 +512,10 @@ def export_command(
 
 
 def run_export(spec: str, policy_text: str, target: str, out: str, seq_len: int, as_json: bool) -> int:
-    from attnopt.backends.onnx.checks import ParityError
+    from attnopt.ir.errors import ParityError
     from attnopt.backends.onnx.export import _check_target, _writable_file, export_onnx
     from attnopt.policy import Policy
-    from attnopt.policy.errors import PolicyError
+    from attnopt.ir.errors import PolicyError
     from attnopt.samples import english_passages
 
     try:
@@ -570,7 +570,7 @@ def calibrate_command(
         import attnopt
         from attnopt.calibration import CalibrationError
         from attnopt.policy import Policy
-        from attnopt.policy.errors import PolicyError
+        from attnopt.ir.errors import PolicyError
         from attnopt.samples import english_passages
 
         try:

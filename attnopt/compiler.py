@@ -3,9 +3,9 @@
 Two mechanisms share every step but capture and splice:
   hf     a transformers model keeps its class (generate(), caches, any length); its attention
          modules run their site modules through attnopt's registered attention function
-         (`attnopt.hf.target`);
+         (`attnopt.targets.hf`);
   graph  any other module is captured with torch.export and each site is replaced in the graph
-         (`attnopt.graph`).
+         (`attnopt.targets.graph`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch import nn
 
 from attnopt.passes.crossover import dispatch_mode, resolve_thresholds
 from attnopt.passes.plan import plan_sites
-from attnopt.passes.records import Status
+from attnopt.ir.outcomes import Status
 from attnopt.passes.verify import BudgetStep, output_drift, revert_for_budget, verification_length, verify_sites
 
 # Default end-to-end budget: the worst relative RMS drift of any model output, and for sentence
@@ -108,9 +108,9 @@ def compile(
     progress: a callable(text, done=None, total=None) told each step as it starts, and the sites
     verified so far out of all (the CLI's progress bar).
     """
-    from attnopt.graph import GraphTarget
+    from attnopt.targets.graph import GraphTarget
     from attnopt.hf.interface import is_hf_model
-    from attnopt.hf.target import HfTarget
+    from attnopt.targets.hf import HfTarget
     from attnopt.policy import Policy
 
     if not isinstance(model, nn.Module):
@@ -245,7 +245,7 @@ def _device_of(model: nn.Module) -> torch.device:
 def build_report(*, model_name, policy, found, plans, outcomes, end_to_end, timings, notes, counts, budget_steps=(),
                  thresholds=None):
     """The report is assembled from exactly what the passes returned; only costs are computed here."""
-    from attnopt.passes.cost import cost_curve
+    from attnopt.analysis.cost import cost_curve
     from attnopt.report import CompileReport, SiteRecord
 
     example_len = next((s.q_len for s in found.sites if isinstance(s.q_len, int)), None)

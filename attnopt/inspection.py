@@ -14,9 +14,10 @@ from typing import Any, Optional
 
 import torch
 
-from attnopt.passes.capture import CapturedGraph, CaptureError, capture_dynamo, capture_export
+from attnopt.passes.capture import CapturedGraph, capture_dynamo, capture_export
+from attnopt.ir.errors import CaptureError
 from attnopt.passes.detect import detect
-from attnopt.passes.site import AttentionSite, NearMiss
+from attnopt.ir.site import AttentionSite, NearMiss
 
 
 @dataclass

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from attnopt.passes.crossover import Threshold
-from attnopt.passes.records import Cost, Drift, OutputDrift, SiteOutcome, SitePlan, Status
-from attnopt.passes.site import AttentionSite, MaskInfo, NearMiss, SiteNodes
+from attnopt.ir.outcomes import Cost, Drift, OutputDrift, SiteOutcome, SitePlan, Status
+from attnopt.ir.site import AttentionSite, MaskInfo, NearMiss, SiteNodes
 
 STATUSES = tuple(s.value for s in Status)
 
@@ -110,7 +110,7 @@ class CompileReport:
     def decode_memory(self):
         """Decode-state bytes per batch row at 1k / 32k / 128k context against the original KV cache
         (None for models without causal sites)."""
-        from attnopt.passes.decode_memory import decode_memory
+        from attnopt.analysis.decode_memory import decode_memory
 
         return decode_memory(self.sites)
 

@@ -31,6 +31,8 @@ from typing import Any, Union
 import torch
 from torch import nn
 
+from attnopt.ir.errors import SaveError
+
 FORMAT_VERSION = 1
 HEADER_FILE = "attnopt.json"
 SITE_STATE_FILE = "attnopt_sites.safetensors"
@@ -46,13 +48,11 @@ CONFIG_NOTE_KEY = "attnopt"
 CONFIG_NOTE = "compiled by attnopt: load this directory with attnopt.load(path), not from_pretrained"
 
 
-class SaveError(ValueError):
-    """attnopt.save / attnopt.load cannot proceed; the message says why in one line."""
 
 
 def save(model: nn.Module, path: Union[str, os.PathLike]) -> Path:
     """Write the compiled `model` (from `attnopt.compile`) into the directory `path`; return it."""
-    from attnopt.graph import CompiledModule
+    from attnopt.targets.graph import CompiledModule
     from attnopt.hf.interface import is_hf_model
 
     report = getattr(model, "attnopt_report", None)
@@ -137,7 +137,7 @@ def installed_site_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _save_hf(model: nn.Module, report, path: Path) -> Path:
     from safetensors.torch import save_file
 
-    from attnopt.passes.records import Status
+    from attnopt.ir.outcomes import Status
 
     installed = installed_site_modules(model)
     accepted = {r.site.id for r in report.sites if r.outcome.status == Status.REWRITTEN}
@@ -192,7 +192,7 @@ def _load_hf(path: Path, header: dict) -> nn.Module:
 
     from attnopt.hf.install import install
     from attnopt.hf.interface import IMPL_EAGER, implementation_for, switch
-    from attnopt.hf.target import HfTarget
+    from attnopt.targets.hf import HfTarget
     from attnopt.report import CompileReport
 
     config = transformers.AutoConfig.from_pretrained(path)
@@ -230,8 +230,8 @@ def _load_hf(path: Path, header: dict) -> nn.Module:
 
 def _build_site(site, entry: dict, sites: list) -> nn.Module:
     from attnopt import forms
-    from attnopt.forms.base import BuildContext
-    from attnopt.forms.reuse import ReuseSite, find_anchor
+    from attnopt.forms.common.base import BuildContext
+    from attnopt.forms.reuse.form import ReuseSite, find_anchor
 
     params = entry["params"]
     if entry["form"] == "reuse" and params.get("rank", 0) > 0:

@@ -91,6 +91,20 @@ def guarded(fn):
 # ---------------------------------------------------------------------------------------------
 
 
+
+def triton_kernels():
+    """Every form's Triton entry points in one namespace (each form keeps its own in its folder)."""
+    from types import SimpleNamespace
+
+    import attnopt.forms.linear.triton as linear
+    import attnopt.forms.linear_window.triton as linear_window
+    import attnopt.forms.ssm.triton as ssm
+    import attnopt.forms.window.triton as window
+
+    return SimpleNamespace(linear_attention=linear.linear_attention, decay_attention=ssm.decay_attention,
+                           window_attention=window.window_attention,
+                           linear_window_attention=linear_window.linear_window_attention)
+
 @section("env")
 def env():
     import triton
@@ -177,11 +191,11 @@ TOL = {torch.float32: (2e-4, 5e-4), torch.bfloat16: (3e-2, 6e-2), torch.float16:
 
 @section("correctness")
 def correctness():
-    import attnopt.kernels.triton as tk
+    tk = triton_kernels()
     import oracles
-    from attnopt.kernels.decay import decay_attention_reference
-    from attnopt.kernels.linear import linear_attention_reference
-    from attnopt.kernels.window import window_attention_reference
+    from attnopt.forms.ssm.reference import decay_attention_reference
+    from attnopt.forms.linear.reference import linear_attention_reference
+    from attnopt.forms.window.reference import window_attention_reference
 
     shape = dict(B=2, H=8, Hkv=2, Nq=1000, Nk=1100, D=64, Dv=48)
     if SMOKE:
@@ -239,7 +253,7 @@ def correctness():
 
 @section("graph")
 def graph():
-    import attnopt.kernels.triton as tk
+    tk = triton_kernels()
 
     q, k, v = _inputs(1, 4, 2, 300, 300, 64, 64, torch.bfloat16)
     res = {}
@@ -290,7 +304,7 @@ def _flops(kind: str, B: int, H: int, T: int, D: int, W: int = 0, C: int = 64) -
 
 def _impls(B, H, T, D, dtype):
     """name -> (forward fn, fwd+bwd fn or None, FLOP kind, W). Every input is built here once."""
-    import attnopt.kernels.triton as tk
+    tk = triton_kernels()
 
     q, k, v = _inputs(B, H, H, T, T, D, D, dtype)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))

@@ -51,12 +51,12 @@ class OpCase:
 CASES = (
     OpCase("sdpa", False, "torch.nn.functional", 2),
     OpCase("sdpa", True, "torch.nn.functional", 2),
-    OpCase("linear", False, "attnopt.kernels.linear", 1, {"feature_map": "elu"}),
-    OpCase("linear", True, "attnopt.kernels.linear", 1, {"feature_map": "elu"}),
-    OpCase("window", True, "attnopt.kernels.window", 1, {"window": 256, "sinks": 4}),
-    OpCase("decay", True, "attnopt.kernels.decay", 1, {"decay": None}),  # None: RetNet γ_h = 1 − 2^(−5−h)
-    OpCase("reuse", False, "attnopt.kernels.reuse", 2, {"rank": REUSE_RANK}),
-    OpCase("reuse", True, "attnopt.kernels.reuse", 2, {"rank": REUSE_RANK}),
+    OpCase("linear", False, "attnopt.forms.linear.reference", 1, {"feature_map": "elu"}),
+    OpCase("linear", True, "attnopt.forms.linear.reference", 1, {"feature_map": "elu"}),
+    OpCase("window", True, "attnopt.forms.window.reference", 1, {"window": 256, "sinks": 4}),
+    OpCase("decay", True, "attnopt.forms.ssm.reference", 1, {"decay": None}),  # None: RetNet γ_h = 1 − 2^(−5−h)
+    OpCase("reuse", False, "attnopt.forms.reuse.reference", 2, {"rank": REUSE_RANK}),
+    OpCase("reuse", True, "attnopt.forms.reuse.reference", 2, {"rank": REUSE_RANK}),
 )
 
 

@@ -96,7 +96,7 @@ def test_demo_out_that_is_a_file_is_a_one_line_error(tmp_path, capsys):
 
 def test_capture_failure_is_code_3(sdpa_factory, monkeypatch, capsys):
     import attnopt.inspection
-    from attnopt.passes.capture import CaptureError
+    from attnopt.ir.errors import CaptureError
 
     def fail(*args, **kwargs):
         raise CaptureError("torch.export failed:\n  data-dependent branch")

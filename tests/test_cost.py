@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from attnopt.passes.cost import cost_curve, element_bytes, feature_count, reuse_projection_flops_saved, site_cost
-from attnopt.passes.site import AttentionSite, MaskInfo, SiteNodes
+from attnopt.analysis.cost import cost_curve, element_bytes, feature_count, reuse_projection_flops_saved, site_cost
+from attnopt.ir.site import AttentionSite, MaskInfo, SiteNodes
 
 B, H, D, DV = 2, 3, 8, 4
 

@@ -11,7 +11,7 @@ from attnopt import forms
 from attnopt.passes.plan import plan_sites
 
 from attnopt.policy import PolicyError
-from attnopt.passes.site import AttentionSite, MaskInfo, SiteNodes
+from attnopt.ir.site import AttentionSite, MaskInfo, SiteNodes
 from attnopt.policy import Policy, Rule, hybrid_policy
 
 NUM_LAYERS = 12

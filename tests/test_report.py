@@ -11,9 +11,9 @@ import subprocess
 
 import pytest
 
-from attnopt.passes.cost import cost_curve
-from attnopt.passes.records import Attempt, Drift, OutputDrift, SiteOutcome, SitePlan, Status, Verdict
-from attnopt.passes.site import AttentionSite, MaskInfo, NearMiss, SiteNodes
+from attnopt.analysis.cost import cost_curve
+from attnopt.ir.outcomes import Attempt, Drift, OutputDrift, SiteOutcome, SitePlan, Status, Verdict
+from attnopt.ir.site import AttentionSite, MaskInfo, NearMiss, SiteNodes
 from attnopt.policy import Policy
 from attnopt.report import CompileReport, SiteRecord
 

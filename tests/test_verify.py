@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from attnopt import forms
-from attnopt.forms.base import BuildContext
-from attnopt.passes.records import Drift, SiteCall, Verdict
-from attnopt.passes.site import AttentionSite, MaskInfo, SiteNodes
+from attnopt.forms.common.base import BuildContext
+from attnopt.ir.outcomes import Drift, Verdict
+from attnopt.ir.calls import SiteCall
+from attnopt.ir.site import AttentionSite, MaskInfo, SiteNodes
 from attnopt.passes.verify import drift, judge, try_form
 
 B, H, N, D = 2, 3, 41, 8

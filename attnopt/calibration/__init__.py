@@ -3,6 +3,6 @@ attention on more data than compile saw, on one process or many, and re-verify o
 
 from attnopt.calibration.calibrate import Calibration, calibrate
 from attnopt.calibration.reuse_plan import ReusePlan, plan_reuse
-from attnopt.calibration.targets import CalibrationError
+from attnopt.ir.errors import CalibrationError
 
 __all__ = ["calibrate", "Calibration", "CalibrationError", "plan_reuse", "ReusePlan"]

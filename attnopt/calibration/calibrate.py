@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from attnopt.calibration.distributed import World, barrier, broadcast_, current_world, shard
-from attnopt.calibration.targets import CalibrationError, SiteTargets, mechanism, record_targets, site_modules
+from attnopt.ir.errors import CalibrationError
+from attnopt.calibration.targets import SiteTargets, mechanism, record_targets, site_modules
 from attnopt.calibration.train import SiteTraining, train_site, trainable_tensors
 
 PARAMS = ("forms", "forms+lora")
@@ -245,7 +246,7 @@ def _held_out_drift(module, targets: SiteTargets, sid: str) -> Optional[dict]:
 
 def _keep_exact(model, report, site_ids: list, reasons: dict) -> None:
     """Take sites whose training diverged out of the model (exact again) and say so in the report."""
-    from attnopt.passes.records import Status
+    from attnopt.ir.outcomes import Status
 
     by_id = {r.site.id: r for r in report.sites}
     if mechanism(model) == "hf":

@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from attnopt.calibration.distributed import World, average_gradients_, broadcast_, mean_over_ranks
-from attnopt.calibration.targets import CalibrationError, mechanism
+from attnopt.ir.errors import CalibrationError
+from attnopt.calibration.targets import mechanism
 from attnopt.calibration.train import CURVE_POINTS, _bar
-from attnopt.forms.fitting import relative_mse
+from attnopt.forms.common.fitting import relative_mse
 
 RANK = 8
 ALPHA = 16

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from attnopt.passes.masks import exact_attention
+from attnopt.ir.masks import exact_attention
 
 
 @dataclass
@@ -93,7 +93,8 @@ def plan_reuse(model, batches: Sequence[Any], *, budget: float = 0.5, rank: int 
     `model` is the original model (or a compiled one); compile the returned `plan.policy` and run
     `attnopt.calibrate` to fit the residuals.
     """
-    from attnopt.calibration.targets import CalibrationError, mechanism, record_targets
+    from attnopt.ir.errors import CalibrationError
+    from attnopt.calibration.targets import mechanism, record_targets
 
     if not batches:
         raise CalibrationError("plan_reuse needs at least one batch of model inputs")

@@ -2,7 +2,7 @@
 
 The compiled model runs with every site exact (so everything upstream of a site is the original
 model's), and each site's q, k, v, mask, layer input x and exact output are kept, batch by batch.
-Transformers models record through attnopt's attention interface (`attnopt.hf.record`); graph-path
+Transformers models record through attnopt's attention interface (`attnopt.hf.recording`); graph-path
 models record by running each site module as exact attention for the duration of the run.
 """
 
@@ -15,12 +15,11 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from attnopt.forms.base import SiteModule
-from attnopt.passes.records import SiteCall
+from attnopt.forms.common.base import SiteModule
+from attnopt.ir.calls import SiteCall
+from attnopt.ir.errors import CalibrationError
 
 
-class CalibrationError(ValueError):
-    """attnopt.calibrate cannot proceed; the message names the problem and the fix in one line."""
 
 
 @dataclass
@@ -33,7 +32,7 @@ class SiteTargets:
 
 def mechanism(model: nn.Module) -> str:
     """"hf" (site modules attached to transformers attention modules) or "graph" (a CompiledModule)."""
-    from attnopt.graph import CompiledModule
+    from attnopt.targets.graph import CompiledModule
 
     return "graph" if isinstance(model, CompiledModule) else "hf"
 
@@ -53,7 +52,7 @@ def record_targets(model: nn.Module, batches: list, report) -> SiteTargets:
 
 
 def _record_hf(model, batches, report) -> SiteTargets:
-    from attnopt.hf.record import record_calls
+    from attnopt.hf.recording import record_calls
 
     recorded, outputs = record_calls(model, batches)
     targets = SiteTargets(outputs=outputs)

@@ -15,9 +15,9 @@ from typing import Optional
 import torch
 
 from attnopt.calibration.distributed import World, average_gradients_, mean_over_ranks
-from attnopt.forms.base import SiteModule
-from attnopt.forms.fitting import relative_mse
-from attnopt.passes.records import SiteCall
+from attnopt.forms.common.base import SiteModule
+from attnopt.forms.common.fitting import relative_mse
+from attnopt.ir.calls import SiteCall
 
 # Loss curves are kept at no more than this many points per site in the report (evenly spaced).
 CURVE_POINTS = 100

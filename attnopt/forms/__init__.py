@@ -1,11 +1,13 @@
-"""The rewrite forms: one module per form in this package, each defining `FORM`, discovered here.
+"""The rewrite forms: one folder per form in this package, discovered here.
 
     from attnopt import forms
     forms.get("window").why_not(site, params)
 
-The registry is the one list of forms: the policy parser, the planner, the cost model, the
-verifier, the CLI help and the README policy table all read it. A module here that defines
-`FORM = SomeForm()` is a form; nothing else needs editing.
+A folder `attnopt/forms/<form>/` whose `form.py` defines `FORM = SomeForm()` is a form; it holds
+everything about it (form.py, reference.py, decode.py, triton.py, onnx.py). What forms share lives
+in `forms/common/` and `attnopt/kernels/`. The registry is the one list of forms: the policy
+parser, the planner, the cost model, the verifier, the CLI help and the README policy table all
+read it, so adding a folder is all a new form needs.
 """
 
 from __future__ import annotations
@@ -14,26 +16,34 @@ import importlib
 import pkgutil
 from typing import Optional
 
-from attnopt.forms.base import (COMMON_PARAMS, BuildContext, CostAt, FitResult, Form, Param, SiteGeometry,
-                                SiteModule, SiteUnsupported)
-from attnopt.policy.errors import PolicyError
+from attnopt.forms.common.base import (
+    COMMON_PARAMS,
+    BuildContext,
+    CostAt,
+    FitResult,
+    Form,
+    Param,
+    SiteGeometry,
+    SiteModule,
+)
+from attnopt.ir.errors import PolicyError, SiteUnsupported
 
 __all__ = ["Form", "Param", "SiteModule", "SiteGeometry", "SiteUnsupported", "BuildContext", "FitResult", "CostAt",
            "COMMON_PARAMS", "registry", "get", "names", "aliases", "policy_table"]
 
-# Modules in this package that hold shared pieces, not a form.
-_SUPPORT = {"base", "fitting", "decoding"}
+# The folder in this package that holds shared pieces, not a form.
+_SHARED = "common"
 
 
 def _discover() -> dict[str, Form]:
     found: dict[str, Form] = {}
     for info in pkgutil.iter_modules(__path__):
-        if info.name in _SUPPORT or info.name.startswith("_"):
+        if not info.ispkg or info.name == _SHARED or info.name.startswith("_"):
             continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
+        module = importlib.import_module(f"{__name__}.{info.name}.form")
         form = getattr(module, "FORM", None)
         if not isinstance(form, Form):
-            raise TypeError(f"attnopt/forms/{info.name}.py must define FORM = <a Form instance>")
+            raise TypeError(f"attnopt/forms/{info.name}/form.py must define FORM = <a Form instance>")
         if form.name in found:
             raise TypeError(f"two forms are named {form.name!r}")
         found[form.name] = form

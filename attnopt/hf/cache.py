@@ -1,5 +1,5 @@
 """Decode state through transformers' own cache: one cache layer per rewritten site, holding the
-form's fixed-size state (attnopt.forms.decoding) instead of a growing KV cache.
+form's fixed-size state (attnopt.forms.common.decoding) instead of a growing KV cache.
 
 `SiteCacheLayer` is a `transformers.cache_utils.CacheLayerMixin`. Its `update()` returns only the new
 tokens' keys and values; the registered attention function then hands them, with the queries, to
@@ -26,9 +26,9 @@ import torch
 from torch import nn
 from transformers.cache_utils import CacheLayerMixin, DynamicCache
 
-from attnopt.forms.decoding import index_batch, repeat_batch, state_nbytes, to_device
+from attnopt.forms.common.decoding import index_batch, repeat_batch, state_nbytes, to_device
 from attnopt.hf.interface import ModuleState
-from attnopt.passes.masks import key_keep
+from attnopt.ir.masks import key_keep
 
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")  # names across transformers versions and models
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 from torch import nn
 
 from attnopt import forms
-from attnopt.forms.base import BuildContext
+from attnopt.forms.common.base import BuildContext
 from attnopt.hf.cache import decoding_modules, watch_cache
 from attnopt.hf.interface import ModuleState
-from attnopt.hf.record import watch_layer_input
+from attnopt.hf.recording import watch_layer_input
 
 
 # What HF's sliding-window masks and caches are given instead of the model's window: wider than any

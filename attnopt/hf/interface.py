@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from attnopt.passes.records import SiteCall
+from attnopt.ir.calls import SiteCall
 
 IMPL_SDPA = "attnopt"
 IMPL_EAGER = "attnopt_eager"

@@ -10,11 +10,11 @@ import functools
 import warnings
 
 from attnopt import forms
-from attnopt.forms.base import BuildContext
+from attnopt.forms.common.base import BuildContext
 from attnopt.hf.cache import watch_cache
 from attnopt.hf.interface import ModuleState, register_names
 from attnopt.hf.sites import site_from_call
-from attnopt.passes.records import SiteCall
+from attnopt.ir.calls import SiteCall
 
 
 def register(policy="exact") -> None:

@@ -7,9 +7,9 @@ import math
 import torch
 from torch import nn
 
-from attnopt.passes.masks import ADDITIVE_HIDE_BELOW, keep_mask
-from attnopt.passes.records import SiteCall
-from attnopt.passes.site import AttentionSite, MaskInfo, SiteNodes
+from attnopt.ir.masks import ADDITIVE_HIDE_BELOW, keep_mask
+from attnopt.ir.calls import SiteCall
+from attnopt.ir.site import AttentionSite, MaskInfo, SiteNodes
 
 
 def site_from_call(path: str, module: nn.Module, call: SiteCall, info: tuple, layer: int) -> AttentionSite:

@@ -20,7 +20,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.fx as fx
 
-from attnopt.passes.masks import ADDITIVE_HIDE_BELOW
+from attnopt.ir.masks import ADDITIVE_HIDE_BELOW
 
 Node = fx.Node
 

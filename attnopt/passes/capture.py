@@ -24,17 +24,11 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-
-class CaptureError(RuntimeError):
-    """The model could not be traced into a graph; the message says why and what to try."""
+from attnopt.ir.errors import CaptureError, SpecializedInputError
 
 
-class SpecializedInputError(CaptureError, AssertionError):
-    """A captured graph was called with a Python number other than the one it was captured with.
 
-    torch.export bakes Python floats / ints / bools into the graph and guards them; this names the
-    argument instead of the raw `Guard failed: sc == 0.3`. Also an AssertionError, which is what
-    the guard raised before."""
+
 
 
 @dataclass

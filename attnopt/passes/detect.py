@@ -1,6 +1,6 @@
 """Detect attention sites in a captured graph: match structurally, check numerically, describe.
 
-    detect(captured) -> DetectionResult(sites, near_misses, counts)
+    detect(captured) -> Detection(sites, near_misses, capture, notes, counts)
 
 Every softmax / SDPA node is an anchor. A structural match (matchers.py) becomes a site only
 after the graph has been run once on the example inputs and the matched pieces, pushed through
@@ -19,8 +19,7 @@ import math
 import operator
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 import torch.fx as fx
@@ -28,10 +27,11 @@ import torch.fx as fx
 from attnopt.passes import canonicalize as cz
 from attnopt.passes.capture import CapturedGraph, record_values
 from attnopt.passes.mask_proof import KeepPattern, StructureOracle, as_arbitrary, classify_bias, classify_keep
-from attnopt.passes.masks import ADDITIVE_HIDE_BELOW
+from attnopt.ir.masks import ADDITIVE_HIDE_BELOW
 from attnopt.passes.matchers import Candidate, ExplicitChainMatcher, LogSoftmaxMatcher, SdpaMatcher
 from attnopt.passes.order import site_layers
-from attnopt.passes.site import AttentionSite, Dim, MaskInfo, NearMiss, SiteNodes
+from attnopt.ir.detection import Detection
+from attnopt.ir.site import AttentionSite, Dim, MaskInfo, NearMiss, SiteNodes
 
 _TOLERANCE = {  # (rtol, atol relative to the output's magnitude) per dtype
     torch.float32: (1e-4, 1e-4),
@@ -41,14 +41,7 @@ _TOLERANCE = {  # (rtol, atol relative to the output's magnitude) per dtype
 }
 
 
-@dataclass
-class DetectionResult:
-    sites: list[AttentionSite]
-    near_misses: list[NearMiss]
-    counts: dict[str, Any] = field(default_factory=dict)
-
-
-def detect(captured: CapturedGraph) -> DetectionResult:
+def detect(captured: CapturedGraph) -> Detection:
     """Find every attention site of `captured.graph_module`; report the rest as near misses."""
     t0 = time.perf_counter()
     gm = captured.graph_module
@@ -77,7 +70,7 @@ def detect(captured: CapturedGraph) -> DetectionResult:
         seconds_check=round(t_check - t_match, 4),
         seconds_total=round(time.perf_counter() - t0, 4),
     )
-    return DetectionResult(sites, misses, counts)
+    return Detection(sites, misses, captured.method, list(captured.notes), counts)
 
 
 _MATCHERS = (ExplicitChainMatcher(), SdpaMatcher(), LogSoftmaxMatcher())

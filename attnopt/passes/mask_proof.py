@@ -17,7 +17,7 @@ from typing import Optional
 import networkx as nx
 import torch
 
-from attnopt.passes.masks import ADDITIVE_HIDE_BELOW
+from attnopt.ir.masks import ADDITIVE_HIDE_BELOW
 
 # Ops whose presence among a mask's ancestors shows the mask is built from positions.
 POSITION_SOURCES = {"arange", "tril", "triu", "tril_indices", "triu_indices"}

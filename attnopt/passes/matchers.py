@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from attnopt.passes import canonicalize as cz
 from attnopt.passes.canonicalize import Factor, MaskTerm, Node, op_name, rank, shape
-from attnopt.passes.site import NearMiss
+from attnopt.ir.site import NearMiss
 
 
 @dataclass

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from attnopt import forms
-from attnopt.passes.records import SitePlan
-from attnopt.passes.site import AttentionSite
+from attnopt.ir.outcomes import SitePlan
+from attnopt.ir.site import AttentionSite
 
 
 @dataclass

@@ -2,19 +2,18 @@
 
 One recorder for graphs: `ValueRecorder` runs a captured FX graph and keeps the values of the named
 nodes (detection replays candidates with it; compile records every site's q, k, v, mask and output).
-Transformers models record through the attention interface instead (`attnopt.hf.record`), into the
+Transformers models record through the attention interface instead (`attnopt.hf.recording`), into the
 same `Recording`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
 
-from attnopt.passes.records import SiteCall
+from attnopt.ir.calls import Recording, SiteCall
 
 
 class ValueRecorder(fx.Interpreter):
@@ -46,16 +45,6 @@ class ValueRecorder(fx.Interpreter):
 
 class AllRecorded(Exception):
     """Raised by `ValueRecorder` with stop_early once every wanted node has been kept."""
-
-
-@dataclass
-class Recording:
-    """Per site id, one SiteCall per batch that reached it; the exact model's outputs per batch."""
-
-    calls: dict = field(default_factory=dict)
-    outputs: list = field(default_factory=list)
-    notes: list = field(default_factory=list)
-    counts: dict = field(default_factory=dict)
 
 
 def record_graph(captured, sites: list, batches: list) -> Recording:

@@ -14,8 +14,10 @@ import torch
 import torch.utils._pytree as pytree
 
 from attnopt import forms
-from attnopt.forms.base import BuildContext, SiteUnsupported
-from attnopt.passes.records import Attempt, Drift, OutputDrift, SiteCall, SiteOutcome, Status, Verdict
+from attnopt.forms.common.base import BuildContext
+from attnopt.ir.errors import SiteUnsupported
+from attnopt.ir.outcomes import Attempt, Drift, OutputDrift, SiteOutcome, Status, Verdict
+from attnopt.ir.calls import SiteCall
 
 
 def drift(out: torch.Tensor, ref: torch.Tensor) -> Drift:

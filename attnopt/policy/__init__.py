@@ -13,19 +13,8 @@ matches rules: whether a form can serve a site is the form's own `why_not` (attn
 
 from __future__ import annotations
 
-from attnopt.policy.errors import PolicyError
+from attnopt.ir.errors import PolicyError
+from attnopt.policy.policy import Policy, hybrid_policy
+from attnopt.policy.rules import Rule
 
 __all__ = ["Policy", "Rule", "PolicyError", "hybrid_policy"]
-
-
-def __getattr__(name: str):
-    # Lazy: attnopt.forms imports PolicyError from here, and the rules import the forms.
-    if name in ("Policy", "hybrid_policy"):
-        from attnopt.policy import policy
-
-        return getattr(policy, name)
-    if name == "Rule":
-        from attnopt.policy.rules import Rule
-
-        return Rule
-    raise AttributeError(f"module 'attnopt.policy' has no attribute {name!r}")

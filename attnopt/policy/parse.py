@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Union
 
-from attnopt.policy.errors import PolicyError
+from attnopt.ir.errors import PolicyError
 from attnopt.policy.presets import parse_preset
 from attnopt.policy.rules import rule_from_dict
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from attnopt import forms
-from attnopt.policy.errors import PolicyError
+from attnopt.ir.errors import PolicyError
 from attnopt.policy.parse import POLICY_SUFFIXES, parse_dict, parse_file
 from attnopt.policy.presets import hybrid_rules, parse_preset, preset_names
 from attnopt.policy.rules import Rule

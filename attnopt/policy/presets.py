@@ -16,7 +16,7 @@ import re
 from typing import Any, Optional
 
 from attnopt import forms
-from attnopt.policy.errors import PolicyError
+from attnopt.ir.errors import PolicyError
 from attnopt.policy.rules import Rule
 
 RECIPES = ("hybrid", "auto")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
 from attnopt import forms
-from attnopt.policy.errors import PolicyError
+from attnopt.ir.errors import PolicyError
 
 # Where a site was found: SDPA, a hand-written chain, nn.MultiheadAttention, the HF attention interface.
 SOURCES = ("sdpa", "explicit", "mha", "hf")

@@ -20,9 +20,9 @@ pytest.importorskip("onnxscript")
 ort = pytest.importorskip("onnxruntime")
 transformers = pytest.importorskip("transformers")
 
-from attnopt.backends.onnx import lowering as lowering_module  # noqa: E402  (needs onnxscript)
-from attnopt.backends.onnx.checks import ParityError  # noqa: E402
-from attnopt.backends.onnx.linear import LOWERING as LINEAR  # noqa: E402
+from attnopt.kernels.onnx import lowering as lowering_module  # noqa: E402  (needs onnxscript)
+from attnopt.ir.errors import ParityError  # noqa: E402
+from attnopt.forms.linear.onnx import LOWERING as LINEAR  # noqa: E402
 
 VOCAB = 97
 

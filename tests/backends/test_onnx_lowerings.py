@@ -15,13 +15,17 @@ ort = pytest.importorskip("onnxruntime")
 
 from onnx.reference import ReferenceEvaluator  # noqa: E402
 
-from attnopt.backends.onnx import decay, linear, linear_window, reuse, window  # noqa: E402
-from attnopt.kernels.decay import decay_attention, decay_attention_reference
+from attnopt.forms.ssm import onnx as decay
+from attnopt.forms.linear import onnx as linear
+from attnopt.forms.linear_window import onnx as linear_window
+from attnopt.forms.reuse import onnx as reuse
+from attnopt.forms.window import onnx as window  # noqa: E402
+from attnopt.forms.ssm.reference import decay_attention, decay_attention_reference
 from attnopt.kernels.feature_maps import make_feature_map
-from attnopt.kernels.linear import linear_attention, linear_attention_reference
-from attnopt.kernels.linear_window import linear_window_attention, linear_window_attention_reference
-from attnopt.kernels.reuse import reuse_attention, reuse_attention_reference
-from attnopt.kernels.window import window_attention, window_attention_reference
+from attnopt.forms.linear.reference import linear_attention, linear_attention_reference
+from attnopt.forms.linear_window.reference import linear_window_attention, linear_window_attention_reference
+from attnopt.forms.reuse.reference import reuse_attention, reuse_attention_reference
+from attnopt.forms.window.reference import window_attention, window_attention_reference
 
 H, HKV, D, DV = 4, 2, 16, 12
 

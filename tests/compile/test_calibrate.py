@@ -5,8 +5,8 @@ import torch.nn.functional as F
 
 import attnopt
 from attnopt import forms
-from attnopt.forms.base import BuildContext
-from attnopt.passes.records import SiteCall
+from attnopt.forms.common.base import BuildContext
+from attnopt.ir.calls import SiteCall
 from attnopt.passes.verify import site_drift
 
 LINEAR = forms.get("linear")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnopt.inspection import inspect
-from attnopt.passes.masks import ADDITIVE_HIDE_BELOW
+from attnopt.ir.masks import ADDITIVE_HIDE_BELOW
 from attnopt.passes.matchers import SdpaMatcher
 from zoo_models import site_output_error
 
@@ -401,7 +401,8 @@ def test_minus_500_masks_the_key_in_neither_spelling():
 
 
 def test_one_masking_constant():
-    from attnopt.passes import canonicalize, detect, mask_proof, masks
+    from attnopt.passes import canonicalize, detect, mask_proof
+    from attnopt.ir import masks
 
     assert masks.ADDITIVE_HIDE_BELOW == -1e3
     for module in (canonicalize, mask_proof, detect):
@@ -545,7 +546,7 @@ SPLICED = {
 @pytest.mark.parametrize("case", sorted(SPLICED))
 def test_site_spliced_as_exact_matches_the_model_on_new_inputs(case):
     from attnopt import forms
-    from attnopt.forms.base import BuildContext
+    from attnopt.forms.common.base import BuildContext
     from attnopt.passes.splice import splice_graph
 
     module, args = SPLICED[case]()
@@ -667,7 +668,7 @@ def _composed_sample(count: int, seed: int) -> list[tuple]:
 @pytest.mark.parametrize("recipe", _composed_sample(40, seed=8), ids=lambda r: "-".join(map(str, r)))
 def test_composed_spelling_is_one_correct_splicable_site(recipe):
     from attnopt import forms
-    from attnopt.forms.base import BuildContext
+    from attnopt.forms.common.base import BuildContext
     from attnopt.passes.splice import splice_graph
 
     module = Composed(*recipe)

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from attnopt.inspection import inspect
-from attnopt.passes.capture import CaptureError, capture_export, record_values
+from attnopt.ir.errors import CaptureError
+from attnopt.passes.capture import capture_export, record_values
 from attnopt.passes.detect import detect
 
 B, H, HKV, N, D = 2, 6, 2, 11, 8

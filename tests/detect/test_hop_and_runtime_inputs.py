@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnopt.inspection import inspect
-from attnopt.passes.capture import CaptureError, SpecializedInputError, capture_dynamo, capture_export
+from attnopt.ir.errors import CaptureError, SpecializedInputError
+from attnopt.passes.capture import capture_dynamo, capture_export
 from zoo_models import site_output_error
 
 B, H, N, D = 5, 6, 7, 8

@@ -6,10 +6,10 @@ import torch.nn.functional as F
 
 import attnopt
 from attnopt import forms
-from attnopt.forms.base import BuildContext
-from attnopt.forms.linear_window import row_terms, rows_output
-from attnopt.passes.records import SiteCall
-from attnopt.passes.site import AttentionSite, MaskInfo, SiteNodes
+from attnopt.forms.common.base import BuildContext
+from attnopt.forms.linear_window.form import row_terms, rows_output
+from attnopt.ir.calls import SiteCall
+from attnopt.ir.site import AttentionSite, MaskInfo, SiteNodes
 from attnopt.policy import Policy, PolicyError
 
 FORM = forms.get("linear+window")

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from attnopt import forms
-from attnopt.forms.base import BuildContext, CostAt, Form, SiteModule
-from attnopt.passes.records import SiteCall
-from attnopt.passes.site import AttentionSite, MaskInfo, SiteNodes
+from attnopt.forms.common.base import BuildContext, CostAt, Form, SiteModule
+from attnopt.ir.calls import SiteCall
+from attnopt.ir.site import AttentionSite, MaskInfo, SiteNodes
 from attnopt.policy import Policy
 
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import attnopt
 from attnopt import forms
-from attnopt.forms.base import BuildContext
+from attnopt.forms.common.base import BuildContext
 
 B, H, N, D = 3, 4, 40, 8
 SPLITS = [[N], [10] + [1] * 30, [3, 5, 1, 1, 20, 10], [25, 15]]

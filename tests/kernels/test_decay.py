@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import attnopt.kernels.decay as decay_module
-from attnopt.kernels.decay import (
+import attnopt.forms.ssm.reference as decay_module
+from attnopt.forms.ssm.reference import (
     decay_attention,
     decay_attention_reference,
     decay_attention_step,

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from attnopt.kernels.feature_maps import make_feature_map
-from attnopt.kernels.linear import linear_attention
-from attnopt.kernels.linear_window_decode import linear_window_decode
-from attnopt.kernels.window_decode import window_decode
+from attnopt.forms.linear.reference import linear_attention
+from attnopt.forms.linear_window.decode import linear_window_decode
+from attnopt.forms.window.decode import window_decode
 from oracles import linear_oracle, linear_window_oracle, window_oracle
 
 F64 = torch.float64

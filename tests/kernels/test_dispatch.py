@@ -4,10 +4,10 @@ path otherwise. (No GPU here: a stand-in kernels module records what it was give
 import pytest
 import torch
 
-import attnopt.kernels.decay as decay
-import attnopt.kernels.linear as linear
-import attnopt.kernels.linear_window as linear_window
-import attnopt.kernels.window as window
+import attnopt.forms.ssm.reference as decay
+import attnopt.forms.linear.reference as linear
+import attnopt.forms.linear_window.reference as linear_window
+import attnopt.forms.window.reference as window
 
 
 class FakeKernels:
@@ -15,7 +15,7 @@ class FakeKernels:
         self.supported = supported
         self.calls = []
 
-    def is_supported(self, q, form, **kwargs):
+    def unsupported(self, q, **kwargs):
         return None if self.supported else "not this one"
 
     def __getattr__(self, name):
@@ -42,7 +42,7 @@ CASES = [
 @pytest.mark.parametrize("module, name, kwargs", CASES, ids=[c[1] for c in CASES])
 def test_supported_calls_go_to_the_triton_kernel(monkeypatch, module, name, kwargs):
     fake = FakeKernels()
-    monkeypatch.setattr(module, "cuda_kernels", lambda q: fake)
+    monkeypatch.setattr(module, "cuda_kernels", lambda q, package: fake)
     out = getattr(module, name)(*_qkv(), **kwargs)
     assert [c[0] for c in fake.calls] == [name] and bool((out == 7.0).all())
 
@@ -52,6 +52,6 @@ def test_unsupported_calls_and_cpu_tensors_keep_the_pytorch_path(monkeypatch, mo
     q, k, v = _qkv()
     ref = getattr(module, name)(q, k, v, **kwargs)  # CPU: cuda_kernels gives None
     fake = FakeKernels(supported=False)
-    monkeypatch.setattr(module, "cuda_kernels", lambda q: fake)
+    monkeypatch.setattr(module, "cuda_kernels", lambda q, package: fake)
     out = getattr(module, name)(q, k, v, **kwargs)
     assert fake.calls == [] and torch.equal(out, ref) and not bool((ref == 7.0).all())

@@ -19,7 +19,7 @@ from attnopt.kernels.feature_maps import (
     make_feature_map,
     query_key_features,
 )
-from attnopt.kernels.linear import linear_attention, linear_attention_reference
+from attnopt.forms.linear.reference import linear_attention, linear_attention_reference
 from oracles import linear_oracle, linear_state_oracle
 
 F64 = torch.float64

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import attnopt.kernels.linear_window as linear_window_module
+import attnopt.forms.linear_window.reference as linear_window_module
 from attnopt.kernels.feature_maps import make_feature_map
-from attnopt.kernels.linear_window import linear_window_attention, linear_window_attention_reference
-from attnopt.kernels.window import window_attention
+from attnopt.forms.linear_window.reference import linear_window_attention, linear_window_attention_reference
+from attnopt.forms.window.reference import window_attention
 from kernel_testing import MaxNumel, assert_exports_as_one_node
 from kernel_testing import sdpa_inputs as _inputs
 from oracles import linear_window_oracle as _oracle

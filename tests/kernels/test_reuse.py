@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnopt.kernels.reuse import (
+from attnopt.forms.reuse.reference import (
     init_reuse_factors,
     reuse_attention,
     reuse_attention_reference,

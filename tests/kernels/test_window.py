@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import attnopt.kernels.window as window_module
-from attnopt.kernels.window import (
+import attnopt.forms.window.reference as window_module
+from attnopt.forms.window.reference import (
     default_window_block_size,
     window_attention,
     window_attention_reference,

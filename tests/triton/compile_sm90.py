@@ -17,10 +17,10 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import attnopt.kernels.triton.chunk_scan as cs  # noqa: E402
-import attnopt.kernels.triton.decode as dec  # noqa: E402
-import attnopt.kernels.triton.linear as lin  # noqa: E402
-import attnopt.kernels.triton.linear_window as lw  # noqa: E402
-import attnopt.kernels.triton.window as win  # noqa: E402
+import attnopt.kernels.triton.state_step as step  # noqa: E402
+import attnopt.forms.linear.triton as lin  # noqa: E402
+import attnopt.forms.linear_window.triton as lw  # noqa: E402
+import attnopt.forms.window.triton as win  # noqa: E402
 
 FLOATS = ("scale", "eps", "scale2")
 POINTERS = {"Q", "K", "V", "O", "KEEP", "LOG2G", "DEN", "DN", "DD", "DQ", "DK", "DV", "S", "Z", "SINK", "LSE", "DO",
@@ -77,9 +77,9 @@ def main():
                                    CAUSAL=True, HAS_KEEP=False, LOWP=0, BQ=64, BK=64, BD=64, BV=64)
     res["prefix_state"] = build(lw._prefix_state_kernel, bf, fp32=("SP", "ZP"), i32=("SINK",), **keep, num_warps=4,
                                 FMAP=1, HAS_KEEP=True, LOWP=1, BK=64, BM=128, BV=64)
-    res["decode_state_step"] = build(dec._state_step_kernel, bf, fp32=("S", "Z", "LOG2G", "S_OUT", "Z_OUT"), num_warps=4,
+    res["decode_state_step"] = build(step._state_step_kernel, bf, fp32=("S", "Z", "LOG2G", "S_OUT", "Z_OUT"), num_warps=4,
                                      FMAP=1, HAS_DECAY=True, NORMALIZE=True, HAS_Z=True, BM=128, BV=64)
-    res["decode_ring_attend"] = build(dec._ring_attend_kernel, bf, i32=("POS",), num_warps=4, BL=64, BD=128, BV=128)
+    res["decode_ring_attend"] = build(win._ring_attend_kernel, bf, i32=("POS",), num_warps=4, BL=64, BD=128, BV=128)
     print(json.dumps(res))
 
 

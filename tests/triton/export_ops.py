@@ -14,7 +14,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-import attnopt.kernels.triton  # noqa: E402, F401  (registers the ops)
+import attnopt.forms.linear.triton  # noqa: E402, F401  (each import registers its form's ops)
+import attnopt.forms.linear_window.triton  # noqa: E402, F401
+import attnopt.forms.ssm.triton  # noqa: E402, F401
+import attnopt.forms.window.triton  # noqa: E402, F401
 
 B, H, Hkv, Nq, Nk, D, Dv = 2, 6, 3, 37, 45, 16, 24
 

@@ -79,7 +79,7 @@ def case(fn):
 # ---- linear ----
 
 def _linear(fmap, causal, dtype, mask=False, backward=True, shape=None, **kw):
-    from attnopt.kernels.triton import linear_attention
+    from attnopt.forms.linear.triton import linear_attention
 
     s = dict(SHAPE, **(shape or {}))
     q, k, v = inputs(**s)
@@ -125,7 +125,7 @@ def linear_noncausal_relu_bf16():
 @case
 def linear_causal_favor_fp32():
     from attnopt.kernels.feature_maps import make_feature_map
-    from attnopt.kernels.triton import linear_attention
+    from attnopt.forms.linear.triton import linear_attention
 
     q, k, v = inputs(**SHAPE)
     fm = make_feature_map("favor", SHAPE["D"], SHAPE["H"], seed=3)
@@ -148,7 +148,7 @@ def _hedgehog():
 
 @case
 def linear_causal_hedgehog_fp32_gqa():
-    from attnopt.kernels.triton import linear_attention
+    from attnopt.forms.linear.triton import linear_attention
 
     q, k, v = inputs(**SHAPE)
     fm, w = _hedgehog()
@@ -162,7 +162,7 @@ def linear_causal_hedgehog_fp32_gqa():
 @case
 def linear_noncausal_hedgehog_fp32_mask():
     # per-head φ(k) (H heads) against shared v (Hkv heads): the GQA sum of dv in the backward
-    from attnopt.kernels.triton import linear_attention
+    from attnopt.forms.linear.triton import linear_attention
 
     q, k, v = inputs(**SHAPE)
     keep = padding_mask(SHAPE["B"], SHAPE["Nk"])
@@ -180,7 +180,7 @@ GAMMA = torch.tensor([0.9, 0.5, 0.99, 0.7, 1.0, 0.8], dtype=torch.float64)
 
 
 def _decay(fmap, normalize, dtype, mask=True, backward=True, shift=0.0, shape=None):
-    from attnopt.kernels.triton import decay_attention
+    from attnopt.forms.ssm.triton import decay_attention
 
     s = dict(SHAPE, **(shape or {}))
     q, k, v = inputs(**s, shift=shift)
@@ -216,8 +216,8 @@ def decay_relu_bf16():
 
 @case
 def decay_retnet_default_fp32_equal_lengths():
-    from attnopt.kernels.decay import retnet_decay
-    from attnopt.kernels.triton import decay_attention
+    from attnopt.forms.ssm.reference import retnet_decay
+    from attnopt.forms.ssm.triton import decay_attention
 
     s = dict(SHAPE, Nq=40, Nk=40)
     q, k, v = inputs(**s)
@@ -231,7 +231,7 @@ def decay_retnet_default_fp32_equal_lengths():
 # ---- window ----
 
 def _window(W, causal, sinks, dtype, mask=False, backward=True, shape=None):
-    from attnopt.kernels.triton import window_attention
+    from attnopt.forms.window.triton import window_attention
 
     s = dict(SHAPE, **(shape or {}))
     q, k, v = inputs(**s)
@@ -282,7 +282,7 @@ def window_covers_everything_fp32():
 @case
 def window_blind_queries_return_zero():
     """Nq > Nk (queries before key 0) and a fully padded row: their outputs must be exactly 0."""
-    from attnopt.kernels.triton import window_attention
+    from attnopt.forms.window.triton import window_attention
 
     q, k, v = inputs(**dict(SHAPE, Nq=30, Nk=20))
     keep = torch.ones(2, 20, dtype=torch.bool)
@@ -301,7 +301,7 @@ BETA = torch.tensor([0.5, 1.0, 0.0, 2.0, 0.25, 1.5], dtype=torch.float64)
 
 
 def _hybrid(W, sinks, causal, fmap, dtype, mask=False, backward=False, shape=None):
-    from attnopt.kernels.triton import linear_window_attention
+    from attnopt.forms.linear_window.triton import linear_window_attention
 
     s = dict(SHAPE, **(shape or {}))
     q, k, v = inputs(**s)
@@ -338,7 +338,7 @@ def hybrid_bidirectional_mask_bf16():
 
 @case
 def hybrid_causal_hedgehog_fp32():
-    from attnopt.kernels.triton import linear_window_attention
+    from attnopt.forms.linear_window.triton import linear_window_attention
 
     q, k, v = inputs(**SHAPE)
     fm, w = _hedgehog()
@@ -374,7 +374,7 @@ def _decode_check(step, oracle, dtype=torch.float32):
 
 @case
 def decode_linear_elu_steps_equal_prefill():
-    from attnopt.kernels.triton import linear_decode_step
+    from attnopt.forms.linear.triton import linear_decode_step
 
     return _decode_check(lambda q, k, v, st, t: linear_decode_step(q, k, v, st),
                          lambda q, k, v: oracles.linear(q, k, v, fmap="elu", causal=True))
@@ -382,7 +382,7 @@ def decode_linear_elu_steps_equal_prefill():
 
 @case
 def decode_decay_normalized_steps_equal_prefill():
-    from attnopt.kernels.triton import decay_decode_step
+    from attnopt.forms.ssm.triton import decay_decode_step
 
     return _decode_check(
         lambda q, k, v, st, t: decay_decode_step(q, k, v, st, decay=GAMMA, feature_map="elu", normalize=True),
@@ -391,7 +391,7 @@ def decode_decay_normalized_steps_equal_prefill():
 
 @case
 def decode_decay_bf16_steps_equal_prefill():
-    from attnopt.kernels.triton import decay_decode_step
+    from attnopt.forms.ssm.triton import decay_decode_step
 
     return _decode_check(
         lambda q, k, v, st, t: decay_decode_step(q, k, v, st, decay=GAMMA, scale=0.3),
@@ -400,7 +400,7 @@ def decode_decay_bf16_steps_equal_prefill():
 
 @case
 def decode_window_ring_steps_equal_prefill():
-    from attnopt.kernels.triton import init_window_cache, window_decode_step
+    from attnopt.forms.window.triton import init_window_cache, window_decode_step
 
     def step(q, k, v, cache, t):
         if cache is None:
@@ -416,7 +416,7 @@ def decode_window_ring_steps_equal_prefill():
 def triton_op_eager_matches_raw_kernels():
     """The GPU path's triton_ops run eagerly on CPU tensors in the interpreter (not under export)."""
     from attnopt.kernels.triton.runtime import FMAP_CODES
-    from attnopt.kernels.triton.window import sink_range
+    from attnopt.kernels.triton.band import sink_range
 
     q, k, v = (t.float() for t in inputs(**SHAPE))
     keep = padding_mask(2, SHAPE["Nk"])

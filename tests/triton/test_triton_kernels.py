@@ -77,9 +77,11 @@ def test_kernel_matches_dense_oracle(interpreted, name):
 
 def test_import_without_driver_then_one_line_error():
     code = (
-        "import torch, attnopt.kernels.triton as t\n"
+        "import torch\n"
+        "from attnopt import forms\n"
+        "import attnopt.forms.window.triton as t\n"
         "q = torch.randn(1, 2, 5, 8)\n"
-        "print(t.is_supported(q, form='window', window=4, causal=True))\n"
+        "print(forms.get('window').triton_supported(q, window=4, causal=True))\n"
         "try:\n"
         "    t.window_attention(q, q, q, window=4, causal=True)\n"
         "except RuntimeError as e:\n"
@@ -112,18 +114,20 @@ def test_every_op_exports_as_one_node(children):
 
 def test_is_supported_reasons():
     code = (
-        "import json, torch, attnopt.kernels.triton as t\n"
+        "import json, torch\n"
+        "from attnopt import forms\n"
+        "t = lambda q, form, **kw: forms.get(form).triton_supported(q, **kw)\n"
         "q = torch.randn(1, 2, 5, 8)\n"
         "big = torch.randn(1, 2, 5, 32)\n"
         "print(json.dumps({\n"
-        "  'window': t.is_supported(q, form='window', window=4, causal=True, sinks=2),\n"
-        "  'linear_elu': t.is_supported(q, form='linear', feature_map='elu', causal=True),\n"
-        "  'linear_state': t.is_supported(q, form='linear', state=(q, q)),\n"
-        "  'taylor_d32': t.is_supported(big, form='linear', feature_map='taylor'),\n"
-        "  'fp64': t.is_supported(q.double(), form='window', window=4, causal=True),\n"
-        "  'decay_bad_map': t.is_supported(q, form='decay', feature_map='favor'),\n"
-        "  'hybrid_grad': t.is_supported(q.requires_grad_(), form='linear_window', window=4, causal=True),\n"
-        "  'unknown': t.is_supported(q, form='reuse'),\n"
+        "  'window': t(q, form='window', window=4, causal=True, sinks=2),\n"
+        "  'linear_elu': t(q, form='linear', feature_map='elu', causal=True),\n"
+        "  'linear_state': t(q, form='linear', state=(q, q)),\n"
+        "  'taylor_d32': t(big, form='linear', feature_map='taylor'),\n"
+        "  'fp64': t(q.double(), form='window', window=4, causal=True),\n"
+        "  'decay_bad_map': t(q, form='ssm', feature_map='favor'),\n"
+        "  'hybrid_grad': t(q.requires_grad_(), form='linear+window', window=4, causal=True),\n"
+        "  'unknown': t(q, form='reuse'),\n"
         "}))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], env=_child_env(True), capture_output=True, text=True, timeout=120)

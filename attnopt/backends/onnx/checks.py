@@ -13,12 +13,12 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from attnopt.ir.errors import ParityError
+
 # ReferenceEvaluator is plain numpy: a short input keeps it to seconds.
 REFERENCE_LENGTH = 16
 
 
-class ParityError(RuntimeError):
-    """An exported file computes something else than the torch model; the message names the site."""
 
 
 def check_model(proto) -> None:

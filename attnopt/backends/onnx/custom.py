@@ -19,8 +19,8 @@ import hashlib
 import onnx_ir as ir
 import onnxscript
 
-from attnopt.backends.onnx.functions import ATTNOPT_DOMAIN
-from attnopt.backends.onnx.lowering import OpLowering
+from attnopt.kernels.onnx.functions import ATTNOPT_DOMAIN
+from attnopt.kernels.onnx.lowering import OpLowering
 
 PLUGIN_NAMESPACE = ATTNOPT_DOMAIN
 

@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from attnopt.backends.onnx.lowering import TARGETS, OpLowering
+from attnopt.kernels.onnx.lowering import TARGETS, OpLowering
 
 # torch.onnx's dynamo exporter writes opset 18 and up (its default, 20 with torch 2.13, when
 # opset=None); other versions are a version conversion of that graph. ORT 1.32 runs them all on CPU.
@@ -198,7 +198,7 @@ def _run_time_switches(report) -> dict:
 @contextlib.contextmanager
 def _dispatch_dropped(model: nn.Module, dropped: dict):
     """The sites in `dropped` run their form at every length while exporting and checking."""
-    from attnopt.forms.base import SiteModule
+    from attnopt.forms.common.base import SiteModule
 
     sites = [m for m in model.modules() if isinstance(m, SiteModule) and m.geometry.site_id in dropped]
     saved = [m.min_seq_len for m in sites]
@@ -289,7 +289,7 @@ def _to_onnx(wrapper: nn.Module, args: tuple, dynamic_shapes, table: dict, opset
 @contextlib.contextmanager
 def _all_sites_exact(model: nn.Module):
     """Every site module takes its exact fallback (the file a model without attnopt would give)."""
-    from attnopt.forms.base import SiteModule
+    from attnopt.forms.common.base import SiteModule
 
     sites = [m for m in model.modules() if isinstance(m, SiteModule)]
     saved = [m.min_seq_len for m in sites]
@@ -339,7 +339,7 @@ def _recording(form: str, lowering: OpLowering, target: str, calls: list):
             entry["lowering"] = f"attnopt.{lowering.name}"
             entry["function"] = function
             return out
-        from attnopt.backends.onnx import functions
+        from attnopt.kernels.onnx import functions
 
         before = _recorded_ops()
         out = lowering.by_target[target](**bound)
@@ -380,14 +380,14 @@ def _add_functions(model, functions: list) -> None:
         function.opset_imports[""] = model.opset_imports[""]  # bodies were traced at the model's opset
         model.functions.setdefault(function.identifier(), function)
     if functions:
-        from attnopt.backends.onnx.functions import ATTNOPT_DOMAIN
+        from attnopt.kernels.onnx.functions import ATTNOPT_DOMAIN
 
         model.opset_imports.setdefault(ATTNOPT_DOMAIN, 1)
 
 
 def _site_calls(opt: nn.Module, wrapper: nn.Module, flat: tuple) -> list:
     """(site module, args, kwargs) of every site call of one forward, in call order (= graph order)."""
-    from attnopt.forms.base import SiteModule
+    from attnopt.forms.common.base import SiteModule
 
     seen: list = []
     hooks = [m.register_forward_hook(lambda mod, a, kw, out: seen.append((mod, a, kw)), with_kwargs=True)

@@ -44,7 +44,7 @@ from attnopt.kernels.triton.runtime import interpreting, launcher, low_precision
 
 
 @triton.jit
-def _phi(x, FMAP: tl.constexpr):
+def phi(x, FMAP: tl.constexpr):
     if FMAP == 1:
         return tl.where(x > 0, x + 1.0, tl.exp(tl.minimum(x, 0.0)))
     elif FMAP == 2:
@@ -65,7 +65,7 @@ def _dphi(x, FMAP: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, LOWP: tl.constexpr, DT: tl.constexpr):
+def dot(a, b, LOWP: tl.constexpr, DT: tl.constexpr):
     # LOWP (runtime.low_precision): bf16/fp16 inputs: operands in the input dtype (tensor cores), fp32 accumulation;
     # fp32 inputs: IEEE fp32 (tf32 would cost ~3 decimal digits the fp32 oracle tests check).
     if LOWP == 1:
@@ -114,15 +114,15 @@ def _chunk_fwd_kernel(
         qi = pos - off
         q_in = (qi >= 0) & k_in
         kx = tl.load(k_base + pos[:, None] * s_kn + rm[None, :], mask=k_in[:, None] & m_ok[None, :], other=0.0)
-        fk = tl.where(k_in[:, None] & m_ok[None, :], _phi(kx.to(tl.float32), FMAP), 0.0)
+        fk = tl.where(k_in[:, None] & m_ok[None, :], phi(kx.to(tl.float32), FMAP), 0.0)
         if HAS_KEEP:
             keep = tl.load(KEEP + b * Nk + pos, mask=k_in, other=0)
             fk = tl.where(keep[:, None] != 0, fk, 0.0)
         vx = tl.load(v_base + pos[:, None] * s_vn + rv[None, :], mask=k_in[:, None] & v_ok[None, :], other=0.0)
         vx = vx.to(tl.float32)
         qx = tl.load(q_base + qi[:, None] * s_qn + rm[None, :], mask=q_in[:, None] & m_ok[None, :], other=0.0)
-        fq = tl.where(q_in[:, None] & m_ok[None, :], _phi(qx.to(tl.float32), FMAP), 0.0)
-        A = _dot(fq, tl.trans(fk), LOWP, DT)
+        fq = tl.where(q_in[:, None] & m_ok[None, :], phi(qx.to(tl.float32), FMAP), 0.0)
+        A = dot(fq, tl.trans(fk), LOWP, DT)
         if HAS_DECAY:
             A = A * w_cc
             fq_in = fq * q_dec[:, None]
@@ -131,7 +131,7 @@ def _chunk_fwd_kernel(
             A = tl.where(tri, A, 0.0)
             fq_in = fq
             fk_out = fk
-        num = _dot(A, vx, LOWP, DT) + _dot(fq_in, S, LOWP, DT)
+        num = dot(A, vx, LOWP, DT) + dot(fq_in, S, LOWP, DT)
         if NORMALIZE:
             den = tl.sum(A, axis=1) + tl.sum(fq_in * z[None, :], axis=1) + eps
             out = num / tl.where(den == 0.0, 1.0, den)[:, None]
@@ -142,10 +142,10 @@ def _chunk_fwd_kernel(
         tl.store(o_base + qi[:, None] * s_on + rv[None, :], out.to(O.dtype.element_ty),
                  mask=q_in[:, None] & v_ok[None, :])
         if HAS_DECAY:
-            S = S * step + _dot(tl.trans(fk_out), vx, LOWP, DT)
+            S = S * step + dot(tl.trans(fk_out), vx, LOWP, DT)
             z = z * step + tl.sum(fk_out, axis=0)
         else:
-            S = S + _dot(tl.trans(fk_out), vx, LOWP, DT)
+            S = S + dot(tl.trans(fk_out), vx, LOWP, DT)
             z = z + tl.sum(fk_out, axis=0)
 
 
@@ -188,7 +188,7 @@ def _dq_kernel(
         qi = pos - off
         q_in = (qi >= 0) & k_in
         kx = tl.load(k_base + pos[:, None] * s_kn + rm[None, :], mask=k_in[:, None] & m_ok[None, :], other=0.0)
-        fk = tl.where(k_in[:, None] & m_ok[None, :], _phi(kx.to(tl.float32), FMAP), 0.0)
+        fk = tl.where(k_in[:, None] & m_ok[None, :], phi(kx.to(tl.float32), FMAP), 0.0)
         if HAS_KEEP:
             keep = tl.load(KEEP + b * Nk + pos, mask=k_in, other=0)
             fk = tl.where(keep[:, None] != 0, fk, 0.0)
@@ -196,7 +196,7 @@ def _dq_kernel(
         vx = vx.to(tl.float32)
         row = pid_bh * Nq + qi
         dn = tl.load(DN + row[:, None] * Dv + rv[None, :], mask=q_in[:, None] & v_ok[None, :], other=0.0)
-        P = _dot(dn, tl.trans(vx), LOWP, DT)
+        P = dot(dn, tl.trans(vx), LOWP, DT)
         if HAS_DD:
             dd = tl.load(DD + row, mask=q_in, other=0.0)
             P = P + dd[:, None]
@@ -204,8 +204,8 @@ def _dq_kernel(
             P = P * w_cc
         else:
             P = tl.where(tri, P, 0.0)
-        dfq = _dot(P, fk, LOWP, DT)
-        inter = _dot(dn, tl.trans(S), LOWP, DT)
+        dfq = dot(P, fk, LOWP, DT)
+        inter = dot(dn, tl.trans(S), LOWP, DT)
         if HAS_DD:
             inter = inter + dd[:, None] * z[None, :]
         if HAS_DECAY:
@@ -217,10 +217,10 @@ def _dq_kernel(
         tl.store(DQ + row[:, None] * M + rm[None, :], dq, mask=q_in[:, None] & m_ok[None, :])
         if HAS_DECAY:
             fk = fk * k_dec[:, None]
-            S = S * step + _dot(tl.trans(fk), vx, LOWP, DT)
+            S = S * step + dot(tl.trans(fk), vx, LOWP, DT)
             z = z * step + tl.sum(fk, axis=0)
         else:
-            S = S + _dot(tl.trans(fk), vx, LOWP, DT)
+            S = S + dot(tl.trans(fk), vx, LOWP, DT)
             z = z + tl.sum(fk, axis=0)
 
 
@@ -277,22 +277,22 @@ def _dkv_kernel(
             keep_ok = keep_ok & (keep != 0)
         # the query side: φ(q) on this program's features, dn on its values
         qx = tl.load(q_base + qi[:, None] * s_qn + rm[None, :], mask=q_in[:, None] & m_ok[None, :], other=0.0)
-        fq = tl.where(q_in[:, None] & m_ok[None, :], _phi(qx.to(tl.float32), FMAP), 0.0)
+        fq = tl.where(q_in[:, None] & m_ok[None, :], phi(qx.to(tl.float32), FMAP), 0.0)
         dn = tl.load(DN + row[:, None] * Dv + rv[None, :], mask=q_in[:, None] & v_ok[None, :], other=0.0)
         if HAS_DD:
             dd = tl.load(DD + row, mask=q_in, other=0.0)
         if FOR_K:
             vx = tl.load(v_base + pos[:, None] * s_vn + rv[None, :], mask=k_in[:, None] & v_ok[None, :], other=0.0)
             vx = vx.to(tl.float32)
-            P = _dot(dn, tl.trans(vx), LOWP, DT)  # [C_i, C_j]
+            P = dot(dn, tl.trans(vx), LOWP, DT)  # [C_i, C_j]
             if HAS_DD:
                 P = P + dd[:, None]
             if HAS_DECAY:
                 P = P * w_cc
             else:
                 P = tl.where(tri, P, 0.0)
-            dfk = _dot(tl.trans(P), fq, LOWP, DT)
-            inter = _dot(vx, tl.trans(R), LOWP, DT) + r[None, :]
+            dfk = dot(tl.trans(P), fq, LOWP, DT)
+            inter = dot(vx, tl.trans(R), LOWP, DT) + r[None, :]
             if HAS_DECAY:
                 dfk = dfk + k_dec[:, None] * inter
             else:
@@ -303,25 +303,25 @@ def _dkv_kernel(
             tl.store(DK + (pid_bh * Nk + pos)[:, None] * M + rm[None, :], dk, mask=k_in[:, None] & m_ok[None, :])
         else:
             kx = tl.load(k_base + pos[:, None] * s_kn + rm[None, :], mask=k_in[:, None] & m_ok[None, :], other=0.0)
-            fk = tl.where(keep_ok[:, None] & m_ok[None, :], _phi(kx.to(tl.float32), FMAP), 0.0)
-            A = _dot(fq, tl.trans(fk), LOWP, DT)
+            fk = tl.where(keep_ok[:, None] & m_ok[None, :], phi(kx.to(tl.float32), FMAP), 0.0)
+            A = dot(fq, tl.trans(fk), LOWP, DT)
             if HAS_DECAY:
                 A = A * w_cc
             else:
                 A = tl.where(tri, A, 0.0)
-            dv = _dot(tl.trans(A), dn, LOWP, DT)
+            dv = dot(tl.trans(A), dn, LOWP, DT)
             if HAS_DECAY:
-                dv = dv + k_dec[:, None] * _dot(fk, R, LOWP, DT)
+                dv = dv + k_dec[:, None] * dot(fk, R, LOWP, DT)
             else:
-                dv = dv + _dot(fk, R, LOWP, DT)
+                dv = dv + dot(fk, R, LOWP, DT)
             tl.store(DV + (pid_bh * Nk + pos)[:, None] * Dv + rv[None, :], dv, mask=k_in[:, None] & v_ok[None, :])
         if HAS_DECAY:
             fq = fq * q_dec[:, None]
-            R = R * step + _dot(tl.trans(fq), dn, LOWP, DT)
+            R = R * step + dot(tl.trans(fq), dn, LOWP, DT)
             if HAS_DD:
                 r = r * step + tl.sum(fq * dd[:, None], axis=0)
         else:
-            R = R + _dot(tl.trans(fq), dn, LOWP, DT)
+            R = R + dot(tl.trans(fq), dn, LOWP, DT)
             if HAS_DD:
                 r = r + tl.sum(fq * dd[:, None], axis=0)
 

@@ -7,7 +7,7 @@ Two launch paths, chosen per call:
 * `TRITON_INTERPRET=1`: the raw kernels run on CPU tensors in Triton's interpreter. A triton_op
   cannot be used there: export and opcheck hand it fake tensors, which the interpreter cannot read.
 
-Nothing here touches a driver at import time, so `import attnopt.kernels.triton` works on a CPU-only
+Nothing here touches a driver at import time, so importing a form's `triton` module works on a CPU-only
 machine; a call without either path raises one clear line (`require_runtime`).
 """
 
@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 
 import torch
+from typing import Optional
+
 from torch import Tensor
 
 import triton
@@ -73,3 +75,16 @@ def concrete(t: Tensor) -> bool:
 
 def kernel_dtype_ok(dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+
+def call_unsupported(q: Tensor, k: Optional[Tensor] = None) -> Optional[str]:
+    """The checks every form's kernels share (device, dtype, non-empty 4-D inputs), or None.
+
+    It does not validate shapes: the entry points raise the reference ops' errors for those."""
+    if not (q.is_cuda or interpreting()):
+        return f"Triton kernels need CUDA tensors, got {q.device}"
+    if not kernel_dtype_ok(q.dtype):
+        return f"Triton kernels take fp32, bf16 or fp16, got {q.dtype}"
+    if q.dim() != 4 or q.shape[2] == 0 or (k is not None and k.shape[2] == 0):
+        return "empty or non-4-D inputs run on the PyTorch path"
+    return None

@@ -1,0 +1,2 @@
+"""What every form shares: the Form and SiteModule contracts (base), decode-state plumbing
+(decoding) and the fitting loop (fitting)."""

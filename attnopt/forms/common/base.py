@@ -1,0 +1,455 @@
+"""The contract every rewrite form implements, and the few pieces all forms share.
+
+A form is one folder `attnopt/forms/<form>/` that holds everything about one way of computing a site.
+Its `form.py` defines the Form (parameters with types, ranges, defaults and preset syntax; the one
+applicability check `why_not` that explicit rules and `auto` both use; its cost model; the site
+module it builds; its optional fit step); beside it live the op (`reference.py`), the decode state
+(`decode.py`), the Triton kernels (`triton.py`) and the ONNX lowerings (`onnx.py`). `attnopt.forms`
+discovers the folders, so a new form is one new folder.
+
+Letters: B batch, H query heads, Hkv key/value heads, Nq/Nk query/key length, D head dim of q and
+k, Dv head dim of v. Tensors are in SDPA layout [B, H, N, D] unless a name says otherwise.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import importlib.util
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+from attnopt.forms.common.decoding import DecodeState, ExactPrefix, exact_on_prefix, extend_prefix, kv_cache_bytes, real_positions
+from attnopt.ir.masks import exact_attention, key_keep
+from attnopt.ir.calls import SiteCall
+from attnopt.ir.site import AttentionSite
+from attnopt.ir.errors import PolicyError
+
+
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of a form: its type, default and (optionally) the allowed values or bounds."""
+
+    type: type | tuple  # int, float, str, bool, or a tuple of accepted types
+    default: Any
+    choices: Optional[tuple] = None
+    minimum: Optional[float] = None
+    maximum: Optional[float] = None
+    doc: str = ""
+
+    def check(self, form: str, name: str, value: Any) -> Any:
+        types = self.type if isinstance(self.type, tuple) else (self.type,)
+        if float in types and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if bool not in types and isinstance(value, bool):
+            raise PolicyError(f"form {form!r}: parameter {name!r} got {value!r}; expected {_type_names(types)}")
+        if not isinstance(value, types):
+            raise PolicyError(
+                f"form {form!r}: parameter {name!r} got {value!r} ({type(value).__name__}); expected {_type_names(types)}"
+            )
+        if self.choices is not None and value not in self.choices:
+            raise PolicyError(
+                f"form {form!r}: parameter {name!r} got {value!r}; allowed values: " + ", ".join(repr(c) for c in self.choices)
+            )
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if value != value:  # NaN passes every comparison below
+                raise PolicyError(f"form {form!r}: parameter {name!r} got nan; expected a number")
+            if self.minimum is not None and value < self.minimum:
+                raise PolicyError(f"form {form!r}: parameter {name!r} got {value!r}; must be >= {self.minimum:g}")
+            if self.maximum is not None and value > self.maximum:
+                raise PolicyError(f"form {form!r}: parameter {name!r} got {value!r}; must be <= {self.maximum:g}")
+        return value
+
+
+def _type_names(types: tuple) -> str:
+    return " or ".join("null" if t is type(None) else t.__name__ for t in types)
+
+
+# Parameters every form accepts: run-time fallback to exact below `min_seq_len`, and a per-rule
+# drift tolerance (relative RMS of the site output) overriding the form's default.
+COMMON_PARAMS: dict[str, Param] = {
+    # None: compile resolves it to the form's measured crossover against exact attention
+    # (attnopt.passes.crossover); 0: the form at every length.
+    "min_seq_len": Param((int, type(None)), None, minimum=0,
+                         doc="below this query length the site runs exact attention (null: the measured crossover)"),
+    "tolerance": Param((float, type(None)), None, minimum=0.0, doc="max relative RMS drift of the site output"),
+}
+
+
+@dataclass(frozen=True)
+class SiteGeometry:
+    """What a rewritten site must know about the attention it replaces (copied from AttentionSite)."""
+
+    site_id: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    causal: bool
+    model_window: Optional[int]  # the model's own sliding window, if any
+    keep_when: str
+    v_head_dim: int = 0  # 0: same as head_dim (geometries saved before this field existed)
+
+    @classmethod
+    def of(cls, site: AttentionSite) -> "SiteGeometry":
+        return cls(
+            site_id=site.id, heads=site.heads, kv_heads=site.kv_heads, head_dim=site.head_dim,
+            scale=float(site.scale), causal=bool(site.causal), model_window=site.window,
+            keep_when=site.mask.keep_when, v_head_dim=int(getattr(site, "v_head_dim", 0) or site.head_dim),
+        )
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+
+@dataclass
+class BuildContext:
+    """What building a site may need beyond the site: the other sites, recorded calls, the mechanism.
+
+    `projections(site)` returns the site's own (q_proj, k_proj) nn.Linear pair where the mechanism
+    can read them (transformers modules), else None: the reuse residual is fitted from them.
+    """
+
+    sites: Sequence[AttentionSite] = ()
+    calls: Mapping[str, list] = field(default_factory=dict)  # site id -> [SiteCall]
+    projections: Optional[Callable[[AttentionSite], Optional[tuple]]] = None
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """Relative RMS of the site output before and after fitting, and the steps taken."""
+
+    what: str  # e.g. "hedgehog map"
+    rel_rms_before: float
+    rel_rms_after: float
+    steps: int
+
+
+class SiteModule(nn.Module, abc.ABC):
+    """One site in a cheap form; exact below `min_seq_len`. Takes and returns the site's own layout.
+
+    Subclasses implement `attend` on 4-D tensors; this class handles the bmm spelling [B·H, N, D],
+    the run-time key padding read from the site's mask, and the exact fallback.
+    """
+
+    form: ClassVar[str] = ""
+    uses_anchor_qk: ClassVar[bool] = False  # called with an earlier site's q and k (reuse)
+    needs_layer_input: ClassVar[bool] = False  # called with x, the layer's input (reuse residual)
+
+    def __init__(self, site: AttentionSite, params: Mapping[str, Any]):
+        super().__init__()
+        self.geometry = SiteGeometry.of(site)
+        self.params = dict(params)
+        self.min_seq_len = int(self.params.get("min_seq_len", 0) or 0)
+        # Set by the reuse form: the id of the site whose q and k this one reads (None otherwise).
+        self.anchor_id: Optional[str] = None
+
+    def extra_repr(self) -> str:
+        return f"site={self.geometry.site_id!r}, form={self.form!r}, params={self.params}"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                x: Optional[torch.Tensor] = None) -> torch.Tensor:
+        g = self.geometry
+        if self.min_seq_len and not g.causal and q.shape[-2] < self.min_seq_len:
+            return self.exact(q, k, v, mask)
+        folded = q.dim() == 3
+        if folded:  # bmm spelling [B*H, N, D]: heads are folded into the batch
+            q, k, v = self.unfold_heads(q), self.unfold_heads(k), self.unfold_heads(v)
+        keep = None
+        if mask is not None:  # padding may appear at run time even if the example had none
+            keep = key_keep(mask, g.keep_when, q.shape[0], k.shape[-2], rank=3 if folded else 4)
+            if folded and keep is not None and keep.shape[0] != q.shape[0]:
+                keep = keep.reshape(q.shape[0], -1, k.shape[-2])[:, 0]
+        mask4 = None if folded else mask
+        exact_q, all_exact = None, False
+        if self.min_seq_len and g.causal:
+            # Decided from the shapes when they suffice (a real position never exceeds its column), so
+            # torch.export sees no data-dependent branch for inputs shorter than the threshold.
+            all_exact = k.shape[-2] <= self.min_seq_len
+            if not all_exact:
+                exact_q = self.exact_queries(q, k, keep)
+                all_exact = bool(exact_q.all())
+        if all_exact:  # short input: exactly the original attention
+            out = self.exact(q, k, v, mask) if not folded else self._exact_rows(q, k, v, keep, q.shape[-2])
+        else:
+            out = self.attend(q, k, v, keep, mask4, x)
+            if exact_q is not None and bool(exact_q.any()):
+                out = self._with_exact_prefix(out, q, k, v, keep, mask4, exact_q)
+        return out.reshape(-1, out.shape[-2], out.shape[-1]) if folded else out
+
+    def exact_queries(self, q: torch.Tensor, k: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
+        """Bool [B, Nq]: the queries that attend exactly under `min_seq_len` -- those among the first
+        min_seq_len REAL tokens of their row, so a left-padded row dispatches as it would alone, and a
+        prefill and token-by-token decoding (`decode`) take the same rows exact."""
+        Nq, Nk = q.shape[-2], k.shape[-2]
+        if keep is None:
+            pos = (Nk - Nq) + torch.arange(Nq, device=q.device)
+            return (pos < self.min_seq_len).expand(q.shape[0], Nq)
+        real = keep.long().cumsum(-1)[:, Nk - Nq:] - 1
+        return real < self.min_seq_len
+
+    def _exact_rows(self, q, k, v, keep, rows: int) -> torch.Tensor:
+        """Exact causal attention of the first `rows` queries over the keys they can reach."""
+        Nq, Nk = q.shape[-2], k.shape[-2]
+        nk = Nk - Nq + rows
+        keep_rows = torch.ones(q.shape[0], nk, dtype=torch.bool, device=q.device) if keep is None else keep[:, :nk]
+        prefix = ExactPrefix(k[:, :, :nk], v[:, :, :nk], keep_rows)
+        return exact_on_prefix(q[:, :, :rows], prefix, self.geometry.scale).to(q.dtype)
+
+    def _with_exact_prefix(self, out, q, k, v, keep, mask, exact_q) -> torch.Tensor:
+        rows = int(exact_q.any(0).nonzero().max()) + 1  # queries past this one all use the form
+        exact = self._exact_rows(q, k, v, keep, rows)
+        head = torch.where(exact_q[:, None, :rows, None], exact, out[:, :, :rows])
+        return torch.cat([head, out[:, :, rows:]], dim=2)
+
+    # -- decoding: the form's state replaces the site's KV cache (causal sites)
+
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: Optional[torch.Tensor],
+               state: Optional[DecodeState]) -> tuple[torch.Tensor, DecodeState]:
+        """Attend the new tokens (q [B, H, Nq, D], k/v [B, Hkv, Nq, ·], the last Nq columns; `keep`
+        [B, Nq] marks the real ones) to `state` plus themselves; return (out, the advanced state).
+
+        A prefill (state None) then any split into steps equals one `forward` over the whole
+        sequence. Under `min_seq_len` = T the state also keeps the exact prefix until every row has
+        T real tokens, then drops it: the rows inside it attend exactly, as `forward` does.
+        """
+        g = self.geometry
+        if not g.causal:
+            raise ValueError(f"site {g.site_id}: decoding needs a causal site; this one is bidirectional")
+        B, Nq = q.shape[0], q.shape[2]
+        keep_BN = torch.ones(B, Nq, dtype=torch.bool, device=q.device) if keep is None else keep
+        if state is not None and state.form != self.form:
+            raise ValueError(f"site {g.site_id}: the decode state was made by form {state.form!r}, not {self.form!r}")
+        real_before = torch.zeros(B, dtype=torch.long, device=q.device) if state is None else state.real_B
+        exact_q = None
+        if self.min_seq_len and (state is None or state.prefix is not None):
+            exact_q = real_positions(real_before, keep_BN) < self.min_seq_len
+        # A prompt inside min_seq_len runs exact: the form then only has to build its state, which
+        # its prefill path does from the keys, bottom-right aligned, with just the last query.
+        state_only = state is None and exact_q is not None and bool(exact_q.all())
+        out, form_state = self.decode_step(q[:, :, -1:] if state_only else q, k, v,
+                                           None if keep is None and state is None else keep_BN,
+                                           None if state is None else state.form_state)
+        prefix = None
+        if self.min_seq_len:
+            prefix = state.prefix if state is not None else None
+            if state is None or prefix is not None:
+                prefix = extend_prefix(prefix, k, v, keep_BN)
+                if state_only:
+                    out = exact_on_prefix(q, prefix, g.scale)
+                elif bool(exact_q.any()):  # only the rows up to the last exact one, over the keys they reach
+                    rows = int(exact_q.any(0).nonzero().max()) + 1
+                    nk = prefix.k_BHkvND.shape[2] - Nq + rows
+                    reach = ExactPrefix(prefix.k_BHkvND[:, :, :nk], prefix.v_BHkvND[:, :, :nk], prefix.keep_BN[:, :nk])
+                    exact = exact_on_prefix(q[:, :, :rows], reach, g.scale).to(out.dtype)
+                    head = torch.where(exact_q[:, None, :rows, None], exact, out[:, :, :rows])
+                    out = torch.cat([head, out[:, :, rows:]], dim=2)
+        real_after = real_before + keep_BN.long().sum(-1)
+        if prefix is not None and bool((real_after >= self.min_seq_len).all()):
+            prefix = None  # every row is past min_seq_len: only the form's own state is needed now
+        columns = (0 if state is None else state.columns) + Nq
+        return out, DecodeState(self.form, form_state, real_after, columns, prefix)
+
+    def decode_step(self, q, k, v, keep, form_state):
+        """The form's own decoding: (out, new form state). Forms with a fixed-size state override it."""
+        raise ValueError(f"site {self.geometry.site_id}: form {self.form!r} keeps a normal KV cache; it has no decode "
+                         "state of its own")
+
+    @property
+    def decodes(self) -> bool:
+        """Whether this module decodes from its own state (else the site keeps the normal KV cache)."""
+        return self.geometry.causal and type(self).decode_step is not SiteModule.decode_step
+
+    @abc.abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: Optional[torch.Tensor],
+               mask: Optional[torch.Tensor], x: Optional[torch.Tensor]) -> torch.Tensor:
+        """The form's attention on q [B, H, Nq, D], k/v [B, Hkv, Nk, D]; keep [B, Nk] bool or None."""
+
+    def unfold_heads(self, x_XND: torch.Tensor) -> torch.Tensor:
+        h = self.geometry.heads if x_XND.shape[0] % max(self.geometry.heads, 1) == 0 else 1
+        return x_XND.reshape(x_XND.shape[0] // h, h, x_XND.shape[-2], x_XND.shape[-1])
+
+    def exact(self, q, k, v, mask, scale: Optional[float] = None):
+        g = self.geometry
+        # No mask tensor on a causal site: causality came as a flag (SDPA is_causal, or HF skipping
+        # a mask it could prove unneeded).
+        return exact_attention(q, k, v, mask, keep_when=g.keep_when, is_causal=mask is None and g.causal,
+                               scale=g.scale if scale is None else scale)
+
+
+def io_elements(B: int, H: int, Nq: int, Nk: int, Dqk: int, Dv: int) -> int:
+    """Elements of q, k, v read and o written (k/v counted at H heads, as the kernels expand them)."""
+    return B * H * (Nq * Dqk + Nk * Dqk + Nk * Dv + Nq * Dv)
+
+
+@dataclass(frozen=True)
+class CostAt:
+    """Attention-only work of one site at one length: FLOPs (multiply-adds × 2) and elements moved."""
+
+    flops: float
+    elements: float
+
+
+class Form(abc.ABC):
+    """One rewrite form. Subclasses set the class attributes and implement the abstract hooks."""
+
+    name: ClassVar[str]
+    aliases: ClassVar[tuple] = ()
+    summary: ClassVar[str]  # one line for the CLI help and the README policy table
+    presets: ClassVar[tuple] = ()  # example preset strings, shown in the help
+    params: ClassVar[Mapping[str, Param]] = {}
+    preset_arg: ClassVar[Optional[str]] = None  # the positional knob: "window:64" sets window=64
+    preset_keys: ClassVar[Mapping[str, str]] = {}  # short keys allowed in presets: {"map": "feature_map"}
+    required: ClassVar[tuple] = ()
+    # Relative RMS drift of the site output (given the original inputs) at which it reverts. Every
+    # default is below 1 with a margin: an all-zero output has drift exactly 1 and an output
+    # uncorrelated with the reference at least 1 in expectation, so both always revert. The
+    # defaults only stop a site that is broken on its own (window 0.6, linear/ssm/reuse 0.8);
+    # quality is the end-to-end budget's job (compile(e2e_tolerance=...)).
+    default_tolerance: ClassVar[float]
+    cost_rank: ClassVar[int]  # order "auto" tries forms in: lower is cheaper at long lengths
+    auto_params: ClassVar[Optional[Mapping[str, Any]]] = None  # what "auto" tries; None: never tried
+
+    # -- parameters
+
+    def all_params(self) -> dict[str, Param]:
+        return {**self.params, **COMMON_PARAMS}
+
+    def validate(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """Fill defaults and check every value; raise PolicyError naming the field and allowed values."""
+        allowed = self.all_params()
+        out: dict[str, Any] = {}
+        for key, value in params.items():
+            key = self.preset_keys.get(key, key)
+            if key not in allowed:
+                raise PolicyError(f"form {self.name!r} has no parameter {key!r}; allowed: {', '.join(sorted(allowed))}")
+            if key in out:
+                raise PolicyError(f"form {self.name!r}: parameter {key!r} given twice; give it once")
+            out[key] = allowed[key].check(self.name, key, value)
+        for key in self.required:
+            if key not in out:
+                raise PolicyError(f"form {self.name!r} needs parameter {key!r} ({allowed[key].doc})")
+        for key, p in allowed.items():
+            out.setdefault(key, p.default)
+        self.check_params(out)
+        return out
+
+    def check_params(self, params: dict) -> None:
+        """Cross-field checks after defaults are filled; raise PolicyError. Default: none."""
+
+    def preset_rule(self, params: dict) -> tuple[dict, Optional[tuple]]:
+        """(params, layers) of the one rule a preset string makes; a form may restrict its layers."""
+        return params, None
+
+    # -- applicability
+
+    def why_not(self, site: AttentionSite, params: Mapping[str, Any], sites: Sequence[AttentionSite] = ()) -> Optional[str]:
+        """None when this form can replace `site`; otherwise the reason in plain words.
+
+        The one check: explicit rules, `auto` and `hf.register` all ask it.
+        """
+        if site.dropout_p > 0:
+            return f"the site applies dropout p={site.dropout_p:g} (training mode); rewrites are for inference"
+        if site.runtime_inputs:
+            source = f" ({site.runtime_reason})" if site.runtime_reason else ""
+            return (f"the site's {', '.join(site.runtime_inputs)} is read at run time{source} and may change per "
+                    "call; a rewrite would freeze the example's value, so only exact attention honours it")
+        if site.softcap:
+            return f"the site caps its logits (softcap {site.softcap:g}); no cheap form honours a softcap"
+        return self.check_site(site, params, sites)
+
+    @abc.abstractmethod
+    def check_site(self, site: AttentionSite, params: Mapping[str, Any], sites: Sequence[AttentionSite]) -> Optional[str]:
+        """The form's own conditions on a site (after the checks shared by all forms)."""
+
+    def acts_at(self, site: AttentionSite, params: Mapping[str, Any], q_len: int, kv_len: int) -> bool:
+        """Whether the form computes anything different from exact attention at these lengths.
+
+        Under min_seq_len = T a causal site runs its first T positions exact, so it acts only past T."""
+        T = int(params.get("min_seq_len", 0) or 0)
+        return (kv_len > T) if site.causal and T else q_len >= T
+
+    def acting_length(self, site: AttentionSite, params: Mapping[str, Any]) -> int:
+        """A sequence length at which to verify the form when the example inputs are too short for it
+        to act: where it acts, and long enough for its approximation to show."""
+        T = int(params.get("min_seq_len", 0) or 0)
+        return max(1, 2 * T if site.causal else T)  # causal: half the rows past the exact prefix
+
+    # -- cost
+
+    @abc.abstractmethod
+    def cost(self, site: AttentionSite, params: Mapping[str, Any], B: int, Nq: int, Nk: int) -> CostAt:
+        """Attention-only FLOPs and elements moved at these lengths (projections excluded)."""
+
+    # -- building
+
+    @abc.abstractmethod
+    def build(self, site: AttentionSite, params: Mapping[str, Any], context: BuildContext) -> SiteModule:
+        """The site module; raise SiteUnsupported when this mechanism cannot build it for the site."""
+
+    # -- decoding
+
+    def decode_state_bytes(self, site: AttentionSite, params: Mapping[str, Any], context: int,
+                           element_bytes: int) -> int:
+        """Bytes one batch row of this site holds while decoding at `context` tokens: its KV cache
+        unless the form keeps a state of its own (then also the exact prefix under min_seq_len)."""
+        return kv_cache_bytes(site.kv_heads, site.head_dim, site.v_head_dim or site.head_dim, context, element_bytes)
+
+    def state_bytes_with_prefix(self, site: AttentionSite, params: Mapping[str, Any], context: int,
+                                element_bytes: int, own: int) -> int:
+        """`own` plus the exact prefix a min_seq_len site keeps until `context` passes it."""
+        T = int(params.get("min_seq_len", 0) or 0)
+        if context >= T:
+            return own
+        return own + kv_cache_bytes(site.kv_heads, site.head_dim, site.v_head_dim or site.head_dim, context, element_bytes)
+
+    def fit(self, module: SiteModule, calls: list[SiteCall]) -> Optional[FitResult]:
+        """Fit the module's own parameters to the recorded calls (in place); None when nothing to fit."""
+        return None
+
+    # -- public API
+
+    def public_ops(self) -> dict[str, Callable]:
+        """The functions `attnopt.ops` exports for this form (its kernels and their helpers)."""
+        return {}
+
+    # -- what the form's folder holds besides form.py
+
+    def folder_module(self, name: str) -> Optional[ModuleType]:
+        """`attnopt/forms/<form>/<name>.py` of this form (e.g. "triton", "onnx"), imported; None when
+        the folder has no such file. An optional dependency it needs raises ImportError."""
+        package = type(self).__module__.rpartition(".")[0]
+        if importlib.util.find_spec(f"{package}.{name}") is None:
+            return None
+        return importlib.import_module(f"{package}.{name}")
+
+    def triton_supported(self, q: torch.Tensor, **kwargs) -> Optional[str]:
+        """None when this form's Triton kernels can run a call of its op with these keywords (plus k=
+        to check the key length); otherwise the reason in one line."""
+        try:
+            kernels = self.folder_module("triton")
+        except ImportError as exc:
+            return f"form {self.name!r}: Triton is not usable here ({exc})"
+        if kernels is None:
+            return f"form {self.name!r} has no Triton kernels; its op runs on the PyTorch path"
+        return kernels.unsupported(q, **kwargs)
+
+    def onnx_lowering(self):
+        """How this form's custom op leaves PyTorch: the `LOWERING` (an OpLowering: the op and one
+        onnxscript function per ONNX target) of its folder's onnx.py, or None when it adds no op."""
+        module = self.folder_module("onnx")
+        return None if module is None else module.LOWERING
+
+
+def no_arbitrary_mask(site: AttentionSite) -> Optional[str]:
+    """The condition every form that recomputes the scores shares: causal, window or padding masks only."""
+    if site.mask.arbitrary:
+        return f"the site's mask ({site.mask.form}) is not causal, windowed or padding; only exact attention honours it"
+    return None

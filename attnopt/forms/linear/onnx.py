@@ -1,0 +1,76 @@
+"""ONNX lowerings of `attnopt::linear_attention`: o = φ(q)ᵀS / (φ(q)ᵀz + ε).
+
+ort, causal: com.microsoft.LinearAttention with update_rule="linear" (always set: the op's
+default is gated_delta) and scale 1, fed φ(q), φ(k) and [v, 1]; the ones column makes the op's one
+output carry the normaliser φ(q)ᵀz, so the division is one standard op after it. φ is standard ops
+before it (the contrib op has no feature-map input). Non-causal (both targets): two MatMuls through
+the [M, Dv + 1] state. onnx-std, causal: the chunked decomposition of functions.causal_linear_chunks.
+"""
+
+from __future__ import annotations
+
+from onnxscript import opset18 as op
+
+from attnopt.kernels.onnx.functions import (
+    CHUNK,
+    MS_DOMAIN,
+    causal_linear_chunks,
+    contrib_node,
+    expand_heads,
+    feature_count,
+    i64,
+    pack_heads,
+    query_key_features,
+    ratio_of_ones_column,
+    static_dim,
+    unpack_heads,
+    with_ones_column,
+)
+from attnopt.kernels.onnx.lowering import OpLowering
+
+
+def check_self_attention(q, k, form: str) -> None:
+    """Causal lowerings pair query i with key i: the export is a prefill, Nq = Nk."""
+    if q.shape is not None and k.shape is not None and q.shape[2] != k.shape[2]:
+        raise ValueError(f"ONNX lowering of {form}: causal export needs as many queries as keys (a prefill), "
+                         f"got {q.shape[2]} and {k.shape[2]}")
+
+
+def _featurised(q, k, v, feature_map, weight, scale, key_mask):
+    """φ(q) [B, H, N, M], φ(k) [B, Hf, N, M], v [B, Hf, N, Dv] and the sizes (H, Hf, M, Dv)."""
+    H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
+    phi_q, phi_k, _ = query_key_features(feature_map, q, k, scale, weight, key_mask, H, Hkv, D)
+    Hf = H if feature_map == "hedgehog" else Hkv  # per-head maps featurise keys per query head
+    return phi_q, phi_k, expand_heads(v, Hkv, Hf, Dv), (H, Hf, feature_count(feature_map, D, weight), Dv)
+
+
+def non_causal(phi_q, phi_k, v_f, H: int, Hf: int, M: int, Dv: int, eps: float):
+    """φ(q)·[S, z] with S = φ(k)ᵀv, z = Σ φ(k): one state per kv head, expanded to the query heads."""
+    S = op.MatMul(op.Transpose(phi_k, perm=[0, 1, 3, 2]), v_f)  # [B, Hf, M, Dv]
+    z = op.Transpose(op.ReduceSum(phi_k, i64([2]), keepdims=1), perm=[0, 1, 3, 2])  # [B, Hf, M, 1]
+    T = expand_heads(op.Concat(S, z, axis=-1), Hf, H, Dv + 1)
+    return ratio_of_ones_column(op.MatMul(phi_q, T), Dv + 1, eps)
+
+
+def linear_std(q, k, v, feature_map, weight, causal, scale, eps, key_mask, chunk_size):
+    phi_q, phi_k, v_f, (H, Hf, M, Dv) = _featurised(q, k, v, feature_map, weight, scale, key_mask)
+    if not causal:
+        return non_causal(phi_q, phi_k, v_f, H, Hf, M, Dv, eps)
+    check_self_attention(q, k, "linear")
+    v1 = with_ones_column(expand_heads(v_f, Hf, H, Dv))
+    out = causal_linear_chunks(phi_q, expand_heads(phi_k, Hf, H, M), v1, M, Dv + 1, CHUNK)
+    return ratio_of_ones_column(out, Dv + 1, eps)
+
+
+def linear_ort(q, k, v, feature_map, weight, causal, scale, eps, key_mask, chunk_size):
+    phi_q, phi_k, v_f, (H, Hf, M, Dv) = _featurised(q, k, v, feature_map, weight, scale, key_mask)
+    if not causal:
+        return non_causal(phi_q, phi_k, v_f, H, Hf, M, Dv, eps)
+    check_self_attention(q, k, "linear")
+    out, _state = contrib_node(
+        MS_DOMAIN, "LinearAttention", [pack_heads(phi_q), pack_heads(phi_k), pack_heads(with_ones_column(v_f))],
+        {"q_num_heads": H, "kv_num_heads": Hf, "update_rule": "linear", "scale": 1.0}, num_outputs=2, like=q)
+    return ratio_of_ones_column(unpack_heads(out, H), Dv + 1, eps)
+
+
+LOWERING = OpLowering("attnopt::linear_attention", {"ort": linear_ort, "onnx-std": linear_std})

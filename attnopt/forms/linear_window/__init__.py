@@ -1,0 +1,1 @@
+"""linear+window: softmax inside a window, β-weighted linear attention outside it, one normaliser."""

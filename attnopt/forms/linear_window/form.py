@@ -1,0 +1,171 @@
+"""linear+window: softmax inside a sliding window, linear attention over every other key, one normaliser.
+
+The LoLCATs recipe: o_i = (Σ_{W(i)} e^{s q·k} v + β_h Σ_{L(i)} φ(q)·φ(k) v) / (Σ_{W(i)} e^{s q·k} + β_h Σ_{L(i)} φ(q)·φ(k)).
+The window keeps what softmax does best (the local, sharp part) and the linear term carries the
+long range in O(N·M·Dv). The default map is hedgehog, fitted at compile time together with the
+per-head β to the site's own softmax outputs, as `linear:hedgehog` is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnopt.forms.common.base import CostAt, Form, Param, SiteModule, io_elements, no_arbitrary_mask
+from attnopt.forms.common.fitting import adam_fit, relative_mse, sample_rows
+from attnopt.forms.linear.form import LINEAR_PARAMS, feature_count, kernel_flops
+from attnopt.forms.window.form import WINDOW_PARAMS, aligned_positions_reason, effective_window, visible_keys, window_cache_bytes
+from attnopt.kernels.feature_maps import make_feature_map
+from attnopt.forms.linear_window.reference import linear_window_attention
+from attnopt.forms.linear_window.decode import linear_window_decode
+from attnopt.ir.masks import key_keep
+
+
+class LinearWindowSite(SiteModule):
+    form = "linear+window"
+
+    def __init__(self, site, params):
+        super().__init__(site, params)
+        self.feature_map = make_feature_map(params["feature_map"], site.head_dim, site.heads,
+                                            num_features=params["num_features"], seed=params["seed"])
+        # β_h = exp(log_beta_h) > 0 per query head: learnable without a constraint.
+        beta = torch.full((site.heads,), float(params["beta"]), dtype=torch.float64)
+        self.log_beta = torch.nn.Parameter(torch.log(beta.clamp_min(1e-30)).float(), requires_grad=False)
+
+    def attend(self, q, k, v, keep, mask, x):
+        g, p = self.geometry, self.params
+        beta = torch.exp(self.log_beta) if p["beta"] > 0 else 0.0
+        return linear_window_attention(q, k, v, window=effective_window(p, g.model_window), sinks=p["sinks"],
+                                       causal=g.causal, feature_map=self.feature_map, scale=g.scale,
+                                       linear_weight=beta, key_mask=keep)
+
+    def decode_step(self, q, k, v, keep, form_state):
+        """The window cache plus the linear sums of the keys that left it: O(S + W + M·Dv) per token."""
+        g, p = self.geometry, self.params
+        beta = torch.exp(self.log_beta) if p["beta"] > 0 else 0.0
+        return linear_window_decode(q, k, v, form_state, window=effective_window(p, g.model_window), sinks=p["sinks"],
+                                    feature_map=self.feature_map, scale=g.scale, linear_weight=beta, key_mask=keep)
+
+
+@dataclass
+class RowTerms:
+    """What a fit step needs of one call on a set of query rows, precomputed: the window part does
+    not depend on φ or β, so only the linear part is recomputed per step."""
+
+    q: torch.Tensor  # [B, H, R, D] the query rows
+    k: torch.Tensor  # [B, H, Nk, D] keys, repeated to H heads
+    v: torch.Tensor  # [B, H, Nk, Dv]
+    window_num: torch.Tensor  # [B, H, R, Dv] Σ_W e^{s q·k − m} v
+    window_den: torch.Tensor  # [B, H, R, 1]  Σ_W e^{s q·k − m}
+    linear_keys: torch.Tensor  # [B, 1, R, Nk] bool, L(i)
+    shift: torch.Tensor  # [B, H, R, 1] e^{−m}
+    ref: torch.Tensor  # [B, H, R, Dv] the exact output rows
+
+
+def row_terms(module: "LinearWindowSite", call, rows: int = 0) -> RowTerms:
+    """The formula's window sums and key sets on `rows` evenly spaced query rows (0: all), densely."""
+    g, p = module.geometry, module.params
+    s = sample_rows(module, call, rows)
+    q, k, v, ref = s.q, s.k, s.v, s.ref
+    B, nk = q.shape[0], k.shape[-2]
+    keep = torch.ones(B, nk, dtype=torch.bool, device=q.device)
+    if call.mask is not None:
+        keep = key_keep(call.mask, g.keep_when, B, nk)
+    pos = s.positions[:, None]  # [R, 1] key position of each query row
+    j = torch.arange(nk, device=q.device)[None, :]
+    w = effective_window(p, g.model_window)
+    band = ((pos - j >= 0) & (pos - j < w)) if g.causal else ((pos - j).abs() < w)
+    allowed = (j <= pos) if g.causal else torch.ones_like(band)
+    sink = keep & (keep.cumsum(-1) <= p["sinks"])  # [B, Nk]: each row's first S real keys
+    in_window = ((band[None] | sink[:, None, :]) & allowed[None] & keep[:, None, :])[:, None]  # [B, 1, R, Nk]
+    in_linear = (allowed[None] & keep[:, None, :])[:, None] & ~in_window
+    logits = g.scale * (q @ k.transpose(-1, -2))
+    m = logits.masked_fill(~in_window, float("-inf")).amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.where(in_window, torch.exp(logits - m), 0.0)
+    return RowTerms(q, k, v, e @ v, e.sum(-1, keepdim=True), in_linear, torch.exp(-m), ref)
+
+
+def rows_output(module: "LinearWindowSite", t: RowTerms) -> torch.Tensor:
+    """The site's output on the rows of `t` with the module's current φ and β (differentiable in both)."""
+    g, p = module.geometry, module.params
+    beta = torch.exp(module.log_beta).to(t.q.dtype)[None, :, None, None] if p["beta"] > 0 else 0.0
+    lin = module.feature_map(t.q, g.scale) @ module.feature_map(t.k, g.scale).transpose(-1, -2)
+    lin = torch.where(t.linear_keys, beta * lin, 0.0) * t.shift
+    den = t.window_den + lin.sum(-1, keepdim=True)
+    return (t.window_num + lin @ t.v) / torch.where(den > 0, den, torch.ones_like(den))
+
+
+class LinearWindowForm(Form):
+    name = "linear+window"
+    aliases = ("linear_window", "lolcats")
+    summary = "softmax in a window (plus sinks), β-weighted linear attention outside it, one normaliser"
+    presets = ("linear+window:64", "linear+window:64+sinks:4", "linear+window:64+map:elu")
+    params = {
+        **{k: Param(p.type, 64 if k == "window" else p.default, p.choices, p.minimum, p.maximum, p.doc)
+           for k, p in WINDOW_PARAMS.items()},
+        **{k: Param(p.type, "hedgehog" if k == "feature_map" else p.default, p.choices, p.minimum, p.maximum, p.doc)
+           for k, p in LINEAR_PARAMS.items()},
+        "beta": Param(float, 1.0, minimum=0.0, doc="initial per-head weight β of the linear part (0: window only)"),
+        "fit_steps": Param(int, 100, minimum=0, doc="Adam steps fitting φ and β at compile time (0: no fit)"),
+    }
+    preset_arg = "window"
+    preset_keys = {"map": "feature_map"}
+    default_tolerance = 0.6
+    cost_rank = 1
+    auto_params = None  # its fit is a compile-time cost "auto" should not pay per site and form
+
+    def check_site(self, site, params, sites):
+        return no_arbitrary_mask(site) or aligned_positions_reason(site)
+
+    def acts_at(self, site, params, q_len, kv_len):
+        return super().acts_at(site, params, q_len, kv_len) and kv_len > params["window"] + params["sinks"]
+
+    def acting_length(self, site, params):
+        return max(super().acting_length(site, params), 4 * (params["window"] + params["sinks"]))
+
+    def cost(self, site, params, B, Nq, Nk):
+        H, D, Dv = site.heads, site.head_dim, site.v_head_dim
+        keys = visible_keys(params, site.causal, Nk)
+        M = feature_count(params["feature_map"], params["num_features"], D)
+        flops = 2 * B * H * Nq * keys * (D + Dv)
+        flops += kernel_flops(B, H, Nq, Nk, D, Dv, params["feature_map"], params["num_features"], causal=True)
+        if not site.causal:  # the suffix scan over the reversed sequence
+            flops += 2 * B * H * Nq * min(64, Nq) * (M + Dv)
+        elements = B * H * Nq * keys + B * H * M * (Dv + 1) + io_elements(B, H, Nq, Nk, D, Dv)
+        return CostAt(flops, elements)
+
+    def build(self, site, params, context):
+        return LinearWindowSite(site, params)
+
+    def decode_state_bytes(self, site, params, context, element_bytes):
+        if not site.causal:
+            return super().decode_state_bytes(site, params, context, element_bytes)
+        M = feature_count(params["feature_map"], params["num_features"], site.head_dim)
+        own = window_cache_bytes(site, params, context, element_bytes)
+        own += site.heads * M * (site.v_head_dim + 1) * max(element_bytes, 4)
+        return self.state_bytes_with_prefix(site, params, context, element_bytes, own)
+
+    def fit(self, module, calls, *, lr: float = 3e-2, rows: int = 64, seed: int = 0):
+        """φ's weights (hedgehog) and β, by Adam on the relative MSE of `rows` query rows per call."""
+        steps = module.params["fit_steps"]
+        weights = list(module.feature_map.parameters()) + ([module.log_beta] if module.params["beta"] > 0 else [])
+        if not weights or steps == 0:
+            return None
+        with torch.no_grad():
+            sampled_terms = [row_terms(module, c.detached(), rows) for c in calls]
+            all_terms = [row_terms(module, c.detached()) for c in calls]
+
+        def loss(sampled: bool):
+            terms = sampled_terms if sampled else all_terms
+            return sum(relative_mse(rows_output(module, t), t.ref) for t in terms) / len(terms)
+
+        return adam_fit(f"{module.params['feature_map']} map and β", weights, loss, steps=steps, lr=lr, seed=seed)
+
+    def public_ops(self):
+        return {"linear_window_attention": linear_window_attention, "linear_window_decode": linear_window_decode}
+
+
+
+FORM = LinearWindowForm()

@@ -1,0 +1,118 @@
+"""ONNX lowerings of `attnopt::decay_attention` (the ssm form): S_t = γ_h S_{t−1} + φ(k_t) v_tᵀ.
+
+ort: com.microsoft.LinearAttention with update_rule="gated" and the decay in log space, log γ_h
+per head and token ([B, N, H]); φ, the scale (normalize=False) and the normaliser (normalize=True,
+a ones column on v) are standard ops around it. γ differs per query head, so keys and values are
+repeated to the query heads first (kv_num_heads = H), as the torch kernel keeps one state per
+query head.
+
+onnx-std: chunks of C. In a chunk the decay matrix γ^(r−l) (l ≤ r) weights the C×C block; across
+chunks a Scan carries the [B, H, M, W] state, S_c = γ^C S_{c−1} + U_c, so the cost is O(N·C·(M+W)
++ N·M·W) and the memory one state per chunk, never one per position. Every decay factor is γ to
+a non-negative power (built in log space and masked before the exp), so nothing overflows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript import opset18 as op
+
+from attnopt.kernels.onnx.functions import (
+    CHUNK,
+    MS_DOMAIN,
+    contrib_node,
+    dim,
+    expand_heads,
+    f32,
+    features,
+    i64,
+    keep_BN1,
+    pack_heads,
+    pad_axis,
+    ratio_of_ones_column,
+    slice_axis,
+    static_dim,
+    unpack_heads,
+    with_ones_column,
+)
+from attnopt.forms.linear.onnx import check_self_attention
+from attnopt.kernels.onnx.lowering import OpLowering
+
+
+def _inputs(q, k, v, key_mask, feature_map, normalize, scale):
+    """φ(q) (scaled unless normalised), φ(k), v repeated to H heads, and (H, D, W)."""
+    check_self_attention(q, k, "ssm")
+    H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
+    phi_q = features(feature_map, q, scale, None, D)
+    if not normalize:
+        phi_q = op.Mul(phi_q, op.CastLike(f32(scale), phi_q))
+    phi_k = features(feature_map, expand_heads(k, Hkv, H, D), scale, None, D)
+    if key_mask is not None:  # a dropped key adds nothing, but its position still decays the state
+        phi_k = op.Mul(phi_k, keep_BN1(key_mask, phi_k))
+    v_H = expand_heads(v, Hkv, H, Dv)
+    if normalize:
+        v_H = with_ones_column(v_H)
+    return phi_q, phi_k, v_H, (H, D, Dv + 1 if normalize else Dv)
+
+
+def decay_ort(q, k, v, decay, key_mask, feature_map, normalize, scale, eps, chunk_size):
+    phi_q, phi_k, v_H, (H, D, W) = _inputs(q, k, v, key_mask, feature_map, normalize, scale)
+    log_gamma_11H = op.Reshape(op.CastLike(op.Log(decay), phi_q), i64([1, 1, H]))
+    B_N_H = op.Concat(op.Shape(q, start=0, end=1), dim(q, 2), i64([H]), axis=0)
+    out, _state = contrib_node(
+        MS_DOMAIN, "LinearAttention",
+        [pack_heads(phi_q), pack_heads(phi_k), pack_heads(v_H), None, op.Expand(log_gamma_11H, B_N_H)],
+        {"q_num_heads": H, "kv_num_heads": H, "update_rule": "gated", "scale": 1.0}, num_outputs=2, like=q)
+    out = unpack_heads(out, H)
+    return ratio_of_ones_column(out, W, eps) if normalize else out
+
+
+def _scan_prefix_states(U_BHcMW, gamma_C_1H11, like, M: int, W: int):
+    """The state entering each chunk, [B, H, nC, M, W], by a Scan over chunks (one state carried).
+    `like` is a graph input of the compute dtype (intermediate values carry no dtype while tracing)."""
+    dtype = like.dtype
+    s_in = ir.Value(name="state_in", type=ir.TensorType(dtype))
+    u = ir.Value(name="chunk_state", type=ir.TensorType(dtype))
+    decayed = ir.Node("", "Mul", [gamma_C_1H11, s_in], num_outputs=1)
+    s_out = ir.Node("", "Add", [decayed.outputs[0], u], num_outputs=1)
+    before = ir.Node("", "Identity", [s_in], num_outputs=1)
+    s_out.outputs[0].name, before.outputs[0].name = "state_out", "state_before"
+    for value in (decayed.outputs[0], s_out.outputs[0], before.outputs[0]):
+        value.type = ir.TensorType(dtype)
+    body = ir.Graph([s_in, u], [s_out.outputs[0], before.outputs[0]], nodes=[decayed, s_out, before],
+                    name="decay_chunk_scan")
+    zeros = op.Expand(op.CastLike(f32(np.zeros((1, 1, 1, 1))), like),
+                      op.Concat(op.Shape(U_BHcMW, start=0, end=2), i64([M, W]), axis=0))
+    # Chunks first: the scan runs over axis 0 (the reference evaluator implements no other axis).
+    U_cBHMW = op.Transpose(U_BHcMW, perm=[2, 0, 1, 3, 4])
+    _final, prefix_cBHMW = contrib_node("", "Scan", [zeros, U_cBHMW], {"body": body, "num_scan_inputs": 1},
+                                        num_outputs=2, like=like)
+    return op.Transpose(prefix_cBHMW, perm=[1, 2, 0, 3, 4])
+
+
+def decay_std(q, k, v, decay, key_mask, feature_map, normalize, scale, eps, chunk_size):
+    phi_q, phi_k, v_H, (H, M, W) = _inputs(q, k, v, key_mask, feature_map, normalize, scale)
+    C = CHUNK
+    N = dim(q, 2)
+    log_g = op.Reshape(op.CastLike(op.Log(decay), phi_q), i64([1, H, 1, 1, 1]))  # [1, H, 1, 1, 1]
+    r = np.arange(C, dtype=np.float32)
+    lag_CC = np.maximum(r[:, None] - r[None, :], 0.0)
+    tril = op.CastLike(f32(np.tril(np.ones((C, C)))), phi_q)
+    decay_CC = op.Mul(op.Exp(op.Mul(log_g, op.CastLike(f32(lag_CC), phi_q))), tril)  # γ^(r−l), l ≤ r
+    q_decay = op.Exp(op.Mul(log_g, op.CastLike(f32((r + 1)[:, None]), phi_q)))  # state reaches row r as γ^(r+1)
+    k_decay = op.Exp(op.Mul(log_g, op.CastLike(f32((C - 1 - r)[:, None]), phi_q)))  # key l reaches the chunk end
+    gamma_C = op.Reshape(op.Exp(op.Mul(log_g, op.CastLike(f32(float(C)), phi_q))), i64([1, H, 1, 1]))
+
+    fq = op.Reshape(pad_axis(phi_q, 2, 4, C), i64([0, 0, -1, C, M]))
+    fk = op.Reshape(pad_axis(phi_k, 2, 4, C), i64([0, 0, -1, C, M]))
+    vc = op.Reshape(pad_axis(v_H, 2, 4, C), i64([0, 0, -1, C, W]))
+    intra = op.MatMul(op.Mul(op.MatMul(fq, op.Transpose(fk, perm=[0, 1, 2, 4, 3])), decay_CC), vc)
+    U = op.MatMul(op.Transpose(op.Mul(fk, k_decay), perm=[0, 1, 2, 4, 3]), vc)  # [B, H, nC, M, W]
+    prefix = _scan_prefix_states(U, gamma_C, q, M, W)
+    out = op.Add(op.MatMul(op.Mul(fq, q_decay), prefix), intra)
+    out = slice_axis(op.Reshape(out, i64([0, 0, -1, W])), 2, i64([0]), N)
+    return ratio_of_ones_column(out, W, eps) if normalize else out
+
+
+LOWERING = OpLowering("attnopt::decay_attention", {"ort": decay_ort, "onnx-std": decay_std})

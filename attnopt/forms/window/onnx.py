@@ -1,0 +1,180 @@
+"""ONNX lowerings of `attnopt::window_attention`: softmax over a band of W keys plus S sink tokens.
+
+ort: com.microsoft.GroupQueryAttention with local_window_size = W (ORT counts the W keys
+including self, as attnopt does; measured on ORT 1.32), but only where it computes exactly what
+the op does: causal, no sinks (its `head_sink`/`smooth_softmax` is a learned logit in the
+denominator, not StreamingLLM's sink tokens), head dim a multiple of 8, v's head dim equal to q's,
+and no key dropped: its attention_bias would have to be a full [B, H, N, N] tensor (O(N²)), so a
+site with a run-time key mask gets an If on "every key kept" that runs GQA then and the banded form
+otherwise. Every other case, and onnx-std, is the banded decomposition below.
+
+Banded decomposition (standard ops, O(N·(Bq + W + S)) time and memory, never N×N): queries in
+blocks of Bq; block b reads the L = Bq + W − 1 keys (causal; Bq + 2W − 2 bidirectional) its band
+can reach, gathered from the keys padded by W − 1 zeros in front; a constant [Bq, L] pattern says
+which of those a query sees, and the padded/dropped keys are masked from a gathered keep mask. The
+S sinks (each row's first S kept keys, found from a running count of kept keys) are scored
+separately and join the same softmax, counted only where they lie outside the band.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript import opset18 as op
+
+from attnopt.kernels.onnx.functions import (
+    MS_DOMAIN,
+    contrib_node,
+    dim,
+    expand_heads,
+    f32,
+    i64,
+    pack_heads,
+    pad_axis,
+    slice_axis,
+    static_dim,
+    traced_graph,
+    unpack_heads,
+)
+from attnopt.kernels.onnx.lowering import OpLowering
+
+
+def sink_positions(keep_BN, N, S: int):
+    """Positions [B, S] (int64) of each row's first S kept keys and which of them exist [B, S] (bool)."""
+    kept_BN = op.CumSum(op.Cast(keep_BN, to=ir.DataType.INT64), op.Constant(value_int=1))  # kept keys up to j
+    rank_11S = op.Reshape(i64(range(1, S + 1)), i64([1, S, 1]))
+    before = op.Cast(op.Less(op.Unsqueeze(kept_BN, i64([1])), rank_11S), to=ir.DataType.INT64)  # [B, S, N]
+    j_BS = op.ReduceSum(before, i64([2]), keepdims=0)  # first j whose running count reaches s + 1
+    valid_BS = op.Less(j_BS, N)
+    return op.Where(valid_BS, j_BS, i64([0])), valid_BS
+
+
+def ones_keep(q):
+    """A keep mask [B, N] of True (no key dropped)."""
+    shape = op.Concat(op.Shape(q, start=0, end=1), dim(q, 2), axis=0)
+    return op.Cast(op.Expand(i64([1]), shape), to=ir.DataType.BOOL)
+
+
+def arange(n_1):
+    """0 .. n − 1 (int64) for a 1-D [1] length."""
+    return op.Range(op.Constant(value_int=0), op.Squeeze(n_1, i64([0])), op.Constant(value_int=1))
+
+
+def banded_sums(q_BHND, k_BHND, v_BHND, keep_BN, window: int, causal: bool, sinks: int, scale: float,
+                block: int, D: int, Dv: int):
+    """Window softmax sums shifted by each row's window max m: (num [B, H, N, Dv], den [B, H, N, 1],
+    m [B, H, N, 1], seen [B, H, N, 1] bool: the row saw a key). All heads aligned (H)."""
+    W, Bq = window, block
+    left = W - 1
+    L = Bq + W - 1 if causal else Bq + 2 * W - 2
+    N = dim(q_BHND, 2)
+    if keep_BN is None:
+        keep_BN = ones_keep(q_BHND)
+    qb = op.Reshape(pad_axis(q_BHND, 2, 4, Bq), i64([0, 0, -1, Bq, D]))  # [B, H, nb, Bq, D]
+    nb = dim(qb, 2)
+    pad_end = op.Add(op.Sub(op.Mul(nb, i64([Bq])), N), i64([L - Bq - left]))
+    front = i64([left])
+
+    def padded(x, axis, rank):
+        zeros = [0] * rank
+        pads = op.Concat(i64(zeros[:axis]), front, i64(zeros[axis + 1:]), i64(zeros[:axis]), pad_end,
+                         i64(zeros[axis + 1:]), axis=0)
+        return op.Pad(x, pads)
+
+    block_starts = op.Mul(arange(nb), op.Constant(value_int=Bq))  # [nb]
+    idx_bL = op.Add(op.Unsqueeze(block_starts, i64([1])), i64(range(L)))  # [nb, L] into the padded keys
+    kb = op.Gather(padded(k_BHND, 2, 4), idx_bL, axis=2)  # [B, H, nb, L, D]
+    vb = op.Gather(padded(v_BHND, 2, 4), idx_bL, axis=2)  # [B, H, nb, L, Dv]
+    keep_b = op.Gather(padded(op.CastLike(keep_BN, q_BHND), 1, 2), idx_bL, axis=1)  # [B, nb, L]
+    r = np.arange(Bq)[:, None]
+    lag = r - np.arange(L)[None, :] + left  # query position − key position
+    band = (lag >= 0) & (lag < W) if causal else np.abs(lag) < W
+    vis = op.And(op.Cast(op.Unsqueeze(keep_b, i64([1, 3])), to=ir.DataType.BOOL), op.Constant(value=_ir_bool(band)))
+
+    scores = op.MatMul(op.Mul(qb, op.CastLike(f32(scale), qb)), op.Transpose(kb, perm=[0, 1, 2, 4, 3]))
+    neg_inf = op.CastLike(f32(-np.inf), qb)
+    masked = op.Where(vis, scores, neg_inf)  # [B, H, nb, Bq, L]
+    m = op.ReduceMax(masked, i64([-1]), keepdims=1)
+    if sinks:
+        j_BS, valid_BS = sink_positions(keep_BN, N, sinks)
+        onehot_BSN = op.CastLike(op.Equal(op.Unsqueeze(j_BS, i64([2])), arange(N)), q_BHND)
+        onehot_BSN = op.Mul(onehot_BSN, op.CastLike(op.Unsqueeze(valid_BS, i64([2])), q_BHND))
+        ks = op.MatMul(op.Unsqueeze(onehot_BSN, i64([1])), k_BHND)  # [B, H, S, D]
+        vs = op.MatMul(op.Unsqueeze(onehot_BSN, i64([1])), v_BHND)  # [B, H, S, Dv]
+        p = op.Reshape(op.Add(op.Unsqueeze(block_starts, i64([1])), i64(range(Bq))), i64([1, 1, -1, Bq, 1]))
+        lag_s = op.Sub(p, op.Reshape(j_BS, i64([0, 1, 1, 1, sinks])))  # [B, 1, nb, Bq, S]
+        outside = op.GreaterOrEqual(lag_s, i64([W])) if causal else op.GreaterOrEqual(op.Abs(lag_s), i64([W]))
+        vis_s = op.And(outside, op.Reshape(valid_BS, i64([0, 1, 1, 1, sinks])))
+        scores_s = op.MatMul(op.Mul(qb, op.CastLike(f32(scale), qb)),
+                             op.Unsqueeze(op.Transpose(ks, perm=[0, 1, 3, 2]), i64([2])))  # [B, H, nb, Bq, S]
+        masked_s = op.Where(vis_s, scores_s, neg_inf)
+        m = op.Max(m, op.ReduceMax(masked_s, i64([-1]), keepdims=1))
+    seen = op.Not(op.IsInf(m))
+    m = op.Where(seen, m, op.CastLike(f32(0.0), m))
+    e = op.Exp(op.Sub(masked, m))
+    num = op.MatMul(e, vb)
+    den = op.ReduceSum(e, i64([-1]), keepdims=1)
+    if sinks:
+        e_s = op.Exp(op.Sub(masked_s, m))
+        num = op.Add(num, op.MatMul(e_s, op.Unsqueeze(vs, i64([2]))))
+        den = op.Add(den, op.ReduceSum(e_s, i64([-1]), keepdims=1))
+
+    def rows(x, width):
+        return slice_axis(op.Reshape(x, i64([0, 0, -1, width])), 2, i64([0]), N)
+
+    return rows(num, Dv), rows(den, 1), rows(m, 1), rows(op.Cast(seen, to=ir.DataType.BOOL), 1)
+
+
+def _ir_bool(array):
+    return ir.tensor(np.asarray(array, dtype=np.bool_))
+
+
+def window_std(q, k, v, key_mask, window, causal, sinks, scale, block_size):
+    H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
+    num, den, _m, _seen = banded_sums(q, expand_heads(k, Hkv, H, D), expand_heads(v, Hkv, H, Dv), key_mask,
+                                      window, causal, sinks, scale, block_size, D, Dv)
+    # A row that sees a key has den >= 1 (its max term is e^0); one that sees none gets 0.
+    return op.Div(num, op.Max(den, op.CastLike(f32(1.0), den)))
+
+
+def gqa_exact(q, k, v, causal: bool, sinks: int) -> bool:
+    """Whether ORT's GroupQueryAttention computes exactly this window on unpadded keys (module docstring)."""
+    D, Dv = static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
+    same_len = q.shape is not None and k.shape is not None and q.shape[2] == k.shape[2]
+    return causal and sinks == 0 and D % 8 == 0 and D == Dv and same_len
+
+
+def _gqa(q, k, v, window, scale):
+    H, Hkv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv")
+    N32 = op.Cast(dim(q, 2), to=ir.DataType.INT32)
+    B = op.Shape(q, start=0, end=1)
+    seqlens_k = op.Expand(op.Sub(N32, op.Constant(value=_ir_int32(1))), B)  # total length − 1 per row
+    total = op.Squeeze(N32, i64([0]))
+    out, _pk, _pv = contrib_node(
+        MS_DOMAIN, "GroupQueryAttention",
+        [pack_heads(q), pack_heads(k), pack_heads(v), None, None, seqlens_k, total],
+        {"num_heads": H, "kv_num_heads": Hkv, "local_window_size": int(window), "scale": float(scale)},
+        num_outputs=3, like=q)
+    return unpack_heads(out, H)
+
+
+def window_ort(q, k, v, key_mask, window, causal, sinks, scale, block_size):
+    if not gqa_exact(q, k, v, causal, sinks):
+        return window_std(q, k, v, key_mask, window, causal, sinks, scale, block_size)
+    if key_mask is None:
+        return _gqa(q, k, v, window, scale)
+    # Transformers models always pass a key mask, mostly all True: GQA when no key is dropped in
+    # this call, the banded form when one is (GQA's attention_bias would have to be [B, H, N, N]).
+    none_dropped = op.Cast(op.ReduceMin(op.Cast(key_mask, to=ir.DataType.INT32), keepdims=0), to=ir.DataType.BOOL)
+    fast = traced_graph("window_gqa", lambda: _gqa(q, k, v, window, scale))
+    banded = traced_graph("window_banded", lambda: window_std(q, k, v, key_mask, window, causal, sinks, scale,
+                                                              block_size))
+    [out] = contrib_node("", "If", [none_dropped], {"then_branch": fast, "else_branch": banded}, like=q)
+    return out
+
+
+def _ir_int32(x: int):
+    return ir.tensor(np.asarray([x], dtype=np.int32))
+
+
+LOWERING = OpLowering("attnopt::window_attention", {"ort": window_ort, "onnx-std": window_std})

@@ -1,0 +1,35 @@
+"""Every error attnopt raises on purpose, in one place: each names the problem and the fix in one line."""
+
+from __future__ import annotations
+
+
+class PolicyError(ValueError):
+    """A policy names an unknown form, field or value. The message names the allowed values."""
+
+
+class SiteUnsupported(ValueError):
+    """A planned form cannot be built for this site by this rewrite mechanism; the message says why."""
+
+
+class CaptureError(RuntimeError):
+    """The model could not be traced into a graph; the message says why and what to try."""
+
+
+class SpecializedInputError(CaptureError, AssertionError):
+    """A captured graph was called with a Python number other than the one it was captured with.
+
+    torch.export bakes Python floats / ints / bools into the graph and guards them; this names the
+    argument instead of the raw `Guard failed: sc == 0.3`. Also an AssertionError, which is what
+    the guard raised before."""
+
+
+class SaveError(ValueError):
+    """attnopt.save / attnopt.load cannot proceed; the message says why in one line."""
+
+
+class CalibrationError(ValueError):
+    """attnopt.calibrate cannot proceed; the message names the problem and the fix in one line."""
+
+
+class ParityError(RuntimeError):
+    """An exported file computes something else than the torch model; the message names the site."""

@@ -1,0 +1,1 @@
+"""The two rewrite mechanisms behind one protocol (graph: torch.export; hf: transformers)."""

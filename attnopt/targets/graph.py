@@ -1,0 +1,145 @@
+"""The graph mechanism of `attnopt.compile`: any module is captured with torch.export, its sites
+are replaced in the captured graph, and the result is called like the original module."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from torch import nn
+
+from attnopt.forms.common.base import BuildContext
+from attnopt.passes.capture import capture_export
+from attnopt.passes.detect import detect
+from attnopt.ir.calls import Recording
+from attnopt.passes.record import record_graph
+from attnopt.ir.detection import Detection
+from attnopt.passes.splice import splice_graph
+
+
+class CompiledModule(nn.Module):
+    """A rewritten captured graph, called like the original module (same arguments, same outputs)."""
+
+    def __init__(self, graph_module: nn.Module, original_name: str):
+        super().__init__()
+        self.graph_module = graph_module
+        self.original_name = original_name
+        # state_dict() keys are the original module's (plus each stateful site module's, as
+        # "attnopt_site_<i>.<name>"), without "graph_module.": hooks rather than overrides of
+        # state_dict/load_state_dict, so the names also hold inside a parent module.
+        self.register_state_dict_post_hook(_drop_graph_module_prefix)
+        self.register_load_state_dict_pre_hook(_add_graph_module_prefix)
+
+    def forward(self, *args, **kwargs):
+        try:
+            return self.graph_module(*args, **kwargs)
+        except (TypeError, ValueError) as exc:
+            if "kwarg" in str(exc) or "argument" in str(exc) or "pytree" in str(exc).lower():
+                raise TypeError(
+                    f"the compiled {self.original_name} takes its inputs in the same form as the "
+                    f"example_inputs it was compiled with (same argument names/positions): {exc}"
+                ) from exc
+            raise
+
+    # -- pickling (torch.save / torch.load(weights_only=False))
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_modules"] = {**self._modules, "graph_module": picklable_graph_module(self.graph_module)}
+        return state
+
+    def __deepcopy__(self, memo) -> "CompiledModule":
+        # A deep copy keeps the graph module as it is (guards included); only pickling rewrites it.
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+    def train(self, mode: bool = True) -> "CompiledModule":
+        # The captured graph is frozen with inference semantics (exported graphs refuse train()/eval());
+        # the flag still reaches the site modules, which behave the same either way.
+        self.training = mode
+        for m in self.graph_module.children():
+            m.train(mode)
+        return self
+
+
+GRAPH_MODULE_PREFIX = "graph_module."
+
+
+def _drop_graph_module_prefix(module, state_dict, prefix, local_metadata) -> None:
+    inner = prefix + GRAPH_MODULE_PREFIX
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+
+
+def _add_graph_module_prefix(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                             error_msgs) -> None:
+    inner = prefix + GRAPH_MODULE_PREFIX
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+
+
+def picklable_graph_module(graph_module: nn.Module) -> nn.Module:
+    """A copy of an exported graph module that pickles, computing the same outputs.
+
+    GraphModule pickles as its generated code and re-traces it on load. Two things of torch.export's
+    unlifted module stop that: its `_guards_fn` submodule runs a function made by exec (input shape
+    assertions; they cannot be pickled, so the copy goes without them: a wrong input then fails in
+    the first op it breaks instead of a guard), and its tracer class needs a scope it is not given
+    on load (the plain fx tracer re-traces the code the same way).
+    """
+    gm = copy.deepcopy(graph_module)
+    if not isinstance(gm, torch.fx.GraphModule):
+        return gm
+    if "_guards_fn" in gm._modules:
+        for node in list(gm.graph.nodes):
+            if node.op == "call_module" and node.target == "_guards_fn":
+                gm.graph.erase_node(node)
+        del gm._modules["_guards_fn"]
+    gm._tracer_cls = None
+    gm._tracer_extras = {}
+    gm.recompile()
+    return gm
+
+
+class GraphTarget:
+    """capture → detect → record → (plan, verify elsewhere) → splice, on a module copy."""
+
+    def __init__(self, model: nn.Module, name: str):
+        self.model = model
+        self.name = name
+        self.captured = None
+
+    def detect(self, batches: list) -> Detection:
+        args, kwargs = batches[0]
+        self.captured = capture_export(self.model, args, kwargs, dynamic=True)
+        det = detect(self.captured)
+        return Detection(list(det.sites), list(det.near_misses), self.captured.method, list(self.captured.notes),
+                         dict(getattr(det, "counts", {}) or {}))
+
+    def record(self, found: Detection, batches: list) -> Recording:
+        return record_graph(self.captured, found.sites, batches)
+
+    def build_context(self, sites: list, recording: Recording) -> BuildContext:
+        return BuildContext(sites=sites, calls=recording.calls)
+
+    @staticmethod
+    def adapt_site(site):
+        return site
+
+    def splice(self, sites: list, modules: dict) -> tuple[nn.Module, dict]:
+        # On a copy: the end-to-end budget may splice again with fewer sites.
+        with warnings.catch_warnings():  # torch's own pytree deprecation, raised while copying an exported graph
+            warnings.simplefilter("ignore", FutureWarning)
+            pristine = copy.deepcopy(self.captured.graph_module)
+        spliced = splice_graph(pristine, sites, modules)
+        return CompiledModule(spliced.graph_module, self.name), spliced.counts
+
+    def longer_batch(self, batch, length: int):
+        return None, "a graph-path model's inputs have no known sequence axis"
+
+    def run(self, module: nn.Module, batches: list) -> list:
+        with torch.no_grad():
+            return [module(*a, **k) for a, k in batches]
