@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from attnopt.version import __version__
 
 __all__ = ["inspect", "compile", "backend", "calibrate", "export_onnx", "Policy", "PolicyError", "ops", "hf", "forms",
            "save", "load", "__version__"]

@@ -89,7 +89,14 @@ def step_bar(title: str, quiet: bool = False):
     if quiet or not console.is_terminal:
         yield _no_steps
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
@@ -243,8 +250,8 @@ def compile_command(
 
 def run_compile(spec: str, policy_text: str, tolerance: Optional[float], e2e_text: str, seq_len: int,
                 html: str, json_out: Optional[str], dispatch: Optional[str] = None) -> int:
-    from attnopt.policy import Policy
     from attnopt.ir.errors import PolicyError
+    from attnopt.policy import Policy
     from attnopt.samples import english_passages
 
     try:
@@ -355,8 +362,8 @@ def run_bench(spec: str, policies: list, lengths_text: str, repeats: int, thread
 
     import torch
 
-    from attnopt.policy import Policy
     from attnopt.ir.errors import PolicyError
+    from attnopt.policy import Policy
 
     try:
         lengths = [int(x) for x in lengths_text.split(",") if x.strip()]
@@ -467,11 +474,11 @@ def demo_command(
 
 
 def run_demo(out: str, quick: bool, threads: Optional[int]) -> int:
-    from attnopt import demo
-    from attnopt.models import ModelSpecError
-    from attnopt.ir.errors import CaptureError
-
     import importlib.util
+
+    from attnopt import demo
+    from attnopt.ir.errors import CaptureError
+    from attnopt.models import ModelSpecError
 
     if os.path.exists(out) and not os.path.isdir(out):
         raise CliError(f"--out {out} is a file; give a directory", EXIT_BAD_ARGUMENT)
@@ -512,16 +519,15 @@ def export_command(
 
 
 def run_export(spec: str, policy_text: str, target: str, out: str, seq_len: int, as_json: bool) -> int:
-    from attnopt.ir.errors import ParityError
-    from attnopt.backends.onnx.export import _check_target, _writable_file, export_onnx
+    from attnopt.backends.onnx.export import check_target, export_onnx, writable_file
+    from attnopt.ir.errors import ParityError, PolicyError
     from attnopt.policy import Policy
-    from attnopt.ir.errors import PolicyError
     from attnopt.samples import english_passages
 
     try:
         policy = Policy.parse(policy_text)
-        _check_target(target, None)
-        _writable_file(out)
+        check_target(target, None)
+        writable_file(out)
     except (PolicyError, ValueError, OSError) as exc:
         raise CliError(f"bad option: {exc}", EXIT_BAD_ARGUMENT) from exc
     if seq_len < 2:
@@ -569,8 +575,8 @@ def calibrate_command(
     def run() -> int:
         import attnopt
         from attnopt.calibration import CalibrationError
-        from attnopt.policy import Policy
         from attnopt.ir.errors import PolicyError
+        from attnopt.policy import Policy
         from attnopt.samples import english_passages
 
         try:

@@ -21,6 +21,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Optional
 
+import attnopt
+from attnopt.models import load_model
+from attnopt.samples import english_passages
+
 MINILM_POLICIES = ("window:64+sinks:4", "linear+window:64+sinks:4")
 MINILM_TOKENS = 256  # the built-in passages are each at least this long in MiniLM tokens
 REPORT_POLICY = "linear+window:64+sinks:4"  # the policy whose report is written
@@ -107,9 +111,6 @@ def run(out: str = ".", quick: bool = False, step: Step = _no_progress, threads:
 def _run(out: str, quick: bool, step: Step) -> DemoResult:
     import torch
 
-    import attnopt
-    from attnopt.models import load_model
-    from attnopt.samples import english_passages
 
     start = time.perf_counter()
     suffix = QUICK_SUFFIX if quick else ""

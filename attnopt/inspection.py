@@ -7,17 +7,20 @@ and the captured graph(s) the sites' node names refer to. `str()` is a readable 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
-from attnopt.passes.capture import CapturedGraph, capture_dynamo, capture_export
-from attnopt.ir.errors import CaptureError
-from attnopt.passes.detect import detect
 from attnopt.ir.site import AttentionSite, NearMiss
+from attnopt.passes.capture import (
+    CapturedGraph,
+    capture_dynamo,
+    capture_export,
+    without_cache,
+)
+from attnopt.passes.detect import detect_all
 
 
 @dataclass
@@ -97,57 +100,11 @@ def inspect(model: torch.nn.Module, *args, method: str = "export", dynamic: bool
     if method not in ("export", "dynamo"):
         raise ValueError(f"method must be 'export' or 'dynamo', got {method!r}")
     t0 = time.perf_counter()
-    kwargs = _without_cache(model, kwargs)
+    kwargs = without_cache(model, kwargs)
     if method == "export":
         captures = [capture_export(model, args, kwargs, dynamic=dynamic,
                                    retry_hint="or try inspect(..., method='dynamo'), which splits the graph there")]
     else:
         captures = capture_dynamo(model, args, kwargs)
-    t_capture = time.perf_counter()
-    sites: list[AttentionSite] = []
-    misses: list[NearMiss] = []
-    counts: dict[str, Any] = {"softmax": 0, "sdpa": 0, "log_softmax": 0, "inside_higher_order_op": 0}
-    for i, cap in enumerate(captures):
-        result = detect(cap)
-        if len(captures) > 1:
-            # Dynamo split the model: its graphs run one after another, so a later graph's sites
-            # sit deeper along the residual stream; ids must stay unique across graphs
-            taken = {s.id for s in sites}
-            offset = max((s.layer for s in sites), default=-1) + 1
-            result.sites = [dataclasses.replace(s, layer=s.layer + offset,
-                                                id=s.id if s.id not in taken else f"{s.id}@graph{i}")
-                            for s in result.sites]
-        sites += result.sites
-        misses += result.near_misses
-        for key in ("softmax", "sdpa", "log_softmax", "inside_higher_order_op"):
-            counts[key] += result.counts.get(key, 0)
-    counts.update(
-        sites=len(sites),
-        near_misses=len(misses),
-        method=method,
-        dynamic=any(c.dynamic for c in captures),
-        graphs=len(captures),
-        notes=[n for c in captures for n in c.notes],
-        seconds_capture=round(t_capture - t0, 3),
-        seconds_detect=round(time.perf_counter() - t_capture, 3),
-    )
-    return Inspection(sites, misses, counts, captures)
-
-
-def _without_cache(model: torch.nn.Module, kwargs: dict) -> dict:
-    """use_cache=False unless the caller set it: a Hugging Face model returns a DynamicCache object
-    otherwise, which export cannot flatten (compile does the same for HF models)."""
-    import inspect as pyinspect
-
-    if "use_cache" in kwargs:
-        return kwargs
-    try:
-        params = pyinspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return kwargs
-    if "use_cache" not in params:
-        return kwargs
-    return {**kwargs, "use_cache": False}
-
-
-__all__ = ["Inspection", "inspect", "CaptureError"]
+    found = detect_all(captures, method, seconds_capture=time.perf_counter() - t0)
+    return Inspection(found.sites, found.near_misses, found.counts, captures)

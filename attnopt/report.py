@@ -12,9 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from attnopt.passes.crossover import Threshold
+from attnopt.analysis.decode_memory import decode_memory
 from attnopt.ir.outcomes import Cost, Drift, OutputDrift, SiteOutcome, SitePlan, Status
 from attnopt.ir.site import AttentionSite, MaskInfo, NearMiss, SiteNodes
+from attnopt.passes.crossover import Threshold
+from attnopt.report_html import render_html
+from attnopt.report_text import markdown
 
 STATUSES = tuple(s.value for s in Status)
 
@@ -110,8 +113,6 @@ class CompileReport:
     def decode_memory(self):
         """Decode-state bytes per batch row at 1k / 32k / 128k context against the original KV cache
         (None for models without causal sites)."""
-        from attnopt.analysis.decode_memory import decode_memory
-
         return decode_memory(self.sites)
 
     @property
@@ -165,7 +166,7 @@ class CompileReport:
 
     def to_json(self, path: Union[str, Path, None] = None) -> str:
         """Strict JSON (non-finite floats written as the strings "nan", "inf", "-inf"); written to `path` if given."""
-        text = json.dumps(_finite(self.to_dict()), indent=2, default=str, allow_nan=False)
+        text = json.dumps(finite_json(self.to_dict()), indent=2, default=str, allow_nan=False)
         if path is not None:
             Path(path).write_text(text, encoding="utf-8")
         return text
@@ -196,14 +197,10 @@ class CompileReport:
     # ------------------------------------------------------------ text
 
     def to_markdown(self) -> str:
-        from attnopt.report_text import markdown
-
         return markdown(self)
 
     def to_html(self, path: Union[str, Path, None] = None) -> str:
         """One self-contained page (inline CSS and SVG, nothing fetched); written to `path` if given."""
-        from attnopt.report_html import render_html
-
         text = render_html(self)
         if path is not None:
             Path(path).write_text(text, encoding="utf-8")
@@ -226,13 +223,13 @@ class CompileReport:
 # ---------------------------------------------------------------- JSON helpers
 
 
-def _finite(x: Any) -> Any:
+def finite_json(x: Any) -> Any:
     if isinstance(x, float) and not math.isfinite(x):
         return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
     if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
+        return {k: finite_json(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
+        return [finite_json(v) for v in x]
     return x
 
 

@@ -10,7 +10,14 @@ import html
 import math
 from typing import Any, Optional
 
-from attnopt.report_text import SITE_COLUMNS, column_titles, decode_memory_rows, fmt_flops, fmt_num, site_row
+from attnopt.report_text import (
+    SITE_COLUMNS,
+    column_titles,
+    decode_memory_rows,
+    fmt_flops,
+    fmt_num,
+    site_row,
+)
 
 STATUS_COLOURS = {"rewritten": "#2f9e44", "reverted": "#e8590c", "kept": "#868e96", "unsupported": "#adb5bd",
                   "unverified": "#f59f00"}

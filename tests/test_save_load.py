@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import attnopt
-from attnopt.saving import HEADER_FILE, SITE_STATE_FILE
+from attnopt.saving import HEADER_FILE
+from attnopt.targets.hf import SITE_STATE_FILE
 from attnopt.ir.errors import SaveError
 
 transformers = pytest.importorskip("transformers")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from attnopt import forms
 from attnopt.forms.common.decoding import kv_cache_bytes
 
 CONTEXTS = (1024, 32768, 131072)
@@ -32,8 +33,6 @@ class DecodeMemory:
 
 def decode_memory(records, contexts=CONTEXTS) -> Optional[DecodeMemory]:
     """None when no site is causal (an encoder has nothing to decode)."""
-    from attnopt import forms
-
     per_site, total, original = {}, [0] * len(contexts), [0] * len(contexts)
     for r in records:
         site = r.site

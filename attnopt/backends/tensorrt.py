@@ -23,6 +23,14 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from attnopt import forms
+from attnopt.backends.export_inputs import (
+    TensorForward,
+    compiled_for_export,
+    dynamic_shapes,
+    example_args,
+)
+
 MIN_TENSORRT = (10, 7)
 INSTALL = "pip install 'attnopt[tensorrt]' (torch-tensorrt >= 2.6 with TensorRT >= 10.7, on a CUDA machine)"
 
@@ -70,8 +78,6 @@ def capability_validator(op_name: str) -> Callable:
 def plugin_ids() -> list[str]:
     """"namespace::name" of every attnopt op, one per form that adds one: the TensorRT plugin ids, and
     (split at "::") the plugin_namespace and op_type of the custom-domain ONNX nodes."""
-    from attnopt import forms
-
     lowerings = [forms.get(n).onnx_lowering() for n in forms.names()]
     return [lowering.op for lowering in lowerings if lowering is not None]
 
@@ -96,13 +102,12 @@ def compile(model: nn.Module, example_inputs: Any, *, policy: Any = None, **sett
     `settings` go to `torch_tensorrt.dynamo.compile` (e.g. enabled_precisions={torch.float16}).
     """
     torch_tensorrt = require()
-    from attnopt.backends.onnx.export import _compiled, _dynamic_shapes, _example_args, _Forward
 
-    opt = _compiled(model, policy, example_inputs)
+    opt = compiled_for_export(model, policy, example_inputs)
     register_plugins()
-    args, kwargs = _example_args(opt, example_inputs)
+    args, kwargs = example_args(opt, example_inputs)
     flat = tuple(args) + tuple(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-    program = torch.export.export(_Forward(opt, kwargs), flat, dynamic_shapes=_dynamic_shapes(flat), strict=False)
+    program = torch.export.export(TensorForward(opt, kwargs), flat, dynamic_shapes=dynamic_shapes(flat), strict=False)
     return torch_tensorrt.dynamo.compile(program, arg_inputs=list(flat), **settings)
 
 

@@ -20,10 +20,23 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from attnopt.calibration.distributed import World, barrier, broadcast_, current_world, shard
-from attnopt.ir.errors import CalibrationError
-from attnopt.calibration.targets import SiteTargets, mechanism, record_targets, site_modules
+from attnopt.calibration.distributed import (
+    World,
+    barrier,
+    broadcast_,
+    current_world,
+    shard,
+)
+from attnopt.calibration.lora import train_lora
+from attnopt.calibration.reuse_plan import reuse_matrix_in_use
+from attnopt.calibration.targets import record_targets, site_modules
 from attnopt.calibration.train import SiteTraining, train_site, trainable_tensors
+from attnopt.ir.batch import as_batch
+from attnopt.ir.calls import Recording
+from attnopt.ir.errors import CalibrationError
+from attnopt.ir.outcomes import Status
+from attnopt.passes.verify import output_drift, site_drift
+from attnopt.targets import target_of
 
 PARAMS = ("forms", "forms+lora")
 DEFAULT_STEPS = 200  # per site; at 256 tokens about 0.1-0.2 s a step on one CPU core (MiniLM)
@@ -67,8 +80,6 @@ def calibrate(model: nn.Module, batches: Sequence[Any], *, steps: Optional[int] 
     (feature maps, β, reuse residuals) or "forms+lora" (then LoRA on q/k/v/o, transformers models).
     checkpoint: a directory; finished sites are saved there (safetensors) and skipped on a rerun.
     """
-    from attnopt.compiler import as_batch
-    from attnopt.passes.verify import output_drift
 
     start = time.perf_counter()
     report = getattr(model, "attnopt_report", None)
@@ -126,8 +137,6 @@ def calibrate(model: nn.Module, batches: Sequence[Any], *, steps: Optional[int] 
 
     result = Calibration(params, steps, float(lr), seed, world.size, len(train), len(held))
     if any(m.uses_anchor_qk for m in modules.values()):
-        from attnopt.calibration.reuse_plan import reuse_matrix_in_use
-
         result.reuse = reuse_matrix_in_use(report.sites, targets.calls, modules)
     for sid, t in trainings.items():
         after = _held_out_drift(modules[sid], held_targets, sid) if sid not in dropped else None
@@ -143,8 +152,6 @@ def calibrate(model: nn.Module, batches: Sequence[Any], *, steps: Optional[int] 
             after = drift_before[sid]
         result.sites.append({**t.to_dict(), "held_out_before": drift_before[sid], "held_out_after": after})
     if params == "forms+lora":
-        from attnopt.calibration.lora import train_lora
-
         result.lora = train_lora(model, report, mine, targets.outputs, steps=steps, lr=float(lr), seed=seed,
                                  world=world, progress=progress)
     e2e_after = output_drift(_run(model, held), held_targets.outputs, masks)
@@ -204,7 +211,7 @@ def _split(batches, held_out, as_batch) -> tuple[list, list]:
     return train, held
 
 
-def _record(model, batches, report, what) -> SiteTargets:
+def _record(model, batches, report, what) -> Recording:
     try:
         return record_targets(model, batches, report)
     except CalibrationError:
@@ -224,16 +231,14 @@ def _run(model, batches) -> list:
         return [model(*a, **k) for a, k in batches]
 
 
-def _anchor_calls(module, targets: SiteTargets) -> list:
+def _anchor_calls(module, targets: Recording) -> list:
     calls = targets.calls.get(module.geometry.site_id, [])
     if module.uses_anchor_qk:
         return list(targets.calls.get(module.anchor_id, [None] * len(calls)))
     return [None] * len(calls)
 
 
-def _held_out_drift(module, targets: SiteTargets, sid: str) -> Optional[dict]:
-    from attnopt.passes.verify import site_drift
-
+def _held_out_drift(module, targets: Recording, sid: str) -> Optional[dict]:
     calls = targets.calls.get(sid)
     if not calls:
         return None
@@ -246,20 +251,8 @@ def _held_out_drift(module, targets: SiteTargets, sid: str) -> Optional[dict]:
 
 def _keep_exact(model, report, site_ids: list, reasons: dict) -> None:
     """Take sites whose training diverged out of the model (exact again) and say so in the report."""
-    from attnopt.ir.outcomes import Status
-
+    target_of(model).put_back_exact(site_ids, report)
     by_id = {r.site.id: r for r in report.sites}
-    if mechanism(model) == "hf":
-        for sid in site_ids:
-            target = model.get_submodule(by_id[sid].site.module_path)
-            target._modules.pop("attnopt_site", None)
-    else:
-        from attnopt import forms
-
-        exact = forms.get("exact")
-        for name, child in list(model.graph_module.named_children()):
-            if getattr(child, "geometry", None) is not None and child.geometry.site_id in site_ids:
-                setattr(model.graph_module, name, exact.build(by_id[child.geometry.site_id].site, {}, None))
     for sid in site_ids:
         rec = by_id[sid]
         rec.outcome = replace(rec.outcome, final_form="exact", status=Status.REVERTED,

@@ -15,39 +15,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnopt.calibration.distributed import World, average_gradients_, broadcast_, mean_over_ranks
-from attnopt.ir.errors import CalibrationError
-from attnopt.calibration.targets import mechanism
-from attnopt.calibration.train import CURVE_POINTS, _bar
+from attnopt.calibration.distributed import (
+    World,
+    average_gradients_,
+    broadcast_,
+    mean_over_ranks,
+)
+from attnopt.calibration.train import CURVE_POINTS, progress_bar
 from attnopt.forms.common.fitting import relative_mse
+from attnopt.ir.errors import CalibrationError
+from attnopt.targets import target_of
 
 RANK = 8
 ALPHA = 16
 LR_SCALE = 0.01  # LoRA at a hundredth of the forms' learning rate: a step moves every token's projections
-# Names transformers attention modules give q, k, v and the output projection; BERT-style models
-# keep the output projection one level up, as `<attention>.output.dense`.
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "query", "key", "value", "out_proj")
-
-
-def lora_targets(model: nn.Module, report) -> list[str]:
-    """Full module names of every rewritten site's q/k/v/o nn.Linear projections."""
-    names = []
-    for rec in report.sites:
-        if rec.outcome.final_form == "exact":
-            continue
-        path = rec.site.module_path
-        attn = model.get_submodule(path)
-        names += [f"{path}.{n}" for n in PROJECTIONS if isinstance(getattr(attn, n, None), nn.Linear)]
-        parent = path.rsplit(".", 1)[0] if "." in path else ""
-        out = f"{parent}.output.dense" if parent else "output.dense"
-        try:
-            if isinstance(model.get_submodule(out), nn.Linear):
-                names.append(out)
-        except AttributeError:
-            pass
-    return sorted(set(names))
-
-
 def model_output(out: Any) -> torch.Tensor:
     """The tensor the LoRA loss compares: logits, else last_hidden_state, else the first tensor."""
     for name in ("logits", "last_hidden_state"):
@@ -67,15 +48,15 @@ def model_output(out: Any) -> torch.Tensor:
 def train_lora(model: nn.Module, report, batches: list, outputs: list, *, steps: int, lr: float, seed: int,
                world: World, progress: bool = True) -> dict:
     """Inject, train and merge LoRA adapters; the record for the report."""
-    if mechanism(model) != "hf":
-        raise CalibrationError("calibrate(params='forms+lora') needs a transformers model (LoRA goes on its q/k/v/o "
-                               "nn.Linear projections); use params='forms' for this model")
+    try:
+        targets = target_of(model).lora_targets(report)
+    except ValueError as exc:
+        raise CalibrationError(f"calibrate(params='forms+lora'): {exc}; use params='forms' for this model") from None
     try:
         from peft import LoraConfig, inject_adapter_in_model
         from peft.tuners.lora import LoraLayer
     except ImportError as exc:
         raise CalibrationError("calibrate(params='forms+lora') needs the 'peft' package: pip install peft") from exc
-    targets = lora_targets(model, report)
     if not targets:
         raise CalibrationError("calibrate(params='forms+lora'): no rewritten site has q/k/v/o nn.Linear projections "
                                "to adapt; use params='forms'")
@@ -101,7 +82,7 @@ def train_lora(model: nn.Module, report, batches: list, outputs: list, *, steps:
     order: list = []
     curve, status, reason = [], "trained", ""
     every = max(1, steps // CURVE_POINTS)
-    bar = _bar(steps, "LoRA q/k/v/o", progress and world.leader)
+    bar = progress_bar(steps, "LoRA q/k/v/o", progress and world.leader)
     for step in range(steps):
         if not order:
             order = torch.randperm(len(batches), generator=gen).tolist()

@@ -14,7 +14,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
+from attnopt.calibration.targets import record_targets
+from attnopt.compiler import compile as attnopt_compile
+from attnopt.ir.batch import as_batch
+from attnopt.ir.errors import CalibrationError
 from attnopt.ir.masks import exact_attention
+from attnopt.targets import target_of
 
 
 @dataclass
@@ -93,26 +98,20 @@ def plan_reuse(model, batches: Sequence[Any], *, budget: float = 0.5, rank: int 
     `model` is the original model (or a compiled one); compile the returned `plan.policy` and run
     `attnopt.calibrate` to fit the residuals.
     """
-    from attnopt.ir.errors import CalibrationError
-    from attnopt.calibration.targets import mechanism, record_targets
 
     if not batches:
         raise CalibrationError("plan_reuse needs at least one batch of model inputs")
     if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not budget > 0:
         raise CalibrationError(f"budget must be a number > 0 (relative RMS drift of a reusing site); got {budget!r}")
-    from attnopt.compiler import as_batch, compile as attnopt_compile
-
     compiled = model
     if getattr(model, "attnopt_report", None) is None:
         compiled = attnopt_compile(model, "exact", example_inputs=batches[0], e2e_tolerance=None)
 
     report = compiled.attnopt_report
     targets = record_targets(compiled, [as_batch(b, f"batches[{i}]") for i, b in enumerate(batches)], report)
-    hf = mechanism(compiled) == "hf"
-    sites = [r.site for r in report.sites if r.site.id in targets.calls]
+    sites = [target_of(compiled).adapt_site(r.site) for r in report.sites if r.site.id in targets.calls]
     ids = [s.id for s in sites]
-    geometry = {s.id: (s.heads, s.kv_heads, s.head_dim, s.causal, float(s.scale), "zero" if hf else s.mask.keep_when)
-                for s in sites}
+    geometry = {s.id: (s.heads, s.kv_heads, s.head_dim, s.causal, float(s.scale), s.mask.keep_when) for s in sites}
     drift = drift_matrix(ids, targets.calls, geometry)
     anchors, reuse = choose_anchors(drift, float(budget))
     return ReusePlan(ids, [s.layer for s in sites], drift, float(budget), [ids[i] for i in anchors],

@@ -86,7 +86,7 @@ def train_site(module: SiteModule, calls: list, anchors: list, *, steps: int, lr
     opt = torch.optim.Adam(params, lr=lr)
     gen = torch.Generator().manual_seed(seed)
     order: list = []
-    bar = _bar(steps, f"{sid} ({form})", progress and world.leader)
+    bar = progress_bar(steps, f"{sid} ({form})", progress and world.leader)
     every = max(1, steps // CURVE_POINTS)
     try:
         for step in range(steps):
@@ -139,7 +139,7 @@ def _restore(params, values) -> None:
             t.copy_(v)
 
 
-def _bar(total: int, desc: str, enabled: bool):
+def progress_bar(total: int, desc: str, enabled: bool):
     if not enabled:
         return None
     from tqdm.auto import tqdm

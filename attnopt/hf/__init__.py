@@ -13,7 +13,13 @@
 
 from __future__ import annotations
 
-from attnopt.hf.interface import IMPL_EAGER, IMPL_SDPA, attention_forward, is_hf_model, switch
+from attnopt.hf.interface import (
+    IMPL_EAGER,
+    IMPL_SDPA,
+    attention_forward,
+    is_hf_model,
+    switch,
+)
 from attnopt.hf.register import register
 
 __all__ = ["register", "is_hf_model", "switch", "attention_forward", "IMPL_SDPA", "IMPL_EAGER"]

@@ -26,7 +26,12 @@ import torch
 from torch import nn
 from transformers.cache_utils import CacheLayerMixin, DynamicCache
 
-from attnopt.forms.common.decoding import index_batch, repeat_batch, state_nbytes, to_device
+from attnopt.forms.common.decoding import (
+    index_batch,
+    repeat_batch,
+    state_nbytes,
+    to_device,
+)
 from attnopt.hf.interface import ModuleState
 from attnopt.ir.masks import key_keep
 

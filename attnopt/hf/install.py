@@ -15,7 +15,6 @@ from attnopt.hf.cache import decoding_modules, watch_cache
 from attnopt.hf.interface import ModuleState
 from attnopt.hf.recording import watch_layer_input
 
-
 # What HF's sliding-window masks and caches are given instead of the model's window: wider than any
 # input, so they hide nothing (models that always build a sliding mask need a number, not None).
 NO_WINDOW = 2**31 - 1

@@ -22,6 +22,20 @@ IMPL_SDPA = "attnopt"
 IMPL_EAGER = "attnopt_eager"
 
 
+@dataclass(frozen=True)
+class CallInfo:
+    """What transformers passed an attention call besides q, k, v and the mask."""
+
+    scaling: Optional[float] = None
+    is_causal: Optional[bool] = None
+    sliding_window: Optional[int] = None
+    softcap: Optional[float] = None
+
+    @classmethod
+    def of(cls, scaling, is_causal, kwargs: dict) -> "CallInfo":
+        return cls(scaling, is_causal, kwargs.get("sliding_window"), kwargs.get("softcap"))
+
+
 @dataclass
 class ModuleState:
     """Per attention module of a compiled copy: recording hook and reuse cache (no globals)."""
@@ -29,7 +43,7 @@ class ModuleState:
     recorder: Optional[list] = None  # when a list: every call appends a SiteCall (exact run)
     reuse_cache: Optional[dict] = None  # shared by an anchor and the sites reusing its q, k
     store_qk: bool = False  # this module is an anchor: put (q, k) into reuse_cache
-    call_info: list = field(default_factory=list)  # (scaling, is_causal, sliding_window, softcap) seen
+    call_info: list = field(default_factory=list)  # a CallInfo per call seen
     anchor_key: Optional[str] = None  # reuse site: the reuse_cache key of its anchor (the anchor's qk_key)
     qk_key: Optional[str] = None  # anchor: the key it files its (q, k) under (its module path; survives a deep copy)
     last_x: Optional[torch.Tensor] = None  # this forward's input to the q projection (reuse residual)
@@ -73,7 +87,7 @@ def attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
         state.recorder.append(SiteCall(query, key, value, attention_mask, out.transpose(1, 2), x=state.last_x))
-        state.call_info.append((scaling, is_causal, kwargs.get("sliding_window"), kwargs.get("softcap")))
+        state.call_info.append(CallInfo.of(scaling, is_causal, kwargs))
         if state.store_qk and state.reuse_cache is not None:
             state.reuse_cache[state.qk_key] = (query, key)
         return out, weights

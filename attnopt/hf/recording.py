@@ -9,7 +9,6 @@ from torch import nn
 
 from attnopt.hf.interface import ModuleState
 
-
 # Names transformers models give their separate query and key projections.
 _QK_NAMES = (("q_proj", "k_proj"), ("query", "key"), ("q", "k"))
 

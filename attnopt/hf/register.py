@@ -12,9 +12,10 @@ import warnings
 from attnopt import forms
 from attnopt.forms.common.base import BuildContext
 from attnopt.hf.cache import watch_cache
-from attnopt.hf.interface import ModuleState, register_names
+from attnopt.hf.interface import CallInfo, ModuleState, register_names
 from attnopt.hf.sites import site_from_call
 from attnopt.ir.calls import SiteCall
+from attnopt.policy import Policy
 
 
 def register(policy="exact") -> None:
@@ -24,8 +25,6 @@ def register(policy="exact") -> None:
     scaling, causality, sliding window). No verification happens here: use `attnopt.compile`
     to measure drift and revert sites. Calling `register` again replaces the policy.
     """
-    from attnopt.policy import Policy
-
     policy = Policy.parse(policy)
     if getattr(policy, "auto", False):
         raise ValueError(
@@ -43,7 +42,7 @@ def plan_on_first_call(module, query, key, value, attention_mask, scaling, is_ca
     """register() mode: describe the site from this call, plan it with the policy, attach its module."""
     layer = int(getattr(module, "layer_idx", 0) or 0)
     call = SiteCall(query, key, value, attention_mask, query)
-    info = (scaling, is_causal, kwargs.get("sliding_window"), kwargs.get("softcap"))
+    info = CallInfo.of(scaling, is_causal, kwargs)
     site = site_from_call(type(module).__name__, module, call, info, layer)
     n_layers = int(getattr(getattr(module, "config", None), "num_hidden_layers", layer + 1) or layer + 1)
     rule, _ = policy.choose(site, n_layers)

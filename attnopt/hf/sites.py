@@ -7,14 +7,15 @@ import math
 import torch
 from torch import nn
 
-from attnopt.ir.masks import ADDITIVE_HIDE_BELOW, keep_mask
+from attnopt.hf.interface import CallInfo
 from attnopt.ir.calls import SiteCall
+from attnopt.ir.masks import ADDITIVE_HIDE_BELOW, keep_mask
 from attnopt.ir.site import AttentionSite, MaskInfo, SiteNodes
 
 
-def site_from_call(path: str, module: nn.Module, call: SiteCall, info: tuple, layer: int) -> AttentionSite:
+def site_from_call(path: str, module: nn.Module, call: SiteCall, info: CallInfo, layer: int) -> AttentionSite:
     """An AttentionSite described from what HF passed to the attention function (fallback detection)."""
-    scaling, is_causal, sliding_window, _softcap = info
+    scaling, is_causal, sliding_window = info.scaling, info.is_causal, info.sliding_window
     q, k, v, mask = call.q, call.k, call.v, call.mask
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]

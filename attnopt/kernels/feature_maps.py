@@ -18,9 +18,8 @@ Costs per head and position: elu/relu O(D), favor O(D·M), hedgehog O(D·P), tay
 from __future__ import annotations
 
 import abc
-
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +27,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "FEATURE_MAP_NAMES",
+    "resolve_feature_map",
     "FeatureMap",
     "EluFeatureMap",
     "ReluFeatureMap",
@@ -250,7 +250,7 @@ def make_feature_map(name: str, head_dim: int, heads: int, num_features: int = 0
     return cls()
 
 
-def _check_weight(name: str, weight: Optional[Tensor], head_dim: int) -> None:
+def check_weight(name: str, weight: Optional[Tensor], head_dim: int) -> None:
     needs = {"favor": "ω [D, M] (FavorFeatureMap.omega_DM)", "hedgehog": "W [H, D, P] (HedgehogFeatureMap.weight_HDP)"}
     if name in needs:
         if weight is None:
@@ -284,7 +284,7 @@ def query_key_features(
     maps return None (no rescaling). Cost: see each map.
     """
     cls = feature_map_class(name)
-    _check_weight(name, weight, q_BHND.shape[-1])
+    check_weight(name, weight, q_BHND.shape[-1])
     if cls.per_head and k_BHkvND.shape[1] != q_BHND.shape[1]:
         k_BHkvND = k_BHkvND.repeat_interleave(q_BHND.shape[1] // k_BHkvND.shape[1], dim=1)
     keep = None if key_keep_BN is None else key_keep_BN[:, None, :, None]  # [B, 1, Nk, 1]
@@ -304,3 +304,15 @@ def query_key_features(
     c_k = torch.where(torch.isfinite(c_k), c_k, torch.zeros_like(c_k))  # no kept key: nothing to scale
     phi_k = torch.exp(a_k - c_k) * inv_sqrt_m  # exp(-inf) = 0 for masked keys
     return phi_q, phi_k, c_k
+
+
+def resolve_feature_map(feature_map: Union[str, FeatureMap], head_dim: int, heads: int) -> FeatureMap:
+    if isinstance(feature_map, FeatureMap):
+        feature_map_class(feature_map.name)  # a subclass must keep one of the op's names
+        return feature_map
+    if isinstance(feature_map, str):
+        return make_feature_map(feature_map, head_dim, heads)
+    raise TypeError(
+        f"feature_map must be a name ({', '.join(FEATURE_MAP_NAMES)}) or a module from make_feature_map, "
+        f"got {type(feature_map).__name__}"
+    )

@@ -15,6 +15,7 @@ detector uses it for numeric checks and the verifier can reuse it.
 
 from __future__ import annotations
 
+import inspect
 import re
 import time
 from dataclasses import dataclass, field
@@ -25,10 +26,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from attnopt.ir.errors import CaptureError, SpecializedInputError
-
-
-
-
+from attnopt.passes.record import ValueRecorder
 
 
 @dataclass
@@ -260,9 +258,19 @@ def _copy_module_stacks(dyn_gm: fx.GraphModule, aten_gm: fx.GraphModule, root_ty
 
 def record_values(captured: CapturedGraph, node_names: Iterable[str]) -> dict[str, Any]:
     """Run the captured graph on its example inputs (no grad) and return {node name: value}."""
-    from attnopt.passes.record import ValueRecorder
-
     wanted = set(node_names)
     if not wanted:
         return {}
     return ValueRecorder(captured.graph_module, wanted, stop_early=True).record(*captured.flat_inputs)
+
+
+def without_cache(model: torch.nn.Module, kwargs: dict) -> dict:
+    """use_cache=False unless the caller set it: a Hugging Face model returns a DynamicCache object
+    otherwise, which export cannot flatten."""
+    if "use_cache" in kwargs:
+        return kwargs
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    return {**kwargs, "use_cache": False} if "use_cache" in params else kwargs

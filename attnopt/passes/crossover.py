@@ -29,6 +29,8 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
+from attnopt.ir.outcomes import Status
+
 DISPATCH_MODES = ("auto", "off")
 ENV_DISPATCH = "ATTNOPT_DISPATCH"
 ENV_CACHE = "ATTNOPT_CROSSOVER_CACHE"
@@ -249,7 +251,6 @@ def resolve_thresholds(sites: Sequence, outcomes: Sequence, modules: Mapping, mo
     timer: how a site is timed (default `module_timer`; tests inject fixed timings). max_len: the
     model's position limit; longer lengths are not timed (part of the cache key)."""
     lengths = tuple(n for n in LENGTHS if max_len is None or n <= max_len) or LENGTHS[:1]
-    from attnopt.ir.outcomes import Status
 
     by_id = {s.id: s for s in sites}
     thresholds, out, known = {}, [], {}

@@ -24,14 +24,25 @@ from typing import Optional, Union
 import torch
 import torch.fx as fx
 
+from attnopt.ir.detection import Detection
+from attnopt.ir.masks import ADDITIVE_HIDE_BELOW
+from attnopt.ir.site import AttentionSite, Dim, MaskInfo, NearMiss, SiteNodes
 from attnopt.passes import canonicalize as cz
 from attnopt.passes.capture import CapturedGraph, record_values
-from attnopt.passes.mask_proof import KeepPattern, StructureOracle, as_arbitrary, classify_bias, classify_keep
-from attnopt.ir.masks import ADDITIVE_HIDE_BELOW
-from attnopt.passes.matchers import Candidate, ExplicitChainMatcher, LogSoftmaxMatcher, SdpaMatcher
+from attnopt.passes.mask_proof import (
+    KeepPattern,
+    StructureOracle,
+    as_arbitrary,
+    classify_bias,
+    classify_keep,
+)
+from attnopt.passes.matchers import (
+    Candidate,
+    ExplicitChainMatcher,
+    LogSoftmaxMatcher,
+    SdpaMatcher,
+)
 from attnopt.passes.order import site_layers
-from attnopt.ir.detection import Detection
-from attnopt.ir.site import AttentionSite, Dim, MaskInfo, NearMiss, SiteNodes
 
 _TOLERANCE = {  # (rtol, atol relative to the output's magnitude) per dtype
     torch.float32: (1e-4, 1e-4),
@@ -71,6 +82,32 @@ def detect(captured: CapturedGraph) -> Detection:
         seconds_total=round(time.perf_counter() - t0, 4),
     )
     return Detection(sites, misses, captured.method, list(captured.notes), counts)
+
+
+def detect_all(captures: list, method: str, seconds_capture: float = 0.0) -> Detection:
+    """Detection over every graph of one capture (Dynamo may split a model into several), merged."""
+    t0 = time.perf_counter()
+    found = Detection(capture=method, notes=[n for c in captures for n in c.notes])
+    counts: dict = {"softmax": 0, "sdpa": 0, "log_softmax": 0, "inside_higher_order_op": 0}
+    for i, cap in enumerate(captures):
+        result = detect(cap)
+        sites = result.sites
+        if len(captures) > 1:
+            # Dynamo split the model: its graphs run one after another, so a later graph's sites
+            # sit deeper along the residual stream; ids must stay unique across graphs
+            taken = {s.id for s in found.sites}
+            offset = max((s.layer for s in found.sites), default=-1) + 1
+            sites = [dataclasses.replace(s, layer=s.layer + offset, id=s.id if s.id not in taken else f"{s.id}@graph{i}")
+                     for s in sites]
+        found.sites += sites
+        found.near_misses += result.near_misses
+        for key in counts:
+            counts[key] += result.counts.get(key, 0)
+    counts.update(sites=len(found.sites), near_misses=len(found.near_misses), method=method,
+                  dynamic=any(c.dynamic for c in captures), graphs=len(captures), notes=list(found.notes),
+                  seconds_capture=round(seconds_capture, 3), seconds_detect=round(time.perf_counter() - t0, 3))
+    found.counts = counts
+    return found
 
 
 _MATCHERS = (ExplicitChainMatcher(), SdpaMatcher(), LogSoftmaxMatcher())

@@ -18,6 +18,7 @@ import networkx as nx
 import torch
 
 from attnopt.ir.masks import ADDITIVE_HIDE_BELOW
+from attnopt.passes.canonicalize import op_name
 
 # Ops whose presence among a mask's ancestors shows the mask is built from positions.
 POSITION_SOURCES = {"arange", "tril", "triu", "tril_indices", "triu_indices"}
@@ -102,8 +103,6 @@ class StructureOracle:
     def sources(self, name: str) -> tuple[bool, bool]:
         """(built from positions or constants, depends on a graph input) for node `name`."""
         if name not in self._cache:
-            from attnopt.passes.canonicalize import op_name
-
             anc = nx.ancestors(self.dag, name) | {name}
             from_positions = False
             from_inputs = False

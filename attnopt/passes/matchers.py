@@ -16,9 +16,9 @@ from typing import Optional, Union
 
 import torch.fx as fx
 
+from attnopt.ir.site import NearMiss
 from attnopt.passes import canonicalize as cz
 from attnopt.passes.canonicalize import Factor, MaskTerm, Node, op_name, rank, shape
-from attnopt.ir.site import NearMiss
 
 
 @dataclass

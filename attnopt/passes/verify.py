@@ -15,9 +15,16 @@ import torch.utils._pytree as pytree
 
 from attnopt import forms
 from attnopt.forms.common.base import BuildContext
-from attnopt.ir.errors import SiteUnsupported
-from attnopt.ir.outcomes import Attempt, Drift, OutputDrift, SiteOutcome, Status, Verdict
 from attnopt.ir.calls import SiteCall
+from attnopt.ir.errors import SiteUnsupported
+from attnopt.ir.outcomes import (
+    Attempt,
+    Drift,
+    OutputDrift,
+    SiteOutcome,
+    Status,
+    Verdict,
+)
 
 
 def drift(out: torch.Tensor, ref: torch.Tensor) -> Drift:
@@ -241,27 +248,6 @@ def verification_length(sites, plans, calls: dict) -> Optional[int]:
             if recorded and not any(spec.acts_at(site, params, *call_lengths(c)) for c in recorded):
                 need.append(spec.acting_length(site, params))
     return max(need) if need else None
-
-
-@dataclass(frozen=True)
-class BudgetStep:
-    """One revert made to hold the end-to-end budget: which site, and the model drift before/after."""
-
-    site_id: str
-    site_drift: float
-    e2e_before: float
-    e2e_after: float
-
-    def to_dict(self) -> dict:
-        return {"site_id": self.site_id, "site_drift": self.site_drift, "e2e_before": self.e2e_before,
-                "e2e_after": self.e2e_after}
-
-
-def revert_for_budget(outcome: SiteOutcome, e2e_drift: float, budget: float) -> SiteOutcome:
-    """The outcome of a site reverted because the whole model drifted too far with it."""
-    return replace(outcome, final_form="exact", status=Status.REVERTED,
-                   reason=(f"{outcome.reason}; end-to-end drift {e2e_drift:.3g} >= e2e_tolerance {budget:.3g}: "
-                           "reverted as the worst remaining site"))
 
 
 def _threshold_note(params) -> str:

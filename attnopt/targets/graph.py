@@ -1,21 +1,30 @@
-"""The graph mechanism of `attnopt.compile`: any module is captured with torch.export, its sites
-are replaced in the captured graph, and the result is called like the original module."""
+"""The graph mechanism: any module is captured with torch.export, its sites are replaced in the
+captured graph, and the result (`CompiledModule`) is called like the original module.
+
+Saved as one pickle (`attnopt_graph.pt`, read with `torch.load(weights_only=False)`): the rewritten
+graph is code plus its site modules, and the pickle is the one format that keeps both.
+"""
 
 from __future__ import annotations
 
 import copy
 import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import nn
 
-from attnopt.forms.common.base import BuildContext
+from attnopt import forms
+from attnopt.ir.calls import Recording, SiteCall
+from attnopt.ir.detection import Detection
+from attnopt.ir.errors import CalibrationError, SaveError
 from attnopt.passes.capture import capture_export
 from attnopt.passes.detect import detect
-from attnopt.ir.calls import Recording
 from attnopt.passes.record import record_graph
-from attnopt.ir.detection import Detection
 from attnopt.passes.splice import splice_graph
+from attnopt.targets.base import Installed, Target
 
 
 class CompiledModule(nn.Module):
@@ -104,42 +113,87 @@ def picklable_graph_module(graph_module: nn.Module) -> nn.Module:
     return gm
 
 
-class GraphTarget:
+class GraphTarget(Target):
     """capture → detect → record → (plan, verify elsewhere) → splice, on a module copy."""
 
-    def __init__(self, model: nn.Module, name: str):
-        self.model = model
-        self.name = name
+    mechanism = "graph"
+    FILE = "attnopt_graph.pt"
+
+    def __init__(self, model: nn.Module, name=None):
+        super().__init__(model, name)
         self.captured = None
+
+    @classmethod
+    def compiled_by(cls, model: nn.Module) -> bool:
+        return isinstance(model, CompiledModule)
 
     def detect(self, batches: list) -> Detection:
         args, kwargs = batches[0]
         self.captured = capture_export(self.model, args, kwargs, dynamic=True)
-        det = detect(self.captured)
-        return Detection(list(det.sites), list(det.near_misses), self.captured.method, list(self.captured.notes),
-                         dict(getattr(det, "counts", {}) or {}))
+        return detect(self.captured)
 
     def record(self, found: Detection, batches: list) -> Recording:
         return record_graph(self.captured, found.sites, batches)
 
-    def build_context(self, sites: list, recording: Recording) -> BuildContext:
-        return BuildContext(sites=sites, calls=recording.calls)
-
-    @staticmethod
-    def adapt_site(site):
-        return site
-
-    def splice(self, sites: list, modules: dict) -> tuple[nn.Module, dict]:
+    def install(self, sites: list, modules: dict) -> Installed:
         # On a copy: the end-to-end budget may splice again with fewer sites.
         with warnings.catch_warnings():  # torch's own pytree deprecation, raised while copying an exported graph
             warnings.simplefilter("ignore", FutureWarning)
             pristine = copy.deepcopy(self.captured.graph_module)
         spliced = splice_graph(pristine, sites, modules)
-        return CompiledModule(spliced.graph_module, self.name), spliced.counts
+        return Installed(CompiledModule(spliced.graph_module, self.name), spliced.counts)
 
-    def longer_batch(self, batch, length: int):
-        return None, "a graph-path model's inputs have no known sequence axis"
+    # -- the compiled model
 
-    def run(self, module: nn.Module, batches: list) -> list:
-        with torch.no_grad():
-            return [module(*a, **k) for a, k in batches]
+    def record_exact(self, batches: list, report) -> Recording:
+        modules = self.site_modules()
+        if any(m.uses_anchor_qk for m in modules.values()):
+            raise CalibrationError("calibrate: a graph-path model with reuse sites cannot be recorded (a reuse site "
+                                   "is handed its anchor's q and k, not its own); compile a transformers model for reuse")
+        recording = Recording(calls={sid: [] for sid in modules})
+        with _exact_sites(modules, recording.calls), torch.no_grad():
+            for args, kwargs in batches:
+                recording.outputs.append(self.model(*args, **kwargs))
+        return recording
+
+    def put_back_exact(self, site_ids: list, report) -> None:
+        by_id = {r.site.id: r.site for r in report.sites}
+        exact = forms.get("exact")
+        graph_module = self.model.graph_module
+        for name, child in list(graph_module.named_children()):
+            if getattr(child, "geometry", None) is not None and child.geometry.site_id in site_ids:
+                setattr(graph_module, name, exact.build(by_id[child.geometry.site_id], {}, None))
+
+    # -- on disk
+
+    def save(self, path: Path, report) -> dict:
+        torch.save(self.model, path / self.FILE)
+        return {"file": self.FILE}
+
+    @classmethod
+    def load(cls, path: Path, header: dict, report) -> nn.Module:
+        file = path / cls.FILE
+        if not file.is_file():
+            raise SaveError(f"attnopt.load: {path} has no {cls.FILE}; the directory is incomplete")
+        return torch.load(file, weights_only=False)
+
+
+@contextmanager
+def _exact_sites(modules: dict, calls: dict) -> Iterator[None]:
+    """Every site module computes exact attention and records its call, until the block ends."""
+
+    def recorder(sid, module):
+        def forward(q, k, v, mask=None, x=None):
+            out = module.exact(q, k, v, mask)
+            calls[sid].append(SiteCall(q.detach(), k.detach(), v.detach(), mask, out.detach(), x=x))
+            return out
+
+        return forward
+
+    for sid, m in modules.items():
+        m.forward = recorder(sid, m)  # an instance attribute shadows the class's forward
+    try:
+        yield
+    finally:
+        for m in modules.values():
+            del m.forward

@@ -1,54 +1,80 @@
-"""The transformers mechanism of `attnopt.compile`: the model keeps its class (generate(), caches,
-any length) and its attention modules are pointed at attnopt's registered attention function.
+"""The transformers mechanism: the model keeps its class (generate(), caches, any length) and its
+attention modules are pointed at attnopt's registered attention function.
 
 Sites come from torch.export detection when the model exports, else from the attention-interface
-calls themselves; verification inputs are recorded through the same interface.
+calls themselves; verification inputs are recorded through the same interface. Saved as the model's
+own `save_pretrained` directory plus attnopt's files:
+
+    config.json, model.safetensors, ...   the model's own files, without any site module weights;
+                                          config.json carries "attn_implementation": "use_attnopt_load"
+    attnopt.json                          (saving.py) the header, with one entry per installed site
+                                          module (site id, module path, form, params)
+    attnopt_sites.safetensors             each site module's state_dict, keyed "<site_id>/<name>"
+
+Plain `from_pretrained(path)` raises ValueError ('Specified `attn_implementation="use_attnopt_load"`
+is not supported'); called with an explicit attn_implementation= it loads the original model
+without the rewrite, since the site modules live only in attnopt's own files.
 """
 
 from __future__ import annotations
 
-import inspect as pyinspect
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from attnopt import forms
 from attnopt.forms.common.base import BuildContext
-from attnopt.hf.install import install
-from attnopt.hf.interface import implementation_for, switch
+from attnopt.forms.reuse.form import ReuseSite, find_anchor
+from attnopt.hf.interface import IMPL_EAGER, implementation_for, is_hf_model, switch
 from attnopt.hf.recording import call_model, qk_projections, record_calls
 from attnopt.hf.sites import site_from_call
 from attnopt.ir.calls import Recording
 from attnopt.ir.detection import Detection
+from attnopt.ir.errors import SaveError
+from attnopt.ir.outcomes import Status
+from attnopt.passes.capture import capture_export, without_cache
+from attnopt.passes.detect import detect_all
+from attnopt.targets.base import Installed, LongerBatch, Target
+
+__all__ = ["HfTarget", "is_hf_model"]
+
+SITE_ATTR = "attnopt_site"  # the submodule name install() attaches a site module under
+SITE_STATE_FILE = "attnopt_sites.safetensors"
+# Written into the saved config.json: transformers refuses an unregistered implementation with a
+# ValueError naming it, so plain `from_pretrained` fails loudly instead of silently returning the
+# original (exact) model, whose weights are all that config.json's directory holds. Not "attnopt"
+# itself: a process that imported attnopt has registered that name, and would load the exact model.
+CONFIG_IMPLEMENTATION = "use_attnopt_load"
+CONFIG_NOTE_KEY = "attnopt"
+CONFIG_NOTE = "compiled by attnopt: load this directory with attnopt.load(path), not from_pretrained"
+# Names transformers attention modules give q, k, v and the output projection; BERT-style models
+# keep the output projection one level up, as `<attention>.output.dense`.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "query", "key", "value", "out_proj")
 
 
-def forward_params(model: nn.Module) -> set:
-    try:
-        return set(pyinspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return set()
-
-
-class HfTarget:
+class HfTarget(Target):
     """detect → record → (plan, verify elsewhere) → install, on a transformers model copy."""
 
-    def __init__(self, model: nn.Module, name: str):
-        self.model = model
-        self.name = name
+    mechanism = "hf"
+
+    @classmethod
+    def compiled_by(cls, model: nn.Module) -> bool:
+        return is_hf_model(model) and getattr(model, "attnopt_report", None) is not None
 
     def detect(self, batches: list) -> Detection:
-        from attnopt.inspection import inspect as _inspect
-
         args, kwargs = batches[0]
-        if "use_cache" not in kwargs and "use_cache" in forward_params(self.model):
-            kwargs = {**kwargs, "use_cache": False}  # a KV-cache object is not an exportable output
         try:
-            insp = _inspect(self.model, *args, dynamic=False, **kwargs)
+            captured = capture_export(self.model, args, without_cache(self.model, kwargs), dynamic=False)
+            found = detect_all([captured], "export")
         except Exception as exc:  # the attention interface still shows every site; say why export failed
             return Detection(capture="hf", notes=[
                 f"torch.export capture failed ({type(exc).__name__}: {str(exc)[:300]}); sites were described "
                 "from the attention interface calls"])
-        return Detection(list(insp.sites), list(insp.near_misses), "export+hf", [], dict(insp.counts))
+        found.capture, found.notes = "export+hf", []
+        return found
 
     def record(self, found: Detection, batches: list) -> Recording:
         """Record every attention call on every batch; fills `found.sites` when export showed none."""
@@ -73,10 +99,10 @@ class HfTarget:
         rec = Recording(outputs=outputs)
         for j, site in enumerate(found.sites):
             calls = recorded.get(site.module_path, [])
-            softcap = next((info[3] for _, info in calls if info[3] is not None), None)
+            softcap = next((info.softcap for _, info in calls if info.softcap is not None), None)
             if softcap is not None:  # Gemma-2 caps logits inside the attention function: say so on the site
                 found.sites[j] = site = replace(site, softcap=float(softcap))
-            window = next((info[2] for _, info in calls if info[2] is not None), None)
+            window = next((info.sliding_window for _, info in calls if info.sliding_window is not None), None)
             if window is not None and site.window is None and site.causal:
                 # The model slides a window the example was too short to show in its mask.
                 found.sites[j] = site = replace(site, window=int(window), mask=replace(site.mask, window=int(window)))
@@ -93,16 +119,17 @@ class HfTarget:
         return BuildContext(sites=sites, calls=recording.calls,
                             projections=lambda s: qk_projections(modules[s.module_path]))
 
-    @staticmethod
-    def adapt_site(site):
+    def adapt_site(self, site):
         # HF hands masks in its own spelling (bool keep for sdpa, additive for eager): read them as such.
         return replace(site, mask=replace(site.mask, keep_when="zero"))
 
-    def splice(self, sites: list, modules: dict) -> tuple[nn.Module, dict]:
-        return self.model, install(self.model, sites, modules)
+    def install(self, sites: list, modules: dict) -> Installed:
+        from attnopt.hf.install import install  # needs transformers' cache classes
 
-    def longer_batch(self, batch, length: int):
-        """(a batch of `length` tokens built from the example, None) or (None, why it cannot be built).
+        return Installed(self.model, install(self.model, sites, modules))
+
+    def longer_batch(self, batch, length: int) -> LongerBatch:
+        """A batch of `length` tokens built from the example, or why it cannot be built.
 
         Row 0's real tokens repeated to the length, within the model's position limit: enough for
         a form to act, and text-like enough for the attention pattern to be the model's own.
@@ -115,10 +142,10 @@ class HfTarget:
             length = min(length, limit)
         ids = kwargs.get("input_ids")
         if args or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-            return None, "the example inputs are not keyword input_ids [B, N] to extend"
+            return LongerBatch(reason="the example inputs are not keyword input_ids [B, N] to extend")
         B, N = ids.shape
         if length <= N:
-            return None, f"the model's position limit ({limit}) is not beyond the example length {N}"
+            return LongerBatch(reason=f"the model's position limit ({limit}) is not beyond the example length {N}")
         am = kwargs.get("attention_mask")
         real = ids[0][am[0].bool()] if isinstance(am, torch.Tensor) and am.shape == ids.shape else ids[0]
         reps = -(-length // max(1, real.numel()))
@@ -133,11 +160,155 @@ class HfTarget:
             elif key == "position_ids":
                 out[key] = torch.arange(length, dtype=value.dtype)[None]
             elif isinstance(value, torch.Tensor):
-                return None, f"the example input {key!r} cannot be extended to {length} tokens"
+                return LongerBatch(reason=f"the example input {key!r} cannot be extended to {length} tokens")
             else:
                 out[key] = value
-        return ((), out), None
+        return LongerBatch(batch=((), out))
 
-    def run(self, module: nn.Module, batches: list) -> list:
+    def run(self, model: nn.Module, batches: list) -> list:
         with torch.no_grad():
-            return [call_model(module, b) for b in batches]
+            return [call_model(model, b) for b in batches]
+
+    # -- the compiled model
+
+    def record_exact(self, batches: list, report) -> Recording:
+        recorded, outputs = record_calls(self.model, batches)
+        recording = Recording(outputs=outputs)
+        for rec in report.sites:
+            calls = recorded.get(rec.site.module_path, [])
+            if len(calls) == len(batches):  # one call per batch: a module that is one site
+                recording.calls[rec.site.id] = [c.detached() for c, _ in calls]
+        return recording
+
+    def put_back_exact(self, site_ids: list, report) -> None:
+        by_id = {r.site.id: r.site for r in report.sites}
+        for sid in site_ids:
+            self.model.get_submodule(by_id[sid].module_path)._modules.pop(SITE_ATTR, None)
+
+    def lora_targets(self, report) -> list[str]:
+        """Full module names of every rewritten site's q/k/v/o nn.Linear projections."""
+        names = []
+        for rec in report.sites:
+            if rec.outcome.final_form == "exact":
+                continue
+            path = rec.site.module_path
+            attn = self.model.get_submodule(path)
+            names += [f"{path}.{n}" for n in PROJECTIONS if isinstance(getattr(attn, n, None), nn.Linear)]
+            parent = path.rsplit(".", 1)[0] if "." in path else ""
+            out = f"{parent}.output.dense" if parent else "output.dense"
+            try:
+                if isinstance(self.model.get_submodule(out), nn.Linear):
+                    names.append(out)
+            except AttributeError:
+                pass
+        return sorted(set(names))
+
+    def default_example(self):
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if vocab is None:
+            return super().default_example()
+        gen = torch.Generator().manual_seed(0)
+        return (), {"input_ids": torch.randint(0, vocab, (1, 128), generator=gen)}
+
+    def installed(self) -> list[tuple[str, nn.Module]]:
+        """(attention module path, site module) for every site module install() attached, in model order."""
+        return [(name, m._modules[SITE_ATTR]) for name, m in self.model.named_modules() if SITE_ATTR in m._modules]
+
+    # -- on disk
+
+    def save(self, path: Path, report) -> dict:
+        from safetensors.torch import save_file
+
+        installed = self.installed()
+        accepted = {r.site.id for r in report.sites if r.outcome.status == Status.REWRITTEN}
+        entries, state = [], {}
+        for module_path, module in installed:
+            site_id = module.geometry.site_id
+            own = {name: t.detach().contiguous().clone() for name, t in module.state_dict().items()}
+            state.update({f"{site_id}/{name}": t for name, t in own.items()})
+            # Sites not accepted in the report are exact sites install() runs as the model's own window
+            # band (take_over_model_windows); saved too, so the loaded model is the same module for module.
+            entries.append({"site_id": site_id, "module_path": module_path, "form": module.form,
+                            "params": dict(module.params), "accepted": site_id in accepted,
+                            "state": {name: list(t.shape) for name, t in own.items()}})
+        self._save_pretrained_without_sites(path, installed)
+        save_file(state, str(path / SITE_STATE_FILE))
+        return {"model_class": type(self.model).__name__,
+                "attn_implementation": getattr(self.model.config, "_attn_implementation", None), "sites": entries}
+
+    def _save_pretrained_without_sites(self, path: Path, installed: list) -> None:
+        # The model's own weights only: the site modules are detached while save_pretrained runs, so a
+        # plain transformers reader sees the original architecture's keys (and the config refuses it).
+        detached = [(self.model.get_submodule(p), m) for p, m in installed]
+        for owner, _ in detached:
+            del owner._modules[SITE_ATTR]
+        try:
+            self.model.save_pretrained(path)
+        finally:
+            for owner, module in detached:
+                owner._modules[SITE_ATTR] = module
+        config_file = path / "config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+        config["attn_implementation"] = CONFIG_IMPLEMENTATION
+        config[CONFIG_NOTE_KEY] = CONFIG_NOTE
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: Path, header: dict, report) -> nn.Module:
+        from safetensors.torch import load_file
+
+        from attnopt.hf.install import install  # needs transformers' cache classes
+
+        model = _load_pretrained(path, header)
+        # Sites as the transformers mechanism builds them (HF's mask spelling), as compile did.
+        target = cls(model)
+        sites = [target.adapt_site(r.site) for r in report.sites]
+        by_id = {s.id: s for s in sites}
+        state_file = path / SITE_STATE_FILE
+        state = load_file(str(state_file)) if state_file.is_file() else {}
+        modules = {}
+        for entry in header["sites"]:
+            site = by_id.get(entry["site_id"])
+            if site is None:
+                raise SaveError(f"attnopt.load: attnopt.json lists site {entry['site_id']!r}, which its report does not have")
+            prefix = entry["site_id"] + "/"
+            own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            module = _build_site(site, entry, sites)
+            # assign: the saved tensors themselves (their dtype and device), not copies into fresh ones.
+            missing, unexpected = module.load_state_dict(own, strict=False, assign=True)
+            if missing or unexpected:
+                raise SaveError(f"attnopt.load: site {site.id} ({entry['form']}) state does not match its module: "
+                                f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+            modules[site.id] = module.eval()
+        install(model, sites, modules)
+        return model
+
+
+def _load_pretrained(path: Path, header: dict) -> nn.Module:
+    """The saved transformers model, with the mask flavour it was compiled under, pointed at attnopt."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    model_class = next((getattr(transformers, n) for n in getattr(config, "architectures", None) or ()
+                        if getattr(transformers, n, None) is not None), transformers.AutoModel)
+    # "attnopt_eager" came from an eager model.
+    base = "eager" if header.get("attn_implementation") == IMPL_EAGER else "sdpa"
+    model = model_class.from_pretrained(path, attn_implementation=base).eval()
+    if hasattr(model.config, CONFIG_NOTE_KEY):
+        delattr(model.config, CONFIG_NOTE_KEY)
+    switch(model, implementation_for(model))
+    return model
+
+
+def _build_site(site, entry: dict, sites: list) -> nn.Module:
+    params = entry["params"]
+    if entry["form"] == "reuse" and params.get("rank", 0) > 0:
+        # The residual is fitted from the compile-time projections and inputs; its saved values
+        # replace these zeros right after.
+        anchor = find_anchor(site, sites, params["anchor"])
+        if anchor is None:
+            raise SaveError(f"attnopt.load: reuse site {site.id} finds no anchor at {params['anchor']} among the saved sites")
+        shapes = entry["state"]
+        residual = (torch.zeros(shapes["residual_A"]), torch.zeros(shapes["residual_B"]))
+        return ReuseSite(site, params, anchor, residual)
+    return forms.get(entry["form"]).build(site, params, BuildContext(sites=sites))

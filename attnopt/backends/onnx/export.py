@@ -23,6 +23,15 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from attnopt import forms
+from attnopt.backends.export_inputs import (
+    TensorForward,
+    compiled_for_export,
+    dynamic_shapes,
+    example_args,
+)
+from attnopt.backends.onnx import checks
+from attnopt.forms.common.base import SiteModule
 from attnopt.kernels.onnx.lowering import TARGETS, OpLowering
 
 # torch.onnx's dynamo exporter writes opset 18 and up (its default, 20 with torch 2.13, when
@@ -69,10 +78,10 @@ def export_onnx(model: nn.Module, path, example_inputs: Any = None, *, target: s
     min_seq_len the policy gave is refused.
     """
     started = time.perf_counter()
-    target, opset = _check_target(target, opset)
+    target, opset = check_target(target, opset)
     _require_packages()
-    out_path = _writable_file(path)
-    opt = _compiled(model, policy, example_inputs)
+    out_path = writable_file(path)
+    opt = compiled_for_export(model, policy, example_inputs)
     dropped = _run_time_switches(opt.attnopt_report)
     with _dispatch_dropped(opt, dropped):
         result = _export(opt, out_path, example_inputs, target, opset, dynamic, check_lengths, baseline)
@@ -83,21 +92,19 @@ def export_onnx(model: nn.Module, path, example_inputs: Any = None, *, target: s
 
 
 def _export(opt, out_path, example_inputs, target, opset, dynamic, check_lengths, baseline) -> "OnnxExport":
-    from attnopt.backends.onnx import checks
-
-    args, kwargs = _example_args(opt, example_inputs)
-    wrapper = _Forward(opt, kwargs)
+    args, kwargs = example_args(opt, example_inputs)
+    wrapper = TensorForward(opt, kwargs)
     flat = tuple(args) + tuple(v for v in kwargs.values() if isinstance(v, torch.Tensor))
     export_args = tuple(_batch_of_two(t) for t in flat) if dynamic else flat
-    dynamic_shapes = _dynamic_shapes(export_args) if dynamic else None
+    shapes = dynamic_shapes(export_args) if dynamic else None
 
     before = None
     if baseline:
         with _all_sites_exact(opt):
-            before = _to_onnx(wrapper, export_args, dynamic_shapes, {}, opset)
+            before = _to_onnx(wrapper, export_args, shapes, {}, opset)
     calls: list = []
     table = _translation_table(target, calls)
-    after = _to_onnx(wrapper, export_args, dynamic_shapes, table, opset)
+    after = _to_onnx(wrapper, export_args, shapes, table, opset)
     _add_functions(after.model, [c.pop("function") for c in calls if "function" in c])
     result = OnnxExport(path=str(out_path), target=target, opset=after.model.opset_imports[""],
                         sites=_name_sites(calls, _site_calls(opt, wrapper, flat)),
@@ -124,7 +131,7 @@ def histogram(model) -> dict:
 # ---------------------------------------------------------------- argument checks
 
 
-def _check_target(target: str, opset: Optional[int]) -> tuple[str, Optional[int]]:
+def check_target(target: str, opset: Optional[int]) -> tuple[str, Optional[int]]:
     if target not in TARGETS:
         raise ValueError(f"unknown ONNX target {target!r}; choose one of: {', '.join(TARGETS)}")
     if opset is not None and (isinstance(opset, bool) or not isinstance(opset, int) or opset not in SUPPORTED_OPSETS):
@@ -143,7 +150,7 @@ def _require_packages() -> None:
                               f"pip install 'attnopt[onnx]'") from None
 
 
-def _writable_file(path) -> Path:
+def writable_file(path) -> Path:
     p = Path(os.fspath(path)).expanduser()
     if p.is_dir():
         raise ValueError(f"cannot write the ONNX file to {str(p)!r}: it is a directory; give a file path such as "
@@ -154,24 +161,6 @@ def _writable_file(path) -> Path:
     if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
         raise PermissionError(f"cannot write the ONNX file to {str(p)!r}: permission denied; choose a writable path")
     return p
-
-
-def _compiled(model: nn.Module, policy: Any, example_inputs: Any) -> nn.Module:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"export_onnx takes an nn.Module, got {type(model).__name__}")
-    compiled = getattr(model, "attnopt_report", None) is not None
-    if compiled and policy is not None:
-        raise ValueError("the model is already compiled by attnopt; drop policy= (it exports as compiled)")
-    if compiled:
-        return model
-    if policy is None:
-        raise ValueError("the model was not compiled by attnopt (it has no .attnopt_report) and no policy= was "
-                         "given; pass the model attnopt.compile returned, or policy='linear' (any policy) to compile it")
-    if example_inputs is None:
-        raise ValueError("export_onnx(policy=...) compiles the model first and needs example_inputs=")
-    from attnopt.compiler import compile as attnopt_compile
-
-    return attnopt_compile(model, policy, example_inputs=example_inputs)
 
 
 def _run_time_switches(report) -> dict:
@@ -198,8 +187,6 @@ def _run_time_switches(report) -> dict:
 @contextlib.contextmanager
 def _dispatch_dropped(model: nn.Module, dropped: dict):
     """The sites in `dropped` run their form at every length while exporting and checking."""
-    from attnopt.forms.common.base import SiteModule
-
     sites = [m for m in model.modules() if isinstance(m, SiteModule) and m.geometry.site_id in dropped]
     saved = [m.min_seq_len for m in sites]
     for m in sites:
@@ -211,50 +198,7 @@ def _dispatch_dropped(model: nn.Module, dropped: dict):
             m.min_seq_len = s
 
 
-def _example_args(opt: nn.Module, example_inputs: Any) -> tuple[tuple, dict]:
-    from attnopt.compiler import as_batch
-
-    if example_inputs is not None:
-        args, kwargs = as_batch(example_inputs, "example_inputs")
-    else:
-        vocab = getattr(getattr(opt, "config", None), "vocab_size", None)
-        if vocab is None:
-            raise ValueError("export_onnx needs example_inputs= for this model (only transformers models with a "
-                             "vocab_size get default input_ids)")
-        gen = torch.Generator().manual_seed(0)
-        args, kwargs = (), {"input_ids": torch.randint(0, vocab, (1, 128), generator=gen)}
-    bad = [type(a).__name__ for a in args if not isinstance(a, torch.Tensor)]
-    if bad:
-        raise TypeError(f"export_onnx positional example_inputs must be tensors (they become the file's inputs), "
-                        f"got {bad}; pass options such as use_cache=False as keywords")
-    return tuple(args), dict(kwargs)
-
-
 # ---------------------------------------------------------------- the module exported
-
-
-class _Forward(nn.Module):
-    """Tensors in (positional, then the tensor keywords), tensors out; keyword options that are not
-    tensors (use_cache=False) are fixed. Transformers models give their first output, without a cache."""
-
-    def __init__(self, model: nn.Module, kwargs: dict):
-        super().__init__()
-        import inspect
-
-        self.model = model
-        self.names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-        self.options = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
-        if "use_cache" in inspect.signature(model.forward).parameters:
-            self.options.setdefault("use_cache", False)
-
-    def forward(self, *flat):
-        n_args = len(flat) - len(self.names)
-        out = self.model(*flat[:n_args], **dict(zip(self.names, flat[n_args:])), **self.options)
-        if isinstance(out, torch.Tensor):
-            return out
-        if isinstance(out, dict):  # a transformers ModelOutput: logits / last_hidden_state first
-            return out[next(iter(out.keys()))]
-        return out
 
 
 def _batch_of_two(t: torch.Tensor) -> torch.Tensor:
@@ -262,11 +206,6 @@ def _batch_of_two(t: torch.Tensor) -> torch.Tensor:
     if t.dim() >= 1 and t.shape[0] == 1:
         return torch.cat([t, t], dim=0)
     return t
-
-
-def _dynamic_shapes(flat: tuple):
-    auto = torch.export.Dim.AUTO  # one spec for _Forward's *flat
-    return (tuple({0: auto, 1: auto} if t.dim() >= 2 else ({0: auto} if t.dim() == 1 else None) for t in flat),)
 
 
 def _to_onnx(wrapper: nn.Module, args: tuple, dynamic_shapes, table: dict, opset: Optional[int]):
@@ -289,8 +228,6 @@ def _to_onnx(wrapper: nn.Module, args: tuple, dynamic_shapes, table: dict, opset
 @contextlib.contextmanager
 def _all_sites_exact(model: nn.Module):
     """Every site module takes its exact fallback (the file a model without attnopt would give)."""
-    from attnopt.forms.common.base import SiteModule
-
     sites = [m for m in model.modules() if isinstance(m, SiteModule)]
     saved = [m.min_seq_len for m in sites]
     for m in sites:
@@ -306,8 +243,6 @@ def _all_sites_exact(model: nn.Module):
 
 
 def _lowerings() -> list[tuple[str, OpLowering]]:
-    from attnopt import forms
-
     found = []
     for name in forms.names():
         lowering = forms.get(name).onnx_lowering()
@@ -387,8 +322,6 @@ def _add_functions(model, functions: list) -> None:
 
 def _site_calls(opt: nn.Module, wrapper: nn.Module, flat: tuple) -> list:
     """(site module, args, kwargs) of every site call of one forward, in call order (= graph order)."""
-    from attnopt.forms.common.base import SiteModule
-
     seen: list = []
     hooks = [m.register_forward_hook(lambda mod, a, kw, out: seen.append((mod, a, kw)), with_kwargs=True)
              for m in opt.modules() if isinstance(m, SiteModule)]
@@ -416,8 +349,6 @@ def _name_sites(calls: list, site_calls: list) -> list:
 
 def _localise(opt: nn.Module, wrapper: nn.Module, flat: tuple, table: dict, message: str, opset: int) -> str:
     """Which site's lowering broke parity: each site module exported alone on its recorded inputs."""
-    from attnopt.backends.onnx import checks
-
     for module, a, kw in _site_calls(opt, wrapper, flat):
         site = _SiteAlone(module, a, kw)
         tensors = site.tensors(a, kw)

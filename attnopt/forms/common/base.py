@@ -23,13 +23,18 @@ from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from attnopt.forms.common.decoding import DecodeState, ExactPrefix, exact_on_prefix, extend_prefix, kv_cache_bytes, real_positions
-from attnopt.ir.masks import exact_attention, key_keep
+from attnopt.forms.common.decoding import (
+    DecodeState,
+    ExactPrefix,
+    exact_on_prefix,
+    extend_prefix,
+    kv_cache_bytes,
+    real_positions,
+)
 from attnopt.ir.calls import SiteCall
-from attnopt.ir.site import AttentionSite
 from attnopt.ir.errors import PolicyError
-
-
+from attnopt.ir.masks import exact_attention, key_keep
+from attnopt.ir.site import AttentionSite
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,23 @@ from __future__ import annotations
 
 import torch
 
-from attnopt.forms.common.base import CostAt, Form, Param, SiteModule, io_elements, no_arbitrary_mask
+from attnopt.forms.common.base import (
+    CostAt,
+    Form,
+    Param,
+    SiteModule,
+    io_elements,
+    no_arbitrary_mask,
+)
 from attnopt.forms.common.fitting import adam_fit, relative_mse, sample_rows
-from attnopt.kernels.feature_maps import FEATURE_MAP_NAMES, make_feature_map
-from attnopt.kernels.layout import compute_dtype
 from attnopt.forms.linear.reference import linear_attention
 from attnopt.ir.masks import key_keep
+from attnopt.kernels.feature_maps import (
+    FEATURE_MAP_NAMES,
+    favor_projection,
+    make_feature_map,
+)
+from attnopt.kernels.layout import compute_dtype
 
 # Causal linear kernels process the sequence in chunks of C: masked products inside a chunk, a
 # carried state between chunks (the usual chunked-scan formulation).
@@ -135,8 +146,6 @@ class LinearForm(Form):
         return self.state_bytes_with_prefix(site, params, context, element_bytes, own)
 
     def public_ops(self):
-        from attnopt.kernels.feature_maps import favor_projection
-
         return {"linear_attention": linear_attention, "make_feature_map": make_feature_map,
                 "favor_projection": favor_projection}
 

@@ -33,14 +33,14 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from attnopt.kernels.chunk_scan import causal_chunks, grouped_heads, state_times
+from attnopt.kernels.dispatch import cuda_kernels
 from attnopt.kernels.feature_maps import (
-    FEATURE_MAP_NAMES,
     FeatureMap,
     feature_map_class,
-    make_feature_map,
     query_key_features,
+    resolve_feature_map,
 )
-from attnopt.kernels.dispatch import cuda_kernels
 from attnopt.kernels.registration import register_recompute_autograd
 
 __all__ = ["linear_attention", "linear_attention_reference", "linear_attention_op"]
@@ -105,58 +105,6 @@ def _safe_ratio(num: Tensor, den: Tensor, eps: float) -> Tensor:
     return num / torch.where(den == 0, 1.0, den)[..., None]
 
 
-def _state_times(phi_q: Tensor, T: Tensor) -> Tensor:
-    """φ(q) [B, Hf, G, Nq, M] @ T [B, Hf, G|1, M, W] -> [B, Hf, G, Nq, W].
-
-    A state shared by the G query heads (T's G dim 1) is applied as one [G·Nq, M] @ [M, W] product
-    per kv head instead of a broadcast matmul, which would first copy T G times.
-    """
-    B, Hf, G, Nq, M = phi_q.shape
-    if T.shape[2] == 1:
-        return (phi_q.reshape(B, Hf, G * Nq, M) @ T[:, :, 0]).reshape(B, Hf, G, Nq, T.shape[-1])
-    return phi_q @ T
-
-
-def _causal_chunks(phi_q: Tensor, phi_k: Tensor, v1: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
-    """Causal linear attention over aligned queries and keys (query i sees keys 0..i), no incoming state.
-
-    phi_q [B, Hf, G, L, M], phi_k [B, Hf, L, M], v1 [B, Hf, L, W] -> (out [B, Hf, G, L, W],
-    total key state phi_kᵀv1 [B, Hf, 1, M, W]). All chunks at once, no Python loop: L is zero-padded
-    to nC·C (a zero key adds nothing; padded query rows are dropped), each chunk's key state
-    S_c = φ(K_c)ᵀV_c is formed by one batched product, a cumsum over chunks minus S_c gives the state
-    entering each chunk, and the in-chunk part is the tril-masked C×C block. Many small ops cost more
-    than their flops on a busy CPU (each one synchronises the thread pool), hence few large ones.
-    Memory O(L·G·C + (L/C)·M·W) per kv head: never L×L, never a per-position [L, M, W] state.
-    """
-    B, Hf, G, L, M = phi_q.shape
-    W = v1.shape[-1]
-    C = min(chunk_size, L)
-    nC = -(-L // C)
-    pad = nC * C - L
-    if pad:
-        phi_q = torch.nn.functional.pad(phi_q, (0, 0, 0, pad))
-        phi_k = torch.nn.functional.pad(phi_k, (0, 0, 0, pad))
-        v1 = torch.nn.functional.pad(v1, (0, 0, 0, pad))
-    # Chunk-major query layout [B·Hf·nC, G·C, M]: the G query heads of a kv head share one product
-    # with that chunk's keys and state (a free view when G = 1).
-    fq_XRM = phi_q.reshape(B, Hf, G, nC, C, M).transpose(2, 3).reshape(B * Hf * nC, G * C, M)
-    fk_XCM = phi_k.reshape(B * Hf * nC, C, M)
-    v_XCW = v1.reshape(B * Hf * nC, C, W)
-    chunk_state = (fk_XCM.transpose(1, 2) @ v_XCW).reshape(B, Hf, nC, M, W)
-    running = chunk_state.cumsum(2)  # state after chunk c
-    # The state before chunk c is running − own; it is kept negated, in place of the chunk states,
-    # and the sign folded into the GEMM's beta below. Large fresh tensors are what this path pays
-    # for on CPU (first-touch page faults cost more than the arithmetic), so intermediates are
-    # updated in place where autograd allows it: neither bmm nor cumsum reads its output or
-    # input back in backward. The rounding error of running − own is that of the cumsum itself.
-    neg_prefix = chunk_state.sub_(running)
-    scores = (fq_XRM @ fk_XCM.transpose(1, 2)).reshape(B * Hf * nC, G, C, C).tril_()
-    inter = fq_XRM @ neg_prefix.reshape(B * Hf * nC, M, W)
-    out = inter.baddbmm_(scores.reshape(B * Hf * nC, G * C, C), v_XCW, beta=-1.0)
-    out = out.reshape(B, Hf, nC, G, C, W).transpose(2, 3).reshape(B, Hf, G, nC * C, W)[:, :, :, :L]
-    return out, running[:, :, -1:]
-
-
 def _linear_core(
     phi_q: Tensor,
     phi_k: Tensor,
@@ -183,7 +131,7 @@ def _linear_core(
         S = (phi_k.transpose(-1, -2) @ v)[:, :, None]
         z = phi_k.sum(2)[:, :, None]
         S, z = (S, z) if S0 is None else (S0 + S, z0 + z)
-        return _safe_ratio(_state_times(phi_q, S), _state_times(phi_q, z[..., None])[..., 0], eps), S, z
+        return _safe_ratio(state_times(phi_q, S), state_times(phi_q, z[..., None])[..., 0], eps), S, z
 
     v1 = torch.cat([v, v.new_ones(B, Hf, Nk, 1)], dim=-1)
     T0 = None if S0 is None else torch.cat([S0, z0[..., None]], dim=-1)  # [B, Hf, G|1, M, W]
@@ -196,9 +144,9 @@ def _linear_core(
     L = Nq - blind  # queries blind.. pair one-to-one with keys k0..
     if L > 0:
         fq = phi_q[:, :, :, blind:]
-        out, T = _causal_chunks(fq, phi_k[:, :, k0:], v1[:, :, k0:], chunk_size)
+        out, T = causal_chunks(fq, phi_k[:, :, k0:], v1[:, :, k0:], chunk_size)
         if T0 is not None:
-            out = out + _state_times(fq, T0)
+            out = out + state_times(fq, T0)
             T = T0 + T
         out = _safe_ratio(out[..., :Dv], out[..., Dv], eps)
     else:
@@ -207,15 +155,6 @@ def _linear_core(
     if blind:
         out = torch.cat([phi_q.new_zeros(B, Hf, G, blind, Dv), out], dim=3)
     return out, T[..., :Dv], T[..., Dv]
-
-
-def _grouped(phi_q: Tensor, phi_k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, int]:
-    """Reshape φ(q) to [B, Hf, G, Nq, M] and repeat v to Hf heads when keys were featurised per query head."""
-    B, H, Nq, M = phi_q.shape
-    Hf = phi_k.shape[1]
-    if v.shape[1] != Hf:  # per-head φ: v is shared by the G query heads of its kv head
-        v = v.repeat_interleave(Hf // v.shape[1], dim=1)
-    return phi_q.reshape(B, Hf, H // Hf, Nq, M), v, H // Hf
 
 
 def _forward(
@@ -238,7 +177,7 @@ def _forward(
     B, H, Nq, _ = q.shape
     weight = None if weight is None else weight.to(device=q.device, dtype=cdt)
     phi_q, phi_k, log_scale_k = query_key_features(feature_map, q.to(cdt), k.to(cdt), scale, weight, key_mask)
-    phi_q, v_f, G = _grouped(phi_q, phi_k, v.to(cdt))
+    phi_q, v_f, G = grouped_heads(phi_q, phi_k, v.to(cdt))
     Hf, M, Dv = phi_k.shape[1], phi_k.shape[-1], v.shape[-1]
     S0 = z0 = None
     if state is not None:
@@ -318,18 +257,6 @@ register_recompute_autograd(linear_attention_op, lambda *a: _forward(*a)[0], dif
 # ---------------------------------------------------------------------------------------------
 
 
-def _resolve_feature_map(feature_map: Union[str, FeatureMap], head_dim: int, heads: int) -> FeatureMap:
-    if isinstance(feature_map, FeatureMap):
-        feature_map_class(feature_map.name)  # a subclass must keep one of the op's names
-        return feature_map
-    if isinstance(feature_map, str):
-        return make_feature_map(feature_map, head_dim, heads)
-    raise TypeError(
-        f"feature_map must be a name ({', '.join(FEATURE_MAP_NAMES)}) or a module from make_feature_map, "
-        f"got {type(feature_map).__name__}"
-    )
-
-
 def linear_attention(
     q: Tensor,
     k: Tensor,
@@ -361,7 +288,7 @@ def linear_attention(
     """
     if not isinstance(q, Tensor) or q.dim() != 4:
         raise ValueError(f"q must be a 4-D tensor [B, H, Nq, D], got {getattr(q, 'shape', type(q).__name__)}")
-    fmap = _resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
+    fmap = resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     weight = fmap.op_weight()
     tk = cuda_kernels(q, __package__) if state is None else None
@@ -415,7 +342,7 @@ def linear_attention_reference(
     """
     if not isinstance(q, Tensor) or q.dim() != 4:
         raise ValueError(f"q must be a 4-D tensor [B, H, Nq, D], got {getattr(q, 'shape', type(q).__name__)}")
-    fmap = _resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
+    fmap = resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     _check_inputs(q, k, v, key_mask, scale, eps, 1)
     cdt = _compute_dtype(q.dtype)

@@ -25,9 +25,13 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op
 
-from attnopt.kernels.feature_maps import FeatureMap, make_feature_map, query_key_features
+from attnopt.kernels.feature_maps import (
+    FeatureMap,
+    make_feature_map,
+    query_key_features,
+)
 from attnopt.kernels.layout import check_sdpa_inputs
-from attnopt.kernels.triton.chunk_scan import dot, phi, chunk_backward, chunk_forward
+from attnopt.kernels.triton.chunk_scan import chunk_backward, chunk_forward, dot, phi
 from attnopt.kernels.triton.runtime import (
     FMAP_CODES,
     call_unsupported,

@@ -25,9 +25,6 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from attnopt.kernels.feature_maps import FeatureMap
-from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
-from attnopt.forms.linear.reference import _resolve_feature_map
 from attnopt.forms.linear_window.reference import linear_window_attention
 from attnopt.forms.window.decode import (
     WindowCache,
@@ -35,6 +32,8 @@ from attnopt.forms.window.decode import (
     window_cache_from_keys,
     window_step_keys,
 )
+from attnopt.kernels.feature_maps import FeatureMap, resolve_feature_map
+from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
 
 __all__ = ["LinearWindowState", "linear_window_decode"]
 
@@ -91,7 +90,7 @@ def linear_window_decode(
     Nk = k.shape[2]
     cdt = compute_dtype(q.dtype)
     s = float(scale) if scale is not None else D ** -0.5
-    fmap = _resolve_feature_map(feature_map, D, H)
+    fmap = resolve_feature_map(feature_map, D, H)
     beta_H = (linear_weight if isinstance(linear_weight, Tensor) else torch.tensor(float(linear_weight)))
     beta_H = beta_H.to(device=q.device, dtype=cdt).expand(H)
     keep = torch.ones(B, Nk, dtype=torch.bool, device=q.device) if key_mask is None else key_mask

@@ -12,14 +12,27 @@ from dataclasses import dataclass
 
 import torch
 
-from attnopt.forms.common.base import CostAt, Form, Param, SiteModule, io_elements, no_arbitrary_mask
+from attnopt.forms.common.base import (
+    CostAt,
+    Form,
+    Param,
+    SiteModule,
+    io_elements,
+    no_arbitrary_mask,
+)
 from attnopt.forms.common.fitting import adam_fit, relative_mse, sample_rows
 from attnopt.forms.linear.form import LINEAR_PARAMS, feature_count, kernel_flops
-from attnopt.forms.window.form import WINDOW_PARAMS, aligned_positions_reason, effective_window, visible_keys, window_cache_bytes
-from attnopt.kernels.feature_maps import make_feature_map
-from attnopt.forms.linear_window.reference import linear_window_attention
 from attnopt.forms.linear_window.decode import linear_window_decode
+from attnopt.forms.linear_window.reference import linear_window_attention
+from attnopt.forms.window.form import (
+    WINDOW_PARAMS,
+    aligned_positions_reason,
+    effective_window,
+    visible_keys,
+    window_cache_bytes,
+)
 from attnopt.ir.masks import key_keep
+from attnopt.kernels.feature_maps import make_feature_map
 
 
 class LinearWindowSite(SiteModule):

@@ -17,6 +17,8 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript import opset18 as op
 
+from attnopt.forms.linear.onnx import check_self_attention
+from attnopt.forms.window.onnx import banded_sums, ones_keep
 from attnopt.kernels.onnx.functions import (
     CHUNK,
     causal_linear_chunks,
@@ -32,9 +34,7 @@ from attnopt.kernels.onnx.functions import (
     static_dim,
     with_ones_column,
 )
-from attnopt.forms.linear.onnx import check_self_attention
 from attnopt.kernels.onnx.lowering import OpLowering
-from attnopt.forms.window.onnx import banded_sums, ones_keep
 
 
 def _shift_right(x_BHNX, n: int, X: int):

@@ -63,11 +63,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnopt.kernels.feature_maps import FavorFeatureMap, FeatureMap, _check_weight, query_key_features
-from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
-from attnopt.forms.linear.reference import _causal_chunks, _grouped, _resolve_feature_map, _state_times
-from attnopt.kernels.dispatch import cuda_kernels
-from attnopt.kernels.registration import register_recompute_autograd
 from attnopt.forms.window.reference import (
     SCORES_PER_STEP,
     default_window_block_size,
@@ -75,6 +70,17 @@ from attnopt.forms.window.reference import (
     sink_key_mask,
     window_visibility_mask,
 )
+from attnopt.kernels.chunk_scan import causal_chunks, grouped_heads, state_times
+from attnopt.kernels.dispatch import cuda_kernels
+from attnopt.kernels.feature_maps import (
+    FavorFeatureMap,
+    FeatureMap,
+    check_weight,
+    query_key_features,
+    resolve_feature_map,
+)
+from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
+from attnopt.kernels.registration import register_recompute_autograd
 
 __all__ = ["linear_window_attention", "linear_window_attention_reference", "linear_window_attention_op"]
 
@@ -204,9 +210,9 @@ def _keys_up_to(phi_q: Tensor, phi_k: Tensor, v1: Tensor, d: int, chunk_size: in
     if L > fk.shape[2]:
         fk = F.pad(fk, (0, 0, 0, L - fk.shape[2]))
         vv = F.pad(vv, (0, 0, 0, L - vv.shape[2]))
-    out, _ = _causal_chunks(fq, fk, vv, chunk_size)
+    out, _ = causal_chunks(fq, fk, vv, chunk_size)
     if k0 > 0:
-        out = out + _state_times(fq, (phi_k[:, :, :k0].transpose(-1, -2) @ v1[:, :, :k0])[:, :, None])
+        out = out + state_times(fq, (phi_k[:, :, :k0].transpose(-1, -2) @ v1[:, :, :k0])[:, :, None])
     if blind:
         out = torch.cat([phi_q.new_zeros(B, Hf, G, blind, E), out], dim=3)
     return out
@@ -220,7 +226,7 @@ def _features(
     if name != "favor":
         phi_q, phi_k, _ = query_key_features(name, q, k, scale, weight, keep_BN)
         return phi_q, phi_k, None
-    _check_weight(name, weight, q.shape[-1])
+    check_weight(name, weight, q.shape[-1])
     inv_sqrt_m = 1.0 / math.sqrt(weight.shape[1])
     # Stabilisers detached: e^{a−c}·e^{c} does not depend on c, so its gradient through c is zero.
     a_q = FavorFeatureMap.exponent(q, scale, weight)
@@ -266,7 +272,7 @@ def _forward(
         lin_keep_BN = lin_keep_BN & key_mask
     weight = None if feature_weight is None else feature_weight.to(device=q.device, dtype=cdt)
     phi_q, phi_k, log_c = _features(feature_map, q_c, k_c, scale, weight, lin_keep_BN)
-    phi_q, v_f, _ = _grouped(phi_q, phi_k, v_c)  # [B, Hf, G', Nq, M]; v per featurised head
+    phi_q, v_f, _ = grouped_heads(phi_q, phi_k, v_c)  # [B, Hf, G', Nq, M]; v per featurised head
     v1 = torch.cat([v_f, v_f.new_ones(*v_f.shape[:3], 1)], dim=-1)  # numerator and denominator at once
     off = Nk - Nq
     lin = _keys_up_to(phi_q, phi_k, v1, off - window, chunk_size)  # keys j <= p_i - W
@@ -397,7 +403,7 @@ def linear_window_attention(
         block_size = default_window_block_size(window, causal)
     block_size = _check_int("block_size", block_size, 1)
     chunk_size = _check_int("chunk_size", chunk_size, 1)
-    fmap = _resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
+    fmap = resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
     beta = _beta_tensor(linear_weight, q.shape[1], q)
     tk = cuda_kernels(q, __package__)
     if tk is not None and tk.unsupported(q, feature_map=fmap, window=window, sinks=sinks, k=k) is None:
@@ -427,7 +433,7 @@ def linear_window_attention_reference(
     """The formula with dense Nq × Nk window / linear sets and unstabilised φ (FAVOR+ in true units),
     shifted by the window max as the op is. O(Nq·Nk·(D + M + Dv)): tests and verification only."""
     window, sinks, scale = _check_options(q, k, v, key_mask, window, causal, sinks, scale)
-    fmap = _resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
+    fmap = resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
     G = H // k.shape[1]

@@ -37,6 +37,7 @@ from torch.library import triton_op
 
 from attnopt.kernels.feature_maps import FeatureMap, make_feature_map
 from attnopt.kernels.layout import check_sdpa_inputs
+from attnopt.kernels.triton.band import LOG2E, key_range, sink_range, visible
 from attnopt.kernels.triton.chunk_scan import dot, phi
 from attnopt.kernels.triton.runtime import (
     FMAP_CODES,
@@ -48,7 +49,6 @@ from attnopt.kernels.triton.runtime import (
     pow2,
     require_runtime,
 )
-from attnopt.kernels.triton.band import LOG2E, key_range, sink_range, visible
 
 MAX_FEATURES = 128
 

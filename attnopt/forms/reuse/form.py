@@ -12,8 +12,12 @@ from typing import Optional, Sequence
 import torch
 
 from attnopt.forms.common.base import CostAt, Form, Param, SiteModule, io_elements
+from attnopt.forms.reuse.reference import (
+    init_reuse_factors,
+    reuse_attention,
+    reuse_savings,
+)
 from attnopt.ir.errors import SiteUnsupported
-from attnopt.forms.reuse.reference import init_reuse_factors, reuse_attention
 from attnopt.ir.masks import exact_attention
 from attnopt.ir.site import AttentionSite
 
@@ -129,8 +133,6 @@ class ReuseForm(Form):
         return ReuseSite(site, params, anchor, residual)
 
     def public_ops(self):
-        from attnopt.forms.reuse.reference import reuse_savings
-
         return {"reuse_attention": reuse_attention, "init_reuse_factors": init_reuse_factors,
                 "reuse_savings": reuse_savings}
 

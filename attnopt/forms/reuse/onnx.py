@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 from onnxscript import opset18 as op
 
+from attnopt.forms.window.onnx import arange
 from attnopt.kernels.onnx.functions import dim, expand_heads, f32, i64, static_dim
 from attnopt.kernels.onnx.lowering import OpLowering
-from attnopt.forms.window.onnx import arange
 
 
 def _project(x_BNC, F_HCr, C: int):

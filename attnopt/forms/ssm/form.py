@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from attnopt.forms.common.base import CostAt, Form, Param, SiteModule, io_elements, no_arbitrary_mask
+from attnopt.forms.common.base import (
+    CostAt,
+    Form,
+    Param,
+    SiteModule,
+    io_elements,
+    no_arbitrary_mask,
+)
 from attnopt.forms.linear.form import feature_count, kernel_flops
 from attnopt.forms.ssm.reference import (
     DECAY_FEATURE_MAPS,

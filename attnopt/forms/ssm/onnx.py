@@ -18,6 +18,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript import opset18 as op
 
+from attnopt.forms.linear.onnx import check_self_attention
 from attnopt.kernels.onnx.functions import (
     CHUNK,
     MS_DOMAIN,
@@ -36,7 +37,6 @@ from attnopt.kernels.onnx.functions import (
     unpack_heads,
     with_ones_column,
 )
-from attnopt.forms.linear.onnx import check_self_attention
 from attnopt.kernels.onnx.lowering import OpLowering
 
 

@@ -19,7 +19,13 @@ from torch.library import triton_op
 from attnopt.forms.ssm.schedule import DECAY_FEATURE_MAPS, retnet_decay
 from attnopt.kernels.layout import check_sdpa_inputs
 from attnopt.kernels.triton.chunk_scan import chunk_backward, chunk_forward
-from attnopt.kernels.triton.runtime import FMAP_CODES, call_unsupported, concrete, interpreting, require_runtime
+from attnopt.kernels.triton.runtime import (
+    FMAP_CODES,
+    call_unsupported,
+    concrete,
+    interpreting,
+    require_runtime,
+)
 from attnopt.kernels.triton.state_step import check_one_token, state_step
 
 

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
 from attnopt.forms.window.reference import first_real_keys, window_attention
+from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
 
 __all__ = ["WindowCache", "window_decode", "window_cache_from_keys", "window_step_keys"]
 

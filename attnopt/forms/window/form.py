@@ -6,10 +6,17 @@ GroupQueryAttention.local_window_size counts the same way; ONNX Attention's left
 
 from __future__ import annotations
 
-from attnopt.forms.common.base import CostAt, Form, Param, SiteModule, io_elements, no_arbitrary_mask
+from attnopt.forms.common.base import (
+    CostAt,
+    Form,
+    Param,
+    SiteModule,
+    io_elements,
+    no_arbitrary_mask,
+)
 from attnopt.forms.common.decoding import kv_cache_bytes
-from attnopt.forms.window.reference import window_attention
 from attnopt.forms.window.decode import window_decode
+from attnopt.forms.window.reference import window_attention
 
 WINDOW_PARAMS = {
     "window": Param(int, 256, minimum=1, doc="keys visible per query, incl. self (causal); half-width+1 otherwise"),

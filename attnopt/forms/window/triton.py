@@ -38,8 +38,16 @@ from torch.library import triton_op
 from attnopt.kernels.layout import check_sdpa_inputs
 from attnopt.kernels.triton.band import LOG2E, key_range, sink_range, visible
 from attnopt.kernels.triton.chunk_scan import dot
-from attnopt.kernels.triton.runtime import call_unsupported, interpreting, launcher, low_precision, pow2, require_runtime
+from attnopt.kernels.triton.runtime import (
+    call_unsupported,
+    interpreting,
+    launcher,
+    low_precision,
+    pow2,
+    require_runtime,
+)
 from attnopt.kernels.triton.state_step import check_one_token
+
 
 @triton.jit
 def _window_fwd_kernel(

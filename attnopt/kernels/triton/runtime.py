@@ -14,13 +14,11 @@ machine; a call without either path raises one clear line (`require_runtime`).
 from __future__ import annotations
 
 import os
-
-import torch
 from typing import Optional
 
-from torch import Tensor
-
+import torch
 import triton
+from torch import Tensor
 
 FMAP_CODES = {"identity": 0, "elu": 1, "relu": 2}  # the maps fused into the kernels' loads
 

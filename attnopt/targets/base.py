@@ -1,0 +1,128 @@
+"""What a rewrite mechanism must do, from capture to save/load: the `Target` protocol.
+
+A Target wraps one model: at compile time a copy of the user's model (`for_compile`), afterwards
+the compiled model itself (`target_of`). Everything that differs between mechanisms lives behind
+these methods, and only dataclasses cross them.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Optional
+
+import torch
+from torch import nn
+
+from attnopt.forms.common.base import BuildContext, SiteModule
+from attnopt.ir.calls import Recording
+from attnopt.ir.detection import Detection
+from attnopt.ir.site import AttentionSite
+
+Batch = tuple  # (args: tuple, kwargs: dict)
+
+
+@dataclass(frozen=True)
+class LongerBatch:
+    """A verification input longer than the example (`batch`), or why none can be built (`reason`)."""
+
+    batch: Optional[Batch] = None
+    reason: str = ""
+
+
+@dataclass
+class Installed:
+    """The model with the given site modules in place, and the install step's counts."""
+
+    model: nn.Module
+    counts: dict
+
+
+class Target(abc.ABC):
+    """One model under one mechanism. Subclasses: GraphTarget ("graph"), HfTarget ("hf")."""
+
+    mechanism: ClassVar[str]
+
+    def __init__(self, model: nn.Module, name: Optional[str] = None):
+        self.model = model
+        self.name = name or type(model).__name__
+
+    # -- which models
+
+    @classmethod
+    def for_compile(cls, model: nn.Module, name: str) -> "Target":
+        """A target around an eval-mode deep copy of `model` (the user's model is never touched)."""
+        return cls(copy.deepcopy(model).eval(), name)
+
+    @classmethod
+    @abc.abstractmethod
+    def compiled_by(cls, model: nn.Module) -> bool:
+        """Whether `model` is a model this mechanism compiled."""
+
+    # -- compile: capture, record, build, install
+
+    @abc.abstractmethod
+    def detect(self, batches: list) -> Detection:
+        """Capture the model on `batches[0]` and find its attention sites."""
+
+    @abc.abstractmethod
+    def record(self, found: Detection, batches: list) -> Recording:
+        """Run the exact model on every batch and keep each site's calls and the model's outputs."""
+
+    def longer_batch(self, batch: Batch, length: int) -> LongerBatch:
+        """A batch of about `length` tokens built from `batch`, for forms that act only on longer inputs."""
+        return LongerBatch(reason="a graph-path model's inputs have no known sequence axis")
+
+    def build_context(self, sites: list, recording: Recording) -> BuildContext:
+        return BuildContext(sites=sites, calls=recording.calls)
+
+    def adapt_site(self, site: AttentionSite) -> AttentionSite:
+        """The site as this mechanism's site modules see it (e.g. the mask spelling they are handed)."""
+        return site
+
+    @abc.abstractmethod
+    def install(self, sites: list, modules: dict) -> Installed:
+        """The model with `modules` (site id -> SiteModule) in place of those sites, every other exact."""
+
+    def run(self, model: nn.Module, batches: list) -> list:
+        """The outputs of `model` on every batch (no grad)."""
+        with torch.no_grad():
+            return [model(*args, **kwargs) for args, kwargs in batches]
+
+    # -- the compiled model
+
+    def site_modules(self) -> dict[str, SiteModule]:
+        """Every installed site module by site id, in model order."""
+        return {m.geometry.site_id: m for m in self.model.modules() if isinstance(m, SiteModule)}
+
+    @abc.abstractmethod
+    def record_exact(self, batches: list, report: Any) -> Recording:
+        """Run the compiled model with every site exact on `batches`; keep each rewritten site's
+        original inputs and exact output (what calibration trains towards) and the outputs."""
+
+    @abc.abstractmethod
+    def put_back_exact(self, site_ids: list, report: Any) -> None:
+        """Make these sites of the compiled model exact again (in place)."""
+
+    def lora_targets(self, report: Any) -> list[str]:
+        """Module names of the q/k/v/o projections LoRA adapts; ValueError where it does not apply."""
+        raise ValueError(f"LoRA needs a transformers model (its q/k/v/o nn.Linear projections); {self.name} is "
+                         f"compiled by the {self.mechanism} mechanism")
+
+    def default_example(self) -> Batch:
+        """Inputs to export the compiled model with when the caller gives none; ValueError if unknown."""
+        raise ValueError("export_onnx needs example_inputs= for this model (only transformers models with a vocab_size "
+                         "get default input_ids)")
+
+    # -- on disk
+
+    @abc.abstractmethod
+    def save(self, path: Path, report: Any) -> dict:
+        """Write the compiled model's files into `path`; return the header entries to record."""
+
+    @classmethod
+    @abc.abstractmethod
+    def load(cls, path: Path, header: dict, report: Any) -> nn.Module:
+        """The compiled model saved in `path` (its header already checked; `report` read from it)."""
