@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from attnopt.ir.errors import CaptureError
 from attnopt.ir.site import AttentionSite, NearMiss
 from attnopt.passes.capture import (
     CapturedGraph,
@@ -21,6 +22,9 @@ from attnopt.passes.capture import (
     without_cache,
 )
 from attnopt.passes.detect import detect_all
+
+
+__all__ = ["inspect", "Inspection", "CaptureError", "format_table"]
 
 
 @dataclass
