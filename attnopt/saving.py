@@ -2,8 +2,11 @@
 
 A saved directory holds the files of the model's mechanism (`attnopt.targets`: transformers models
 as their own `save_pretrained` directory plus the site modules' tensors; graph-path models as one
-pickle) and `attnopt.json`: format version, versions, mechanism, policy and report. `load` reads the
-header, asks the mechanism it names to rebuild the model, and attaches the report.
+pickle) and `attnopt.json`: format version, versions, mechanism, policy, report, the sha256 of
+every file saved with it and of the header itself. `load` treats the directory as untrusted: it
+checks the header's fields and digests, then asks the mechanism it names to rebuild the model,
+which checks every site against the report; any damage is one `SaveError` line naming the file
+and the field. A load that succeeds computes exactly the saved model.
 
 Graph-path models are pickled (`torch.load(weights_only=False)`): load only directories you trust,
 as with any pickle.
@@ -19,6 +22,7 @@ from typing import Union
 import torch
 from torch import nn
 
+from attnopt.ir.digest import file_digest, json_digest
 from attnopt.ir.errors import SaveError
 from attnopt.policy import Policy
 from attnopt.report import CompileReport, finite_json
@@ -27,8 +31,9 @@ from attnopt.version import __version__
 
 __all__ = ["save", "load", "read_header", "SaveError", "FORMAT_VERSION", "HEADER_FILE"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: file and header digests
 HEADER_FILE = "attnopt.json"
+REQUIRED_FIELDS = {"versions": dict, "report": dict, "files": dict, "checksum": str}
 
 
 def save(model: nn.Module, path: Union[str, os.PathLike]) -> Path:
@@ -44,11 +49,15 @@ def save(model: nn.Module, path: Union[str, os.PathLike]) -> Path:
                         "CompiledModule; attnopt.save knows only those two") from None
     path = _writable_directory(Path(path))
     entries = target.save(path, report)
-    _write_header(path, {
+    header = finite_json({
         "format": "attnopt", "format_version": FORMAT_VERSION, "mechanism": target.mechanism,
         "versions": {"attnopt": __version__, "torch": torch.__version__}, "model_class": type(model).__name__,
         **entries, "policy": report.policy_dict(), "report": report.to_dict(),
+        "files": {f.name: file_digest(f) for f in sorted(path.iterdir()) if f.is_file() and f.name != HEADER_FILE},
     })
+    header = json.loads(json.dumps(header, default=str, allow_nan=False))  # exactly what load will read
+    header["checksum"] = json_digest(header)
+    (path / HEADER_FILE).write_text(json.dumps(header, indent=2, allow_nan=False), encoding="utf-8")
     return path
 
 
@@ -56,7 +65,11 @@ def load(path: Union[str, os.PathLike]) -> nn.Module:
     """The compiled model saved in `path` by `attnopt.save`, with its `.attnopt_report`."""
     path = Path(path)
     header = read_header(path)
-    report = CompileReport.from_dict(header["report"])
+    try:
+        report = CompileReport.from_dict(header["report"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise SaveError(f"attnopt.load: {path / HEADER_FILE} field 'report' is damaged ({type(exc).__name__}: "
+                        f"{exc})") from None
     report.policy = _policy(header["policy"])
     model = target_class(header["mechanism"]).load(path, header, report)
     model.attnopt_report = report
@@ -75,17 +88,51 @@ def read_header(path: Path) -> dict:
         header = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise SaveError(f"attnopt.load: {file} cannot be read as JSON ({exc})") from exc
-    version = header.get("format_version") if isinstance(header, dict) else None
-    if isinstance(version, bool) or not isinstance(version, int):
-        raise SaveError(f"attnopt.load: {file} has no integer format_version; it was not written by attnopt.save")
-    if version > FORMAT_VERSION:
-        raise SaveError(f"attnopt.load: {path} was saved in attnopt format {version}, newer than this attnopt "
-                        f"reads (up to {FORMAT_VERSION}); upgrade attnopt (saved by attnopt "
-                        f"{header.get('versions', {}).get('attnopt', 'unknown')})")
+    if not isinstance(header, dict):
+        raise SaveError(f"attnopt.load: {file} is not an attnopt header (not a JSON object)")
+    _check_version(path, file, header)
+    if header.get("format") != "attnopt":
+        raise SaveError(f"attnopt.load: {file} is not an attnopt header (field 'format' is not \"attnopt\")")
     if header.get("mechanism") not in MECHANISMS:
         raise SaveError(f"attnopt.load: {file} names mechanism {header.get('mechanism')!r}; expected one of "
                         f"{', '.join(map(repr, MECHANISMS))}")
+    for field, kind in REQUIRED_FIELDS.items():
+        if not isinstance(header.get(field), kind):
+            raise SaveError(f"attnopt.load: {file} field {field!r} is missing or not a {kind.__name__}; the "
+                            "directory is damaged (save the model again)")
+    if "policy" not in header:
+        raise SaveError(f"attnopt.load: {file} field 'policy' is missing; the directory is damaged (save the model again)")
+    if json_digest({k: v for k, v in header.items() if k != "checksum"}) != header["checksum"]:
+        raise SaveError(f"attnopt.load: {file} was edited after attnopt.save wrote it (its checksum does not match "
+                        "its content); save the model again")
+    _check_files(path, header["files"])
     return header
+
+
+def _check_version(path: Path, file: Path, header: dict) -> None:
+    version = header.get("format_version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise SaveError(f"attnopt.load: {file} has no integer format_version; it was not written by attnopt.save")
+    saved_by = header.get("versions", {}).get("attnopt", "unknown") if isinstance(header.get("versions"), dict) else "?"
+    if version > FORMAT_VERSION:
+        raise SaveError(f"attnopt.load: {path} was saved in attnopt format {version}, newer than this attnopt "
+                        f"reads (up to {FORMAT_VERSION}); upgrade attnopt (saved by attnopt {saved_by})")
+    if version != FORMAT_VERSION:
+        raise SaveError(f"attnopt.load: {path} was saved in attnopt format {version}, which this attnopt does not "
+                        f"read (it reads format {FORMAT_VERSION}); load it with attnopt {saved_by} and save it again")
+
+
+def _check_files(path: Path, files: dict) -> None:
+    """Every file saved with the header is there, unchanged."""
+    for name, digest in files.items():
+        file = path / str(name)
+        if not isinstance(digest, str) or Path(str(name)).name != str(name):
+            raise SaveError(f"attnopt.load: {path / HEADER_FILE} field 'files' is damaged (entry {name!r})")
+        if not file.is_file():
+            raise SaveError(f"attnopt.load: {file} is missing; the directory is incomplete (save the model again)")
+        if file_digest(file) != digest:
+            raise SaveError(f"attnopt.load: {file} changed after attnopt.save wrote it (sha256 differs); "
+                            "the directory is damaged (save the model again)")
 
 
 def _writable_directory(path: Path) -> Path:
@@ -98,11 +145,6 @@ def _writable_directory(path: Path) -> Path:
     if not os.access(path, os.W_OK | os.X_OK):
         raise SaveError(f"attnopt.save: the directory {path} is not writable")
     return path
-
-
-def _write_header(path: Path, header: dict) -> None:
-    text = json.dumps(finite_json(header), indent=2, default=str, allow_nan=False)
-    (path / HEADER_FILE).write_text(text, encoding="utf-8")
 
 
 def _policy(d):

@@ -221,7 +221,7 @@ def test_loading_a_directory_without_attnopt_json_or_from_the_future_says_so(lla
     future.mkdir()
     (future / HEADER_FILE).write_text(json.dumps({"format_version": 99, "mechanism": "hf",
                                                   "versions": {"attnopt": "9.0"}}))
-    with pytest.raises(SaveError, match="format 99, newer than this attnopt reads \\(up to 1\\); upgrade") as e:
+    with pytest.raises(SaveError, match="format 99, newer than this attnopt reads \\(up to 2\\); upgrade") as e:
         attnopt.load(future)
     _one_line(e)
 

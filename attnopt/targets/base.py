@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Optional
@@ -19,6 +20,8 @@ from torch import nn
 from attnopt.forms.common.base import BuildContext, SiteModule
 from attnopt.ir.calls import Recording
 from attnopt.ir.detection import Detection
+from attnopt.ir.errors import SaveError
+from attnopt.ir.outcomes import Status
 from attnopt.ir.site import AttentionSite
 
 Batch = tuple  # (args: tuple, kwargs: dict)
@@ -126,3 +129,33 @@ class Target(abc.ABC):
     @abc.abstractmethod
     def load(cls, path: Path, header: dict, report: Any) -> nn.Module:
         """The compiled model saved in `path` (its header already checked; `report` read from it)."""
+
+    def check_sites_match(self, report: Any, where: Path) -> None:
+        """SaveError unless the loaded model runs exactly the forms and parameters its report names:
+        every rewritten site has its module, and no other site has one (but `extra_module_ok`)."""
+        modules = self.site_modules()
+        for record in report.sites:
+            site_id, outcome = record.site.id, record.outcome
+            module = modules.pop(site_id, None)
+            if outcome.status == Status.REWRITTEN:
+                if module is None:
+                    raise SaveError(f"attnopt.load: {where} has no site module for {site_id}, which the report says "
+                                    f"runs {outcome.final_form}; the directory is damaged (save the model again)")
+                if module.form != outcome.final_form or plain_params(module.params) != plain_params(outcome.params):
+                    raise SaveError(f"attnopt.load: {where}: site {site_id} runs {module.form} {plain_params(module.params)}, "
+                                    f"the report says {outcome.final_form} {plain_params(outcome.params)}; the directory is "
+                                    "damaged (save the model again)")
+            elif module is not None and not self.extra_module_ok(module, record.site):
+                raise SaveError(f"attnopt.load: {where}: site {site_id} has a {module.form} module but the report "
+                                f"keeps it {outcome.final_form}; the directory is damaged (save the model again)")
+        if modules:
+            raise SaveError(f"attnopt.load: {where} has site modules the report does not list: {sorted(modules)}")
+
+    def extra_module_ok(self, module: SiteModule, site: AttentionSite) -> bool:
+        """Whether a site the report keeps exact may still carry `module` (default: never)."""
+        return False
+
+
+def plain_params(params: Any) -> Any:
+    """Parameters as JSON reads them back (tuples become lists), for comparing saved with loaded."""
+    return json.loads(json.dumps(params, sort_keys=True, default=str))

@@ -175,7 +175,14 @@ class GraphTarget(Target):
         file = path / cls.FILE
         if not file.is_file():
             raise SaveError(f"attnopt.load: {path} has no {cls.FILE}; the directory is incomplete")
-        return torch.load(file, weights_only=False)
+        try:
+            model = torch.load(file, weights_only=False)
+        except Exception as exc:  # a damaged pickle fails in many ways; the digest check makes this rare
+            raise SaveError(f"attnopt.load: {file} cannot be unpickled ({type(exc).__name__}: {exc})") from None
+        if not isinstance(model, CompiledModule):
+            raise SaveError(f"attnopt.load: {file} holds a {type(model).__name__}, not a compiled graph module")
+        cls(model).check_sites_match(report, file)
+        return model
 
 
 @contextmanager

@@ -33,11 +33,12 @@ from attnopt.hf.recording import call_model, qk_projections, record_calls
 from attnopt.hf.sites import site_from_call
 from attnopt.ir.calls import Recording
 from attnopt.ir.detection import Detection
+from attnopt.ir.digest import tensors_digest
 from attnopt.ir.errors import SaveError
 from attnopt.ir.outcomes import Status
 from attnopt.passes.capture import capture_export, without_cache
 from attnopt.passes.detect import detect_all
-from attnopt.targets.base import Installed, LongerBatch, Target
+from attnopt.targets.base import Installed, LongerBatch, Target, plain_params
 
 __all__ = ["HfTarget", "is_hf_model"]
 
@@ -230,7 +231,8 @@ class HfTarget(Target):
             # band (take_over_model_windows); saved too, so the loaded model is the same module for module.
             entries.append({"site_id": site_id, "module_path": module_path, "form": module.form,
                             "params": dict(module.params), "accepted": site_id in accepted,
-                            "state": {name: list(t.shape) for name, t in own.items()}})
+                            "state": {name: list(t.shape) for name, t in own.items()},
+                            "sha256": tensors_digest(own)})
         self._save_pretrained_without_sites(path, installed)
         save_file(state, str(path / SITE_STATE_FILE))
         return {"model_class": type(self.model).__name__,
@@ -255,45 +257,106 @@ class HfTarget(Target):
 
     @classmethod
     def load(cls, path: Path, header: dict, report) -> nn.Module:
-        from safetensors.torch import load_file
-
         from attnopt.hf.install import install  # needs transformers' cache classes
 
+        entries = _site_entries(path / HEADER, header.get("sites"))
+        state = _site_state(path / SITE_STATE_FILE)
         model = _load_pretrained(path, header)
-        # Sites as the transformers mechanism builds them (HF's mask spelling), as compile did.
         target = cls(model)
+        # Sites as the transformers mechanism builds them (HF's mask spelling), as compile did.
         sites = [target.adapt_site(r.site) for r in report.sites]
-        by_id = {s.id: s for s in sites}
-        state_file = path / SITE_STATE_FILE
-        state = load_file(str(state_file)) if state_file.is_file() else {}
-        modules = {}
-        for entry in header["sites"]:
-            site = by_id.get(entry["site_id"])
-            if site is None:
-                raise SaveError(f"attnopt.load: attnopt.json lists site {entry['site_id']!r}, which its report does not have")
-            prefix = entry["site_id"] + "/"
-            own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-            module = _build_site(site, entry, sites)
-            # assign: the saved tensors themselves (their dtype and device), not copies into fresh ones.
-            missing, unexpected = module.load_state_dict(own, strict=False, assign=True)
-            if missing or unexpected:
-                raise SaveError(f"attnopt.load: site {site.id} ({entry['form']}) state does not match its module: "
-                                f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-            modules[site.id] = module.eval()
+        modules = {e["site_id"]: _restore_site(e, sites, state, path) for e in entries}
         install(model, sites, modules)
+        target.check_sites_match(report, path / HEADER)
         return model
+
+    def extra_module_ok(self, module, site) -> bool:
+        # install() runs a model's own sliding window as attnopt's band on sites kept exact.
+        return module.form == "window" and site.window is not None and module.params.get("window") == site.window \
+            and module.params.get("sinks") == 0
+
+
+HEADER = "attnopt.json"
+ENTRY_FIELDS = {"site_id": str, "module_path": str, "form": str, "params": dict, "accepted": bool, "state": dict,
+                "sha256": str}
+
+
+def _site_entries(header_file: Path, entries) -> list:
+    """The header's site entries, each with every field of the right type."""
+    if not isinstance(entries, list):
+        raise SaveError(f"attnopt.load: {header_file} field 'sites' is missing or not a list")
+    for i, entry in enumerate(entries):
+        for field, kind in ENTRY_FIELDS.items():
+            if not isinstance(entry, dict) or not isinstance(entry.get(field), kind):
+                raise SaveError(f"attnopt.load: {header_file} field 'sites[{i}].{field}' is missing or not a "
+                                f"{kind.__name__}; the directory is damaged (save the model again)")
+    if len({e["site_id"] for e in entries}) != len(entries):
+        raise SaveError(f"attnopt.load: {header_file} field 'sites' lists a site twice")
+    return entries
+
+
+def _site_state(file: Path) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not file.is_file():
+        return {}
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise SaveError(f"attnopt.load: {file} cannot be read ({exc}); the directory is damaged") from None
+
+
+def _restore_site(entry: dict, sites: list, state: dict, path: Path) -> nn.Module:
+    """The site module an entry describes, checked against the report's site and its saved tensors."""
+    where = path / HEADER
+    sid = entry["site_id"]
+    site = next((s for s in sites if s.id == sid), None)
+    if site is None or site.module_path != entry["module_path"]:
+        raise SaveError(f"attnopt.load: {where} lists site {sid!r} at {entry['module_path']!r}, which its report "
+                        "does not have")
+    try:
+        form = forms.get(entry["form"])
+        params = form.validate(entry["params"])
+    except ValueError as exc:
+        raise SaveError(f"attnopt.load: {where} field 'sites.{sid}.params' is not valid for form "
+                        f"{entry['form']!r}: {exc}") from None
+    if plain_params(params) != plain_params(entry["params"]):
+        raise SaveError(f"attnopt.load: {where} field 'sites.{sid}.params' is incomplete for form {entry['form']!r}")
+    own = {k[len(sid) + 1:]: v for k, v in state.items() if k.startswith(sid + "/")}
+    declared = {name: list(shape) for name, shape in entry["state"].items()}
+    if {n: list(t.shape) for n, t in own.items()} != declared:
+        raise SaveError(f"attnopt.load: {path / SITE_STATE_FILE}: the tensors of site {sid} "
+                        f"({ {n: list(t.shape) for n, t in own.items()} }) are not the declared {declared}")
+    if tensors_digest(own) != entry["sha256"]:
+        raise SaveError(f"attnopt.load: {path / SITE_STATE_FILE}: the tensors of site {sid} changed after saving "
+                        "(sha256 differs)")
+    module = _build_site(site, {**entry, "params": params}, sites)
+    # assign: the saved tensors themselves (their dtype and device), not copies into fresh ones.
+    missing, unexpected = module.load_state_dict(own, strict=False, assign=True)
+    if missing or unexpected:
+        raise SaveError(f"attnopt.load: site {sid} ({entry['form']}) state does not match its module: "
+                        f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    return module.eval()
 
 
 def _load_pretrained(path: Path, header: dict) -> nn.Module:
     """The saved transformers model, with the mask flavour it was compiled under, pointed at attnopt."""
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(path)
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise SaveError(f"attnopt.load: {path / 'config.json'} cannot be read ({exc})") from None
     model_class = next((getattr(transformers, n) for n in getattr(config, "architectures", None) or ()
                         if getattr(transformers, n, None) is not None), transformers.AutoModel)
     # "attnopt_eager" came from an eager model.
     base = "eager" if header.get("attn_implementation") == IMPL_EAGER else "sdpa"
-    model = model_class.from_pretrained(path, attn_implementation=base).eval()
+    try:
+        model = model_class.from_pretrained(path, attn_implementation=base).eval()
+    except Exception as exc:  # transformers' loaders raise many kinds (SafetensorError, OSError, ...) on damage
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SaveError(f"attnopt.load: the transformers model in {path} cannot be loaded ({first[:300]})") from None
     if hasattr(model.config, CONFIG_NOTE_KEY):
         delattr(model.config, CONFIG_NOTE_KEY)
     switch(model, implementation_for(model))
@@ -309,6 +372,11 @@ def _build_site(site, entry: dict, sites: list) -> nn.Module:
         if anchor is None:
             raise SaveError(f"attnopt.load: reuse site {site.id} finds no anchor at {params['anchor']} among the saved sites")
         shapes = entry["state"]
+        if not {"residual_A", "residual_B"} <= set(shapes):
+            raise SaveError(f"attnopt.load: reuse site {site.id} has no saved residual_A / residual_B tensors")
         residual = (torch.zeros(shapes["residual_A"]), torch.zeros(shapes["residual_B"]))
         return ReuseSite(site, params, anchor, residual)
-    return forms.get(entry["form"]).build(site, params, BuildContext(sites=sites))
+    try:
+        return forms.get(entry["form"]).build(site, params, BuildContext(sites=sites))
+    except ValueError as exc:  # SiteUnsupported: the saved form cannot serve the saved site
+        raise SaveError(f"attnopt.load: site {site.id} cannot be rebuilt as {entry['form']} ({exc})") from None
