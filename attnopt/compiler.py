@@ -88,8 +88,8 @@ def compile(
     found = target.detect(opts.batches[:1])
     timer.lap("capture+detect")
     say("record")
-    planning = plan_sites_of(found, opts)
-    recorded = record_where_forms_act(target, found, planning, opts.batches)
+    recorded = record_and_plan(target, found, opts)
+    planning = recorded.planning
     timer.lap("record")
     say("build + verify sites")
     verification = verify_sites(found.sites, planning.plans, target.build_context(found.sites, recorded.recording),
@@ -137,27 +137,30 @@ def plan_sites_of(found, opts: CompileOptions):
 @dataclass
 class Recorded:
     """The record step: every site's calls on `batches` (the inputs given, plus a longer one built
-    from the example when some planned form changes nothing at the example length)."""
+    from the example when some planned form changes nothing at the example length), and the plan."""
 
     recording: Recording
+    planning: Any
     batches: list
     notes: list = field(default_factory=list)
 
 
-def record_where_forms_act(target: Target, found, planning, batches: list) -> Recorded:
-    """Record every batch; when some planned form acts only on longer inputs, add one and record again."""
-    batches = list(batches)
+def record_and_plan(target: Target, found, opts: CompileOptions) -> Recorded:
+    """Record every batch (a transformers model may describe its sites only now), plan the sites,
+    and when some planned form acts only on longer inputs, add one and record again."""
+    batches = list(opts.batches)
     recording = target.record(found, batches)
+    planning = plan_sites_of(found, opts)
     need = verification_length(found.sites, planning.plans, recording.calls)
     if need is None:
-        return Recorded(recording, batches)
+        return Recorded(recording, planning, batches)
     longer = target.longer_batch(batches[0], need)
     if longer.batch is None:
-        return Recorded(recording, batches, [
+        return Recorded(recording, planning, batches, [
             f"some planned forms act only from about {need} tokens and no input that long was given "
             f"({longer.reason}); pass verify_inputs=: those sites stay exact, reported unverified"])
     batches.append(longer.batch)
-    return Recorded(target.record(found, batches), batches, [
+    return Recorded(target.record(found, batches), planning, batches, [
         f"verification also ran on a {longer.batch[1]['input_ids'].shape[1]}-token input built from the example's "
         f"tokens (repeated), for forms that act only on inputs longer than the example (about {need} tokens wanted)"])
 
