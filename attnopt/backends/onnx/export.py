@@ -32,6 +32,7 @@ from attnopt.backends.export_inputs import (
 )
 from attnopt.backends.onnx import checks
 from attnopt.forms.common.base import SiteModule
+from attnopt.ir.errors import SpecializedInputError
 from attnopt.kernels.onnx.lowering import TARGETS, OpLowering
 
 # torch.onnx's dynamo exporter writes opset 18 and up (its default, 20 with torch 2.13, when
@@ -95,7 +96,7 @@ def _export(opt, out_path, example_inputs, target, opset, dynamic, check_lengths
     args, kwargs = example_args(opt, example_inputs)
     wrapper = TensorForward(opt, kwargs)
     flat = tuple(args) + tuple(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-    export_args = tuple(_batch_of_two(t) for t in flat) if dynamic else flat
+    export_args = _export_args(wrapper, flat) if dynamic else flat
     shapes = dynamic_shapes(export_args) if dynamic else None
 
     before = None
@@ -112,14 +113,26 @@ def _export(opt, out_path, example_inputs, target, opset, dynamic, check_lengths
 
     proto = after.model_proto
     checks.check_model(proto)
-    # A static export runs at its own shapes only.
-    lengths = check_lengths or (checks.default_lengths(flat, opt) if dynamic else [checks.sequence_length(flat)])
+    # The other lengths run at the batch the file was exported at (2 for a batch-1 example, unless
+    # the compiled model fixes its batch).
+    other_batch = int(export_args[0].shape[0]) if export_args and export_args[0].dim() else 1
+    lengths = check_lengths or _default_lengths(opt, wrapper, flat, dynamic, other_batch)
     result.parity = checks.ort_parity(proto, wrapper, flat, lengths, PARITY_TOLERANCE,
-                                      on_failure=lambda msg: _localise(opt, wrapper, flat, table, msg, opset))
+                                      on_failure=lambda msg: _localise(opt, wrapper, flat, table, msg, opset),
+                                      other_batch=other_batch)
     if target in ("onnx-std", "custom"):
         result.parity.append(checks.reference_parity(proto, wrapper, flat, PARITY_TOLERANCE))
     after.save(str(out_path))
     return result
+
+
+def _default_lengths(opt, wrapper: nn.Module, flat: tuple, dynamic: bool, batch: int) -> list:
+    """The export length, and for a dynamic export one other that the compiled model itself runs at
+    (a static export, or a graph-path model captured at a fixed length, runs at its own only)."""
+    if not dynamic:
+        return [checks.sequence_length(flat)]
+    first, *others = checks.default_lengths(flat, opt)
+    return [first] + [n for n in others if _accepts(wrapper, checks.at_length(flat, int(n), batch))]
 
 
 def histogram(model) -> dict:
@@ -206,6 +219,26 @@ def _batch_of_two(t: torch.Tensor) -> torch.Tensor:
     if t.dim() >= 1 and t.shape[0] == 1:
         return torch.cat([t, t], dim=0)
     return t
+
+
+def _export_args(wrapper: nn.Module, flat: tuple) -> tuple:
+    """The tensors to export with: at batch 2 for a batch-1 example, unless the compiled model
+    itself fixes its batch at 1 (a graph-path model whose capture had to): then as given, and the
+    file's batch is fixed like the model's."""
+    wide = tuple(_batch_of_two(t) for t in flat)
+    if all(w is t for w, t in zip(wide, flat)) or _accepts(wrapper, wide):
+        return wide
+    return flat
+
+
+def _accepts(wrapper: nn.Module, inputs: tuple) -> bool:
+    """Whether the compiled model runs on `inputs` (False: it names a size it was captured for)."""
+    try:
+        with torch.no_grad():
+            wrapper(*inputs)
+    except SpecializedInputError:
+        return False
+    return True
 
 
 def _to_onnx(wrapper: nn.Module, args: tuple, dynamic_shapes, table: dict, opset: Optional[int]):
