@@ -5,6 +5,11 @@ default is gated_delta) and scale 1, fed φ(q), φ(k) and [v, 1]; the ones colum
 output carry the normaliser φ(q)ᵀz, so the division is one standard op after it. φ is standard ops
 before it (the contrib op has no feature-map input). Non-causal (both targets): two MatMuls through
 the [M, Dv + 1] state. onnx-std, causal: the chunked decomposition of functions.causal_linear_chunks.
+
+Decode step (`attnopt::linear_step`, forms/linear/step.py): the same with the carried state
+[B, Hf, M, Dv + 1] (S ‖ z): ort feeds it to LinearAttention as past_state (present_state comes
+back); onnx-std adds φ(q)·state to the chunked in-call sums and φ(k)ᵀ[v, 1] to the state. A pad's
+φ(k) is 0, so it adds nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from attnopt.kernels.onnx.functions import (
     with_ones_column,
 )
 from attnopt.kernels.onnx.lowering import OpLowering
+from attnopt.kernels.onnx.steps import add_real_tokens, linear_attention, new_columns_keep
 
 
 def check_self_attention(q, k, form: str) -> None:
@@ -74,3 +80,29 @@ def linear_ort(q, k, v, feature_map, weight, causal, scale, eps, key_mask, chunk
 
 
 LOWERING = OpLowering("attnopt::linear_attention", {"ort": linear_ort, "onnx-std": linear_std})
+
+
+def _step_features(q, k, v, mask, feature_map, weight, scale):
+    if feature_map == "favor":
+        raise ValueError("ONNX decode lowering of linear: the favor map's stabilised state is not lowered")
+    keep = new_columns_keep(mask, q)
+    return keep, _featurised(q, k, v, feature_map, weight, scale, keep)
+
+
+def linear_step_ort(q, k, v, mask, state, count, feature_map, weight, scale, eps):
+    keep, (phi_q, phi_k, v_f, (H, Hf, M, Dv)) = _step_features(q, k, v, mask, feature_map, weight, scale)
+    out, present = linear_attention(phi_q, phi_k, with_ones_column(v_f), state, H, Hf, "linear", like=q)
+    return ratio_of_ones_column(out, Dv + 1, eps), present, add_real_tokens(count, keep)
+
+
+def linear_step_std(q, k, v, mask, state, count, feature_map, weight, scale, eps):
+    keep, (phi_q, phi_k, v_f, (H, Hf, M, Dv)) = _step_features(q, k, v, mask, feature_map, weight, scale)
+    W = Dv + 1
+    v1 = with_ones_column(v_f)
+    carried = op.MatMul(phi_q, expand_heads(state, Hf, H, W))  # the earlier tokens' part
+    within = causal_linear_chunks(phi_q, expand_heads(phi_k, Hf, H, M), expand_heads(v1, Hf, H, W), M, W, CHUNK)
+    present = op.Add(state, op.MatMul(op.Transpose(phi_k, perm=[0, 1, 3, 2]), v1))
+    return ratio_of_ones_column(op.Add(carried, within), W, eps), present, add_real_tokens(count, keep)
+
+
+DECODE_LOWERING = OpLowering("attnopt::linear_step", {"ort": linear_step_ort, "onnx-std": linear_step_std})
