@@ -258,7 +258,12 @@ def _plan(c: _Call, path: str, site_id: str) -> LayerPlan:
     if step is None:
         raise CannotGenerate(f"site {site_id}: form {form!r} has no decode step for an exported graph; compile that "
                              "layer with another form (e.g. exact) to export it for decoding")
-    site = StepSite(module, c.geometry, c.window)
+    state = c.module.__dict__.get("_attnopt_state")
+    anchor = bool(state is not None and state.store_qk)
+    if anchor and form not in ("exact", "reuse"):
+        raise CannotGenerate(f"site {site_id} ({form}) is the anchor of a reuse site, which reads its anchor's keys "
+                             "from a K cache; compile the anchor layer as exact")
+    site = StepSite(module, c.geometry, c.window, anchor)
     why = step.why_not(site) if step.why_not is not None else None
     if why:
         raise CannotGenerate(f"site {site_id} ({form}): {why}")
@@ -273,13 +278,20 @@ class _Steps:
         self.layout, self.paths, self.record = layout, paths, record
         self.by_path: dict = {}
         self.presents: dict = {}
+        self.anchors: dict = {}  # an anchor's qk key -> (its new queries, its present keys), for reuse sites
         it = iter(pasts)
         for plan in layout.layers:
             self.by_path[plan.path] = (plan, [next(it) for _ in plan.states])
 
     def attend(self, module, query, key, value, mask, scaling, kwargs):
         plan, pasts = self.by_path[self.paths[id(module)]]
-        out, presents = plan.step.call(plan.site, query, key, value, mask, pasts)
+        state = module.__dict__.get("_attnopt_state")
+        extra = {}
+        if plan.step.needs_anchor:  # reuse: the anchor's q and keys, this layer's input
+            extra = {"anchor": self.anchors[state.anchor_key], "x": state.last_x}
+        out, presents = plan.step.call(plan.site, query, key, value, mask, pasts, **extra)
+        if state is not None and state.store_qk:
+            self.anchors[state.qk_key] = (query, presents[0])  # an exact site's present keys: every column
         self.presents[plan.layer] = presents
         if self.record is not None:  # (plan, the op's tensors in, its tensors out): checks localise with them
             self.record.append((plan, (query, key, value, mask, *pasts), (out, *presents)))

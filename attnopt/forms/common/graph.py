@@ -72,11 +72,13 @@ class StepGeometry:
 @dataclass(frozen=True)
 class StepSite:
     """A site as a decode graph sees it: its module (None when the model runs its own attention) and
-    geometry; `window` is the model's own sliding window of an exact site (None: full attention)."""
+    geometry; `window` is the model's own sliding window of an exact site (None: full attention);
+    `anchor`: a reuse site reads this one's q and keys (present keys = its first present state)."""
 
     module: Optional[nn.Module]
     geometry: StepGeometry
     window: Optional[int] = None
+    anchor: bool = False  # a reuse site reads this site's q and keys: its states start with its own keys
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,9 @@ class GraphStep:
     states: Callable[[StepSite], list]
     call: Callable[..., tuple]  # (site, q, k, v, mask, pasts) -> (out, presents)
     why_not: Optional[Callable[[StepSite], Optional[str]]] = None  # why this site cannot run in a graph
+    # The call also takes anchor=(the anchor's new queries, its present keys) and x=(the layer input of
+    # the new tokens): reuse, which reads an earlier exact site's q and every key it has cached.
+    needs_anchor: bool = False
 
 
 def new_keep(mask: Tensor, T: int) -> Tensor:

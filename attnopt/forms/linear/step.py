@@ -66,11 +66,4 @@ def call(site: StepSite, q, k, v, mask, pasts):
     return out, [state, count]
 
 
-def why_not(site: StepSite) -> Optional[str]:
-    if site.module.params["feature_map"] == "favor":
-        return ("the favor map keeps its decode state in rescaled units with a data-dependent stabiliser, which the "
-                "decode graph does not carry; use elu, relu, hedgehog or taylor")
-    return None
-
-
-STEP = GraphStep(states=states, call=call, why_not=why_not)
+STEP = GraphStep(states=states, call=call)
