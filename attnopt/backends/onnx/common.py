@@ -172,6 +172,8 @@ def _describe(start: int, contrib_domain: str) -> str:
     branches = [n for n in nodes if n.op_type == "If" and not n.domain]
     if branches and contrib(nodes) == "standard ops":
         then, other = (branches[0].attributes[a].value for a in ("then_branch", "else_branch"))
+        if contrib(then) == contrib(other):  # the same op either way (e.g. GQA with or without a pad bias)
+            return contrib(then)
         if contrib(then) != "standard ops" or contrib(other) != "standard ops":
             return f"If({contrib(then)} | {contrib(other)})"
     return contrib(nodes)
