@@ -12,7 +12,10 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+import numpy as np
 import typer
+
+from attnopt.onnx.generator import Generator
 
 EXIT_OK, EXIT_BAD_ARGUMENT = 0, 2
 
@@ -59,10 +62,6 @@ def _fail(message: str) -> int:
 
 def run_generate(directory: str, prompts: list, max_new_tokens: int, sample: bool, temperature: float, top_k: int,
                  top_p: float, seed: Optional[int], threads: Optional[int], progress: bool) -> int:
-    import numpy as np
-
-    from attnopt.onnx.generator import Generator
-
     if not prompts:
         return _fail("give at least one --prompt")
     if max_new_tokens < 0:

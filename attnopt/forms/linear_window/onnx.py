@@ -7,6 +7,11 @@ the right (a zero key adds nothing), and for bidirectional sites the same on the
 (keys j ≥ pᵢ + W). Sinks belong to the window, so their φ(k) is zeroed on the linear side. FAVOR+
 keeps the query row's stabiliser c_q here: it would not cancel against the softmax terms, so the
 linear sums are rescaled by e^{c_q + c_k − m}. O(N·(Bq + W + S)·D + N·C·(M + Dv) + N·M·Dv).
+
+Decode step (`attnopt::linear_window_step`, forms/linear_window/step.py): the window form's step
+sums (window/onnx.py) plus the linear sums: the carried S ‖ z of every key that has left the buffer,
+and, inside the call, the keys leaving it before each query (an exclusive causal scan over the
+first T columns of buffer ‖ new); the present adds those T columns (pads and sinks excluded).
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ onnx-std: chunks of C. In a chunk the decay matrix γ^(r−l) (l ≤ r) weights 
 chunks a Scan carries the [B, H, M, W] state, S_c = γ^C S_{c−1} + U_c, so the cost is O(N·C·(M+W)
 + N·M·W) and the memory one state per chunk, never one per position. Every decay factor is γ to
 a non-negative power (built in log space and masked before the exp), so nothing overflows.
+
+Decode step (`attnopt::decay_step`, forms/ssm/step.py): the carried state [B, H, D, W] is
+LinearAttention's past_state (ort), or the Scan's initial state plus γ^T·state + Σ γ^(T−1−j) φ(k_j)v_jᵀ
+for the present (onnx-std). A pad adds no key and still decays the state, as in torch.
 """
 
 from __future__ import annotations

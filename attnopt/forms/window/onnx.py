@@ -14,6 +14,9 @@ can reach, gathered from the keys padded by W − 1 zeros in front; a constant [
 which of those a query sees, and the padded/dropped keys are masked from a gathered keep mask. The
 S sinks (each row's first S kept keys, found from a running count of kept keys) are scored
 separately and join the same softmax, counted only where they lie outside the band.
+
+Decode step (`attnopt::window_step`, forms/window/step.py; both targets standard ops: GQA has no
+StreamingLLM sinks): the bottom of this file.
 """
 
 from __future__ import annotations
