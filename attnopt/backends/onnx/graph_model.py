@@ -245,6 +245,9 @@ def _plan(c: _Call, path: str, site_id: str) -> LayerPlan:
     layer = getattr(c.module, "layer_idx", None)
     if not isinstance(layer, int):
         raise CannotGenerate(f"attention module {path} has no layer_idx; the decode graph names its states by layer")
+    if c.geometry.dtype != torch.float32:
+        raise CannotGenerate(f"site {site_id} computes in {str(c.geometry.dtype).replace('torch.', '')}; the decode "
+                             "export is checked in float32 on CPU: export model.float()")
     module = c.module._modules.get("attnopt_site")
     if module is not None and module.form == "exact":
         module = None

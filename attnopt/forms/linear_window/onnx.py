@@ -40,6 +40,7 @@ from attnopt.kernels.onnx.functions import (
     with_ones_column,
 )
 from attnopt.kernels.onnx.lowering import OpLowering
+from attnopt.kernels.onnx.steps import branch, one_token
 
 
 def _shift_right(x_BHNX, n: int, X: int):
@@ -132,8 +133,11 @@ def linear_window_step(q, k, v, mask, buffer, slots, linear, feature_map, weight
     phi_q, phi_out, _ = _linear_features(feature_map, q, expand_heads(k_out, Hkv, H, D), scale, weight, keep_out, H, D)
     M = feature_count(feature_map, D, weight)
     v1 = with_ones_column(expand_heads(v_out, Hkv, H, Dv))
-    lin = op.Add(op.MatMul(phi_q, linear), causal_linear_chunks(phi_q, _shift_right(phi_out, 1, M),
-                                                                 _shift_right(v1, 1, W), M, W, CHUNK))
+    carried = op.MatMul(phi_q, linear)
+    # One token: no key of the call has left before it, so only the carried sums (no chunk padded to C).
+    [lin] = branch(one_token(q), lambda: op.Identity(carried), lambda: op.Add(carried, causal_linear_chunks(
+        phi_q, _shift_right(phi_out, 1, M), _shift_right(v1, 1, W), M, W, CHUNK)), num_outputs=1, like=q,
+        name="linear_window_step")
     present = op.Add(linear, op.MatMul(op.Transpose(phi_out, perm=[0, 1, 3, 2]), v1))
     factor = op.Mul(op.Reshape(op.CastLike(beta, q), i64([1, H, 1, 1])), op.Exp(op.Neg(s.m)))
     num = op.Add(s.num, op.Mul(factor, slice_axis(lin, 3, i64([0]), i64([Dv]))))
