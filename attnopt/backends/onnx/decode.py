@@ -205,7 +205,12 @@ def trace(twin: nn.Module, layout: Layout, table: dict, opset):
     state_dims = tuple({0: batch, 2: past} if spec.grows else {0: batch} for _, spec, _, _ in layout.states())
     shapes = ({0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 1: seq}, state_dims)
     with quiet_export():
-        program = torch.export.export(DecoderGraph(twin, layout), args, dynamic_shapes=shapes, strict=False)
+        try:
+            program = torch.export.export(DecoderGraph(twin, layout), args, dynamic_shapes=shapes, strict=False)
+        except Exception as exc:  # one line: what torch.export said first
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise RuntimeError(f"torch.export cannot trace the model's decode graph: {type(exc).__name__}: "
+                               f"{first[:300]}") from exc
         return torch.onnx.export(program, dynamo=True, custom_translation_table=table, opset_version=opset,
                                  verbose=False)
 
