@@ -326,16 +326,25 @@ def _move_into(staging: Path, folder: Path) -> list:
 
 
 class _StepAlone(nn.Module):
-    """One site's step op on given tensors: (q, k, v, mask, *pasts) -> (out, *presents)."""
+    """One site's step op on given tensors: (q, k, v, mask, *pasts[, anchor q, anchor keys, x]) -> (out, *presents)."""
 
-    def __init__(self, plan):
+    def __init__(self, plan, extra: dict):
         super().__init__()
-        self.plan = plan
+        self.plan, self.n_pasts = plan, len(plan.states)
+        self.has_x = extra.get("x") is not None
         self.site_module = plan.site.module  # its weights become the graph's
 
-    def forward(self, q, k, v, mask, *pasts):
-        out, presents = self.plan.step.call(self.plan.site, q, k, v, mask, list(pasts))
+    def forward(self, q, k, v, mask, *rest):
+        pasts, more = list(rest[:self.n_pasts]), rest[self.n_pasts:]
+        extra = {"anchor": (more[0], more[1]), "x": more[2] if self.has_x else None} if more else {}
+        out, presents = self.plan.step.call(self.plan.site, q, k, v, mask, pasts, **extra)
         return (out, *presents)
+
+
+def _flat(extra: dict) -> tuple:
+    if not extra:
+        return ()
+    return tuple(extra["anchor"]) + ((extra["x"],) if extra.get("x") is not None else ())
 
 
 def localise(twin: nn.Module, layout: Layout, prompt, table: dict, opset, message: str) -> str:
@@ -348,11 +357,13 @@ def localise(twin: nn.Module, layout: Layout, prompt, table: dict, opset, messag
         out = graph(ids, mask, pos, *layout.example_pasts(ids.shape[0], 0))
         step_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         graph(ids[:, -1:], step_mask, step_mask.sum(1, keepdim=True) - 1, *out[1:])
-    for plan, ins, want in graph.record:
+    for plan, ins, extra, want in graph.record:
+        ins = ins + _flat(extra)
         try:
             with quiet_export():
-                program = torch.onnx.export(torch.export.export(_StepAlone(plan), ins, strict=False), dynamo=True,
-                                            custom_translation_table=table, opset_version=opset, verbose=False)
+                program = torch.onnx.export(torch.export.export(_StepAlone(plan, extra), ins, strict=False),
+                                            dynamo=True, custom_translation_table=table, opset_version=opset,
+                                            verbose=False)
             err = _ort_rel_rms(program.model_proto, ins, want)
         except Exception as exc:  # a lowering that fails to build or run is the failing site too
             return f"site {plan.site_id} ({plan.form}): {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
@@ -363,9 +374,15 @@ def localise(twin: nn.Module, layout: Layout, prompt, table: dict, opset, messag
 
 
 def _ort_rel_rms(proto, ins: tuple, want: tuple) -> float:
+    """Worst relative RMS of the outputs; the output only at real tokens (a pad's row reaches nothing, and
+    GroupQueryAttention spreads it over the hidden keys where torch gives 0)."""
     session = checks.session(proto)
     names = [i.name for i in session.get_inputs()]
     if len(names) != len(ins):
         raise RuntimeError(f"the step exported alone takes {len(names)} inputs, not {len(ins)}")
-    got = session.run(None, {n: t.detach().numpy() for n, t in zip(names, ins)})
+    got = session.run(None, {n: t.detach().contiguous().numpy() for n, t in zip(names, ins)})
+    q, mask = ins[0], ins[3]
+    real = mask[:, mask.shape[1] - q.shape[2]:].bool().numpy()[:, None, :, None]
+    got[0] = np.where(real, got[0], 0.0)
+    want = (torch.where(torch.as_tensor(real), want[0], 0.0),) + tuple(want[1:])
     return max(checks.rel_rms(np.asarray(g), w.detach().double().numpy()) for g, w in zip(got, want))

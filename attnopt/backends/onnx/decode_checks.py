@@ -105,7 +105,3 @@ def greedy_parity(model, path, prompt: Prompt, tolerance: float,
             where = on_failure(f"relative RMS {worst:.2e} > {tolerance:g} at step {step} ({label})")
             raise ParityError(f"the decode graph does not match torch generate(): {where}")
     return figures, tokens.tolist()
-
-
-def step_rel_rms(got: list, want: list) -> float:
-    return max(rel_rms(np.asarray(g), w.detach().float().numpy()) for g, w in zip(got, want))

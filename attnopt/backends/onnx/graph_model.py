@@ -296,8 +296,8 @@ class _Steps:
         if state is not None and state.store_qk:
             self.anchors[state.qk_key] = (query, presents[0])  # an exact site's present keys: every column
         self.presents[plan.layer] = presents
-        if self.record is not None:  # (plan, the op's tensors in, its tensors out): checks localise with them
-            self.record.append((plan, (query, key, value, mask, *pasts), (out, *presents)))
+        if self.record is not None:  # (plan, the call's tensors, its extras, its outputs): checks localise with them
+            self.record.append((plan, (query, key, value, mask, *pasts), extra, (out, *presents)))
         return out.transpose(1, 2).contiguous(), None
 
     def ordered(self) -> list:
@@ -328,7 +328,4 @@ def graph_copy(model: nn.Module):
     register()
     twin = copy.deepcopy(model)
     switch(twin, IMPL)
-    try:
-        yield twin
-    finally:
-        del twin
+    yield twin
