@@ -147,6 +147,9 @@ class SiteModule(nn.Module, abc.ABC):
     form: ClassVar[str] = ""
     uses_anchor_qk: ClassVar[bool] = False  # called with an earlier site's q and k (reuse)
     needs_layer_input: ClassVar[bool] = False  # called with x, the layer's input (reuse residual)
+    # `attend` reads the mask only as key padding (keep [B, Nk]) and applies causality itself, so a
+    # [B, 1, 1, Nk] keep mask serves it (exporters then build no [B, 1, Nq, Nk] mask for the site).
+    reads_padding_only: ClassVar[bool] = False
 
     def __init__(self, site: AttentionSite, params: Mapping[str, Any]):
         super().__init__()
@@ -450,7 +453,19 @@ class Form(abc.ABC):
         """How this form's custom op leaves PyTorch: the `LOWERING` (an OpLowering: the op and one
         onnxscript function per ONNX target) of its folder's onnx.py, or None when it adds no op."""
         module = self.folder_module("onnx")
-        return None if module is None else module.LOWERING
+        return None if module is None else getattr(module, "LOWERING", None)
+
+    def graph_step(self):
+        """How a site of this form runs in an exported decode graph: the `STEP` (forms.common.graph.
+        GraphStep: its state tensors and the call of its step op) of its folder's step.py, or None when
+        the form has none (the decode export then refuses its sites)."""
+        module = self.folder_module("step")
+        return None if module is None else module.STEP
+
+    def onnx_decode_lowering(self):
+        """The ONNX lowering of this form's step op: `DECODE_LOWERING` of its folder's onnx.py, or None."""
+        module = self.folder_module("onnx")
+        return None if module is None else getattr(module, "DECODE_LOWERING", None)
 
 
 def no_arbitrary_mask(site: AttentionSite) -> Optional[str]:
