@@ -88,8 +88,9 @@ def compile(
     found = target.detect(opts.batches[:1])
     timer.lap("capture+detect")
     say("record")
+    first = target.record(found, list(opts.batches))  # may describe the sites, or add what their calls show
     planning = plan_sites_of(found, opts)
-    recorded = record_where_forms_act(target, found, planning, opts.batches)
+    recorded = record_where_forms_act(target, found, planning, opts.batches, first)
     timer.lap("record")
     say("build + verify sites")
     verification = verify_sites(found.sites, planning.plans, target.build_context(found.sites, recorded.recording),
@@ -113,7 +114,7 @@ def compile(
     budget.model.attnopt_report = build_report(
         model_name=opts.name, policy=opts.policy, found=found, plans=planning.plans, outcomes=dispatch_result.outcomes,
         end_to_end=budget.end_to_end, timings=timer.timings, counts=counts, budget_steps=budget.steps,
-        thresholds=dispatch_result.thresholds,
+        thresholds=dispatch_result.thresholds, mechanism=target.mechanism, installs=target.installs(found.sites),
         notes=compile_notes(found, recorded, budget.install_counts, dispatch_result.thresholds))
     return budget.model
 
@@ -144,10 +145,9 @@ class Recorded:
     notes: list = field(default_factory=list)
 
 
-def record_where_forms_act(target: Target, found, planning, batches: list) -> Recorded:
-    """Record every batch; when some planned form acts only on longer inputs, add one and record again."""
+def record_where_forms_act(target: Target, found, planning, batches: list, recording: Recording) -> Recorded:
+    """`recording` of every batch; when some planned form acts only on longer inputs, add one and record again."""
     batches = list(batches)
-    recording = target.record(found, batches)
     need = verification_length(found.sites, planning.plans, recording.calls)
     if need is None:
         return Recorded(recording, batches)
@@ -200,7 +200,7 @@ def _position_limit(model: nn.Module) -> Optional[int]:
 
 
 def build_report(*, model_name, policy, found, plans, outcomes, end_to_end, timings, notes, counts, budget_steps=(),
-                 thresholds=None):
+                 thresholds=None, mechanism="", installs=None):
     """The report is assembled from exactly what the passes returned; only costs are computed here."""
     example_len = next((s.q_len for s in found.sites if isinstance(s.q_len, int)), None)
     records = []
@@ -214,11 +214,11 @@ def build_report(*, model_name, policy, found, plans, outcomes, end_to_end, timi
             why = "its length is symbolic and no site shows a static one" if "symbolic" in str(exc) else str(exc)
             notes.append(f"site {site.id}: cost not computed ({why})")
         records.append(SiteRecord(site=site, plan=plan, outcome=outcome, costs_before=before, costs_after=after,
-                                  threshold=(thresholds or {}).get(site.id)))
+                                  threshold=(thresholds or {}).get(site.id), install=(installs or {}).get(site.id, "")))
     return CompileReport(
         model_name=model_name, policy=policy, capture=found.capture, sites=records, near_misses=found.near_misses,
         end_to_end=end_to_end, timings=timings, notes=notes, counts=counts,
-        budget_steps=[s.to_dict() for s in budget_steps],
+        budget_steps=[s.to_dict() for s in budget_steps], mechanism=mechanism,
     )
 
 

@@ -30,7 +30,7 @@ from attnopt.forms.common.base import BuildContext
 from attnopt.forms.reuse.form import ReuseSite, find_anchor
 from attnopt.hf.interface import IMPL_EAGER, IMPL_SDPA, layer_index
 from attnopt.hf.recording import call_model, qk_projections, record_calls
-from attnopt.hf.routes import INTERFACE, is_hf_model, reached, route
+from attnopt.hf.routes import INTERFACE, MODULE, is_hf_model, reached, route, route_kind
 from attnopt.hf.sites import site_from_call
 from attnopt.ir.calls import Recording
 from attnopt.ir.detection import Detection
@@ -66,6 +66,10 @@ class HfTarget(Target):
         return is_hf_model(model) and getattr(model, "attnopt_report", None) is not None
 
     def detect(self, batches: list) -> Detection:
+        if route_kind(self.model) == MODULE:
+            # Routed per module, the calls show each site as the module computes it (its causal band
+            # folded into one mask, its own heads); a graph of the inline math proves less.
+            return Detection(capture="hf", notes=[])
         args, kwargs = batches[0]
         try:
             captured = capture_export(self.model, args, without_cache(self.model, kwargs), dynamic=False)
