@@ -82,6 +82,7 @@ def compile(
                                 calibration=calibration, verify_inputs=verify_inputs, method=method, name=name,
                                 dispatch=dispatch, progress=progress)
     timer, say = _Timer(), opts.progress
+    check_runnable(model, opts.name)
     target = target_for(model, opts.method, opts.name)
     timer.lap("copy")
     say("capture + detect")
@@ -89,6 +90,10 @@ def compile(
     timer.lap("capture+detect")
     say("record")
     first = target.record(found, list(opts.batches))  # may describe the sites, or add what their calls show
+    if not found.sites:
+        warnings.warn(f"attnopt.compile({opts.name}): found no attention in this model, so nothing can be rewritten "
+                      "(the result computes what the model computes); attnopt.inspect shows what looked close",
+                      stacklevel=2)
     planning = plan_sites_of(found, opts)
     recorded = record_where_forms_act(target, found, planning, opts.batches, first)
     timer.lap("record")
@@ -117,6 +122,17 @@ def compile(
         thresholds=dispatch_result.thresholds, mechanism=target.mechanism, installs=target.installs(found.sites),
         notes=compile_notes(found, recorded, budget.install_counts, dispatch_result.thresholds))
     return budget.model
+
+
+def check_runnable(model: nn.Module, name: str) -> None:
+    """One line, before any capture, for a model that cannot run: weights without values."""
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for path, t in named:
+            if t.is_meta:
+                raise ValueError(
+                    f"attnopt.compile({name}): {kind} {path!r} is on the meta device (it has no values); load real "
+                    "weights first (from_pretrained without a meta device map, or model.to_empty(device='cpu') and "
+                    "then load_state_dict)")
 
 
 def _install(target: Target, sites: list, modules: dict) -> tuple:
