@@ -90,10 +90,7 @@ def compile(
     timer.lap("capture+detect")
     say("record")
     first = target.record(found, list(opts.batches))  # may describe the sites, or add what their calls show
-    if not found.sites:
-        warnings.warn(f"attnopt.compile({opts.name}): found no attention in this model, so nothing can be rewritten "
-                      "(the result computes what the model computes); attnopt.inspect shows what looked close",
-                      stacklevel=2)
+    _warn_if_no_attention(found, opts.name)
     planning = plan_sites_of(found, opts)
     recorded = record_where_forms_act(target, found, planning, opts.batches, first)
     timer.lap("record")
@@ -122,6 +119,13 @@ def compile(
         thresholds=dispatch_result.thresholds, mechanism=target.mechanism, installs=target.installs(found.sites),
         notes=compile_notes(found, recorded, budget.install_counts, dispatch_result.thresholds))
     return budget.model
+
+
+def _warn_if_no_attention(found, name: str) -> None:
+    if not found.sites:
+        warnings.warn(f"attnopt.compile({name}): found no attention in this model, so nothing can be rewritten "
+                      "(the result computes what the model computes); attnopt.inspect shows what looked close",
+                      stacklevel=3)
 
 
 def check_runnable(model: nn.Module, name: str) -> None:

@@ -290,7 +290,7 @@ def watch_model_cache(model: nn.Module):
     def hook(mod, args, kwargs):
         cache = _find_cache(kwargs)
         if cache is not None:
-            for m in decoding_modules(mod):
+            for m in mod.__dict__["_attnopt_state"].stateful:
                 layer = bind_layer(m, cache)
                 if isinstance(layer, SiteCacheLayer):
                     layer.state = layer.site_module.settle(layer.state)  # decode leaves it to us under torch.compile

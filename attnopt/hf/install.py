@@ -77,7 +77,7 @@ def uninstall(model: nn.Module) -> int:
             continue
         for h in state.hooks:
             h.remove()
-        state.hooks, state.store_qk, state.anchor, state.cache_role = [], False, None, None
+        state.hooks, state.store_qk, state.anchor, state.cache_role, state.stateful = [], False, None, None, []
     return removed
 
 
@@ -110,7 +110,9 @@ def install(model: nn.Module, sites: list, modules: dict) -> dict:
     for target in stateful:
         target.__dict__["_attnopt_state"].hooks.append(watch_cache(target))
     if stateful:
-        model.__dict__.setdefault("_attnopt_state", ModuleState()).hooks.append(watch_model_cache(model))
+        top = model.__dict__.setdefault("_attnopt_state", ModuleState())
+        top.stateful = stateful  # a deep copy of the model maps these to its own modules
+        top.hooks.append(watch_model_cache(model))
     return {"installed": len(modules), "reuse_anchors": anchors, "layer_inputs_watched": watched,
             "model_window_taken_over": banded,
             "decode_state_sites": sum(m.__dict__["_attnopt_state"].cache_role == "state" for m in stateful)}

@@ -94,6 +94,7 @@ class ModuleState:
     # function's signature; None: the model's own attention function (original_attention).
     original: Optional[Callable] = None
     call: PerThread = field(default_factory=PerThread)  # "qk" (anchor) and "x" (layer input) of this call
+    stateful: list = field(default_factory=list)  # top-level model: the modules whose cache layers it binds
 
 
 def layer_index(module: nn.Module) -> Optional[int]:
