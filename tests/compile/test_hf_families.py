@@ -1,6 +1,7 @@
 """Every transformers model that generates keeps generate(): encoder-decoders that call the attention
 interface although their class flag says no (BART, T5, Whisper), and decoders that compute attention
-inline (Falcon: its SDPA call is intercepted; BLOOM: ALiBi, so its sites stay exact).
+inline (Falcon: its SDPA call is intercepted; GPT-Neo: its `_attn` method; BLOOM: ALiBi, so its sites
+stay exact).
 
 For each: the report says which mechanism and install it took; cached generate() gives per-step
 logits equal to one uncached forward over the generated sequence (≤ 1e-5, fp32) with a form that
@@ -26,6 +27,10 @@ def _tiny(family):
         model = tf.FalconForCausalLM(tf.FalconConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2,
                                                      num_attention_heads=4, alibi=False, multi_query=True,
                                                      new_decoder_architecture=False, max_position_embeddings=128))
+    elif family == "gpt_neo":  # layer 1 local (window 4): its band comes from the module's bias buffer
+        model = tf.GPTNeoForCausalLM(tf.GPTNeoConfig(vocab_size=V, hidden_size=64, num_layers=2, num_heads=4,
+                                                     attention_types=[[["global", "local"], 1]], window_size=4,
+                                                     max_position_embeddings=128))
     elif family == "bloom":
         model = tf.BloomForCausalLM(tf.BloomConfig(vocab_size=V, hidden_size=64, n_layer=2, n_head=4))
     elif family == "bart":
@@ -58,7 +63,7 @@ def _inputs(family, batch=2):
         return {"input_features": torch.randn(batch, 16, 32, generator=g)}
     ids = torch.randint(3, V, (batch, N), generator=g)
     am = torch.ones(batch, N, dtype=torch.long)
-    if family in ("falcon", "bloom"):  # the last row left-padded, as generate() takes it
+    if family in ("falcon", "bloom", "gpt_neo"):  # the last row left-padded, as generate() takes it
         ids[-1, :PAD], am[-1, :PAD] = 0, 0
     else:  # an encoder input right-padded, as seq2seq tokenizers pad
         ids[-1, N - PAD:], am[-1, N - PAD:] = 1, 0
@@ -101,12 +106,13 @@ def _check_cached_equals_uncached(opt, feed):
     return seq, steps, cache
 
 
-@pytest.mark.parametrize("family, form", [("falcon", "linear"), ("bart", "window"), ("whisper", "linear")])
-def test_decoder_self_attention_decodes_from_a_state_and_cached_equals_uncached(family, form):
+@pytest.mark.parametrize("family, form", [("falcon", "linear"), ("gpt_neo", "linear"), ("bart", "window"),
+                                          ("whisper", "linear")])
+def test_decoder_self_attention_decodes_from_a_state_and_cached_equals_uncached(family, form, tmp_path):
     policy = {"rules": [{"form": "window", "window": 4}]} if form == "window" else form
     base, opt, feed, example = _compile(family, policy)
     rep = opt.attnopt_report
-    expected_install = "sdpa-intercept" if family == "falcon" else "attention-interface"
+    expected_install = {"falcon": "sdpa-intercept", "gpt_neo": "core-method"}.get(family, "attention-interface")
     assert rep.mechanism == "hf" and {r.install for r in rep.sites} == {expected_install}
     assert rep.mechanism_text.startswith("hf (")
     decoder_self = [r for r in rep.sites if r.site.causal]
@@ -123,7 +129,13 @@ def test_decoder_self_attention_decodes_from_a_state_and_cached_equals_uncached(
         assert not any(isinstance(layer, SiteCacheLayer) for layer in cache.cross_attention_cache.layers)
     with torch.no_grad():  # the rewrite runs (the comparison above is not of the original with itself)
         assert (opt(**example).logits - base(**example).logits).abs().max() > 1e-4
-    if family == "falcon":  # the left-padded row equals the row alone
+    if family == "falcon":  # attnopt.load routes the module again: the same model, generate() included
+        loaded = attnopt.load(attnopt.save(opt, tmp_path / "falcon"))
+        assert [r.install for r in loaded.attnopt_report.sites] == ["sdpa-intercept"] * 2
+        with torch.no_grad():
+            assert torch.equal(loaded(**example).logits, opt(**example).logits)
+        assert torch.equal(_generate(loaded, feed)[0], seq)
+    if family in ("falcon", "gpt_neo"):  # the left-padded row equals the row alone
         alone_seq, alone, _ = _generate(opt, {k: v[-1:, PAD:] for k, v in feed.items()})
         assert torch.equal(alone_seq[0, -NEW:], seq[-1, -NEW:]) and (alone[0] - steps[-1]).abs().max() < 1e-5
     if family == "bart":  # the padded encoder row equals the row alone
