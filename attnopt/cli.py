@@ -1,5 +1,5 @@
 """`attnopt` command line (typer, rich): `inspect MODEL`, `compile MODEL --policy P`, `calibrate`, `export`,
-`bench`, `demo`.
+`generate DIR`, `bench`, `demo`.
 
 Every expected failure (bad argument or MODEL, model that does not trace, no attention, Ctrl-C)
 prints one line to stderr and returns its exit code; no traceback. `main(argv) -> int` is the
@@ -144,6 +144,11 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
+
+# `attnopt generate DIR --prompt ...`: the decode-folder runner (numpy + onnxruntime; no torch)
+from attnopt.onnx.cli import GENERATE_EPILOG, GENERATE_HELP, generate_command  # noqa: E402
+
+app.command("generate", help=GENERATE_HELP, epilog=GENERATE_EPILOG)(generate_command)
 
 @app.callback()
 def _root(
