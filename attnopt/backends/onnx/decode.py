@@ -50,7 +50,7 @@ from attnopt.backends.onnx.common import (
     translation_table,
 )
 from attnopt.backends.onnx.graph_model import CannotGenerate, DecoderGraph, Layout, graph_copy, probe
-from attnopt.hf.interface import is_hf_model
+from attnopt.hf.routes import is_hf_model
 from attnopt.onnx.contract import CONTRACT_KEY
 
 MODEL_FILE = "model.onnx"

@@ -27,7 +27,8 @@ from torch import nn
 
 from attnopt import forms
 from attnopt.forms.common.graph import StateSpec, StepGeometry, StepSite
-from attnopt.hf.interface import attention_forward, is_hf_model, switch
+from attnopt.hf.interface import attention_forward, switch
+from attnopt.hf.routes import is_hf_model
 
 IMPL = "attnopt_graph"
 KEY_MASK_IMPL = "attnopt_keymask"
