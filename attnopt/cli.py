@@ -270,6 +270,8 @@ def run_compile(spec: str, policy_text: str, tolerance: Optional[float], e2e_tex
     e2e = parse_e2e_tolerance(e2e_text)
     if seq_len < 1:
         raise CliError(f"--seq-len must be >= 1; got {seq_len}", EXIT_BAD_ARGUMENT)
+    json_path = json_out or os.path.splitext(html)[0] + ".json"
+    check_writable({"--html": html, "--json": json_path})
     model, args, kwargs, description = _load(spec, texts=english_passages(), max_length=seq_len)
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if isinstance(limit, int) and seq_len > limit:
@@ -278,11 +280,68 @@ def run_compile(spec: str, policy_text: str, tolerance: Optional[float], e2e_tex
     opt = compile_or_fail(model, policy, (args, kwargs), description, tolerance=tolerance, e2e_tolerance=e2e,
                           dispatch=dispatch)
     report = opt.attnopt_report
+    judged = judge_decoder(model, opt, args, kwargs, description)
+    if judged:
+        report.notes.append(judged)
     print(report.to_markdown())
-    json_path = json_out or os.path.splitext(html)[0] + ".json"
     write_reports(report, html, json_path)
-    print(f"\n{summary_line(report)}\nwrote {html} and {json_path}")
+    print(f"\n{judged or summary_line(report)}\nwrote {html} and {json_path}")
     return EXIT_OK
+
+
+def check_writable(paths: dict) -> None:
+    """One line before any work when a report path cannot be written (a folder, no permission)."""
+    for flag, path in paths.items():
+        if os.path.isdir(path):
+            raise CliError(f"{flag} {path} is a directory; give a file path", EXIT_BAD_ARGUMENT)
+        existed = os.path.exists(path)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "a"):
+                pass
+        except OSError as exc:
+            raise CliError(f"{flag} {path} cannot be written ({exc.strerror or exc}); give a writable path",
+                           EXIT_BAD_ARGUMENT) from exc
+        if not existed:
+            os.remove(path)
+
+
+def judge_decoder(model, opt, args, kwargs, description: str) -> Optional[str]:
+    """For a causal LM: its logits drift and the perplexity of the original and the rewritten model on
+    the built-in text (the example compile verified on, so in-sample); None for other models."""
+    from attnopt.analysis.perplexity import is_causal_lm, perplexity
+
+    if args or not is_causal_lm(model) or "input_ids" not in kwargs:
+        return None
+    from attnopt.targets import target_of
+
+    report = opt.attnopt_report
+    per_output = getattr(report.end_to_end, "per_output", None) or {}
+    drift = next((d for name, d in per_output.items() if "logits" in name), None)
+    text = f"{report.count('rewritten')}/{len(report.sites)} sites rewritten"
+    if drift is not None:
+        text += f"; logits relative RMS drift {drift.rel_rms:.4g} (worst verification batch)"
+    ids = kwargs["input_ids"]
+    if "random token ids" in description:
+        return text + "; perplexity not measured (random token ids: the directory has no tokenizer)"
+    before, after = perplexity(model, kwargs), perplexity(opt, kwargs)
+    if before is None or after is None:
+        return text
+    text += (f"; perplexity on the built-in text ({ids.shape[0]}x{ids.shape[1]} tokens, in-sample): "
+             f"{before:.4g} original, {after:.4g} rewritten ({after / before:.3f}x)")
+    waiting = {sid: m for sid, m in target_of(opt).site_modules().items() if m.min_seq_len > ids.shape[1]}
+    if not waiting:
+        return text
+    saved = {sid: m.min_seq_len for sid, m in waiting.items()}
+    try:
+        for m in waiting.values():
+            m.min_seq_len = 0
+        acting = perplexity(opt, kwargs)
+    finally:
+        for sid, m in waiting.items():
+            m.min_seq_len = saved[sid]
+    return text + (f", where {len(waiting)} sites run exact below their dispatch threshold; with every form "
+                   f"acting at this length {acting:.4g} ({acting / before:.3f}x)")
 
 
 def parse_e2e_tolerance(text: str) -> Optional[float]:

@@ -147,9 +147,16 @@ def plan_sites_of(found, opts: CompileOptions):
     planning = plan_sites(found.sites, opts.policy)
     if found.sites:
         layers = len({s.layer for s in found.sites})
-        for index, text in planning.unmatched_rules:
-            warnings.warn(f"attnopt.compile({opts.name}): policy rule {index} ({text}) matches no attention site of "
-                          f"this model ({layers} attention layers); check its layers / module / source", stacklevel=3)
+        for index, text, claimed in planning.unmatched_rules:
+            if claimed:
+                by = ", ".join(f"rule {j} ({t}) took {k} site{'s' if k > 1 else ''}" for j, t, k in claimed)
+                warnings.warn(f"attnopt.compile({opts.name}): policy rule {index} ({text}) chose no site: every site "
+                              f"it matches was claimed first by an earlier rule ({by}; the first matching rule "
+                              f"wins); move rule {index} earlier or narrow the earlier rule's layers", stacklevel=3)
+            else:
+                warnings.warn(f"attnopt.compile({opts.name}): policy rule {index} ({text}) matches no attention site "
+                              f"of this model ({layers} attention layers); check its layers / module / source",
+                              stacklevel=3)
     return planning
 
 

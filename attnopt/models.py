@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 EXAMPLE_SENTENCES = ("A man is eating food.", "The quick brown fox jumps over the lazy dog near the river bank.")
 RANDOM_IDS_SEED = 0
 RANDOM_IDS_SHAPE = (2, 11)  # batch, tokens when a model directory has no tokenizer
+BYTE_VOCAB = 256  # a directory with no tokenizer and this vocabulary is taken as byte-level
 
 
 class ModelSpecError(ValueError):
@@ -72,15 +73,21 @@ def _load_hf_dir(path: Path, description: str, texts=None, max_length=None):
     except ImportError as exc:
         raise ModelSpecError("loading a Hugging Face model needs the 'transformers' package") from exc
     try:
-        model = transformers.AutoModel.from_pretrained(str(path)).eval()
+        cls = task_class(transformers, path)
+        model = cls.from_pretrained(str(path)).eval()
     except Exception as exc:
         raise ModelSpecError(f"could not load a Hugging Face model from {str(path)!r}: "
                              f"{type(exc).__name__}: {exc}") from exc
+    if cls is not transformers.AutoModel:
+        description += f" ({cls.__name__})"
     kwargs: dict = {}
     vocab = int(getattr(model.config, "vocab_size", 100) or 100)
     enc = _tokenize(transformers, path, vocab, texts, max_length)
     if enc is not None:
         kwargs.update(enc)
+    elif vocab == BYTE_VOCAB:
+        kwargs.update(byte_ids(texts or EXAMPLE_SENTENCES, max_length))
+        description += " (UTF-8 bytes as token ids: no tokenizer and a 256-token vocabulary)"
     else:
         gen = torch.Generator().manual_seed(RANDOM_IDS_SEED)
         kwargs["input_ids"] = torch.randint(1, vocab, RANDOM_IDS_SHAPE, generator=gen)
@@ -90,6 +97,32 @@ def _load_hf_dir(path: Path, description: str, texts=None, max_length=None):
     if getattr(model.config, "use_cache", False):
         kwargs["use_cache"] = False  # a cache object is not an exportable output
     return model, (), kwargs, description
+
+
+def byte_ids(texts, max_length=None) -> dict:
+    """`texts` as UTF-8 byte ids, right-padded with 0 (and masked) to the longest, or cut and padded to
+    exactly `max_length`: the tokens of a byte-level model, which ships no tokenizer."""
+    import torch
+
+    rows = [list(t.encode("utf-8"))[: max_length or None] for t in texts]
+    n = max_length or max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), n, dtype=torch.long)
+    mask = torch.zeros(len(rows), n, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def task_class(transformers, path: Path):
+    """The class the directory's config names (`architectures`, e.g. LlamaForCausalLM, so the task head
+    loads with its weights); AutoModel when it names none that this transformers has."""
+    config = transformers.AutoConfig.from_pretrained(str(path))
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            return cls
+    return transformers.AutoModel
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",

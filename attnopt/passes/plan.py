@@ -20,7 +20,9 @@ class Planning:
 
     plans: list = field(default_factory=list)  # list[SitePlan]
     counts: dict = field(default_factory=dict)  # "rule", "auto", "no_rule", "unsupported" -> sites
-    unmatched_rules: list = field(default_factory=list)  # (index, text) of rules no site matched
+    # (index, text, claimed) of rules that chose no site; claimed: ((earlier index, its text, sites), ...)
+    # for the sites the rule matches that an earlier rule took first (the first matching rule wins)
+    unmatched_rules: list = field(default_factory=list)
 
 
 def num_layers(sites: list[AttentionSite]) -> int:
@@ -30,10 +32,10 @@ def num_layers(sites: list[AttentionSite]) -> int:
 def plan_sites(sites: list[AttentionSite], policy) -> Planning:
     """One SitePlan per site, in site order, with the candidates the verifier tries in order."""
     n = num_layers(sites)
-    plans, matched = [], set()
+    plans, chosen = [], []
     for site in sites:
         rule, index = policy.choose(site, n)
-        matched.add(index)
+        chosen.append(index)
         if rule is None and policy.auto:
             plans.append(_auto_plan(site, sites, policy))
         elif rule is None:
@@ -44,8 +46,21 @@ def plan_sites(sites: list[AttentionSite], policy) -> Planning:
     for p in plans:
         key = "unsupported" if p.unsupported else "auto" if p.rule == "auto" else "rule" if p.rule else "no_rule"
         counts[key] += 1
-    unmatched = [(i, r.describe()) for i, r in enumerate(policy.rules) if i not in matched and r.form != "exact"]
-    return Planning(plans, counts, unmatched)
+    return Planning(plans, counts, unmatched_rules(sites, policy, chosen, n))
+
+
+def unmatched_rules(sites: list, policy, chosen: list, n: int) -> list:
+    """The non-exact rules that chose no site, each with the earlier rules that claimed its sites."""
+    out = []
+    for i, rule in enumerate(policy.rules):
+        if i in chosen or rule.form == "exact":
+            continue
+        claimed: dict = {}
+        for site, index in zip(sites, chosen):
+            if rule.matches(site, n):
+                claimed[index] = claimed.get(index, 0) + 1
+        out.append((i, rule.describe(), tuple((j, policy.rules[j].describe(), k) for j, k in sorted(claimed.items()))))
+    return out
 
 
 def _auto_plan(site, sites, policy) -> SitePlan:

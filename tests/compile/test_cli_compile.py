@@ -63,3 +63,40 @@ def test_model_without_attention_is_code_4(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("attnopt compile: no attention found in make()") and "Traceback" not in err
     assert not (tmp_path / "r.html").exists()
+
+
+TINY_LM = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "data", "tiny_lm")
+
+
+def test_a_causal_lm_directory_loads_its_head_and_is_judged_by_logits_and_perplexity(tmp_path, capsys):
+    html = tmp_path / "r.html"
+    code = main(["compile", TINY_LM, "--policy", "linear+window:16", "--seq-len", "48", "--html", str(html)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "UNEXPECTED" not in captured.out + captured.err
+    summary = captured.out.strip().splitlines()[-2]
+    assert "logits relative RMS drift" in summary and "embedding cosine" not in summary
+    assert "perplexity on the built-in text (4x48 tokens, in-sample)" in summary
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert "LlamaForCausalLM" in data["model_name"]
+    assert any("perplexity" in note for note in data["notes"])
+    ratios = [float(part.split("(")[1].rstrip("x)")) for part in summary.split(", ") if part.endswith("x)")]
+    assert ratios and all(0.5 < r < 2.0 for r in ratios)
+
+
+def test_an_unwritable_report_path_fails_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    import attnopt.cli as cli
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the report path was checked")
+
+    monkeypatch.setattr(cli, "_load", no_load)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for argv, words in ((["--html", str(tmp_path)], "is a directory"),
+                        (["--html", str(blocker / "r.html")], "cannot be written"),
+                        (["--html", str(tmp_path / "ok.html"), "--json", str(blocker / "r.json")], "--json")):
+        assert main(["compile", f"{EXAMPLE}:build", *argv]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "ok.html").exists()

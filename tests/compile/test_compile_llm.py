@@ -217,6 +217,14 @@ def test_a_rule_that_matches_no_site_warns(llama):
         attnopt.compile(llama, "reuse:5", example_inputs={"input_ids": _ids(), "use_cache": False})
 
 
+def test_a_rule_shadowed_by_an_earlier_rule_says_which_rule_took_its_sites(llama):
+    policy = {"rules": [{"form": "window", "window": 4}, {"form": "linear"}]}
+    with pytest.warns(UserWarning, match=r"rule 1 .*linear.*claimed first.*rule 0 .*window.*took 4 sites") as seen:
+        attnopt.compile(llama, policy, example_inputs={"input_ids": _ids(), "use_cache": False}, tolerance=0.99,
+                        e2e_tolerance=None)
+    assert not any("matches no attention site" in str(w.message) for w in seen)
+
+
 def test_register_reuse_warns_that_it_needs_compile():
     with pytest.warns(UserWarning, match="reuse needs"):
         attnopt.hf.register("reuse")
