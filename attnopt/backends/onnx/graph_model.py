@@ -282,7 +282,7 @@ class _Steps:
         self.layout, self.paths, self.record = layout, paths, record
         self.by_path: dict = {}
         self.presents: dict = {}
-        self.anchors: dict = {}  # an anchor's qk key -> (its new queries, its present keys), for reuse sites
+        self.anchors: dict = {}  # id of an anchor's ModuleState -> (its new queries, its present keys), for reuse sites
         it = iter(pasts)
         for plan in layout.layers:
             self.by_path[plan.path] = (plan, [next(it) for _ in plan.states])
@@ -292,10 +292,10 @@ class _Steps:
         state = module.__dict__.get("_attnopt_state")
         extra = {}
         if plan.step.needs_anchor:  # reuse: the anchor's q and keys, this layer's input
-            extra = {"anchor": self.anchors[state.anchor_key], "x": state.last_x}
+            extra = {"anchor": self.anchors[id(state.anchor)], "x": state.call.get("x")}
         out, presents = plan.step.call(plan.site, query, key, value, mask, pasts, **extra)
         if state is not None and state.store_qk:
-            self.anchors[state.qk_key] = (query, presents[0])  # an exact site's present keys: every column
+            self.anchors[id(state)] = (query, presents[0])  # an exact site's present keys: every column
         self.presents[plan.layer] = presents
         if self.record is not None:  # (plan, the call's tensors, its extras, its outputs): checks localise with them
             self.record.append((plan, (query, key, value, mask, *pasts), extra, (out, *presents)))
