@@ -32,6 +32,8 @@ dtypes: fp16/bf16 compute in fp32 with fp32 states; fp32/fp64 keep their own. Ou
 The stateless prefill is the custom op `torch.ops.attnopt.gated_delta_attention` (one node under
 torch.export; fake and recompute-autograd registered; gradients for q, k, v, g and β). Stateful use
 (`state=`, `gated_delta_attention_step`) is plain differentiable PyTorch.
+On CUDA, a stateless call that needs no gradient runs the Triton forward kernel instead
+(`attnopt.kernels.triton.gated_delta`, when Triton imports and `gated_delta_unsupported` returns None).
 
 Letters: B batch, H query heads, Hkv kv heads, G = H // Hkv, N length, D head dim of q/k, Dv head
 dim of v, C chunk, nc chunks, X = B·Hkv.
@@ -47,19 +49,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnopt.kernels.dispatch import cuda_kernels
-from attnopt.kernels.gated_linear import _own, _rev_cumsum_exclusive, _segsum, check_log_gate
+from attnopt.kernels.gated_linear import _own, _rev_cumsum_exclusive, _segsum, _values_known, check_log_gate
 from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
 from attnopt.kernels.registration import register_recompute_autograd
 
 __all__ = ["gated_delta_attention", "gated_delta_attention_step", "init_gated_delta_state"]
 
 _WHO = "gated_delta_attention"
-
-
-def _is_fake(t: Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(t)
 
 
 def _check_beta(who, beta, B, Hkv, N) -> None:
@@ -69,7 +65,7 @@ def _check_beta(who, beta, B, Hkv, N) -> None:
         raise TypeError(f"{who}: beta must be floating point, got {beta.dtype}")
     if tuple(beta.shape) != (B, Hkv, N):
         raise ValueError(f"{who}: beta must have shape [B, Hkv, N] = {[B, Hkv, N]} (one write strength per kv head and key), got {list(beta.shape)}")
-    if not _is_fake(beta) and beta.numel() and not bool(torch.isfinite(beta).all()):
+    if _values_known(beta) and not bool(torch.isfinite(beta).all()):
         raise ValueError(f"{who}: beta must be finite")
 
 

@@ -43,6 +43,8 @@ Output in q's dtype.
 The stateless prefill is the custom op `torch.ops.attnopt.gated_linear_attention` (one node under
 torch.export; fake and recompute-autograd registered; gradients for q, k, v and g). Stateful use
 (`state=`, `gated_linear_attention_step`) is plain differentiable PyTorch, as for decay_attention.
+On CUDA, a stateless call that needs no gradient runs the Triton forward kernel instead
+(`attnopt.kernels.triton.gated_linear`, when Triton imports and `gated_linear_unsupported` returns None).
 
 Letters: B batch, H query heads, Hkv key/value heads, G = H // Hkv, N length, D head dim of q/k,
 M feature width of φ, Mg gate width (M or 1), Dv head dim of v, C chunk, c sub-chunk, nc chunks,
@@ -107,6 +109,12 @@ def _own(t: Tensor) -> Tensor:
     return t if t.storage_offset() == 0 else t.clone()
 
 
+def _values_known(t: Tensor) -> bool:
+    """Whether a value check can look at `t`: not a fake tensor (torch.export) and not while
+    torch.compile traces (a data-dependent branch there would only break the graph)."""
+    return t.numel() > 0 and not torch.compiler.is_compiling() and not _is_fake(t)
+
+
 def _segsum(x: Tensor) -> Tensor:
     """x [..., T, W] -> [..., T(i), T(j), W]: Σ_{j<s<=i} x_s for j <= i (0 on the diagonal), -inf above.
 
@@ -160,7 +168,7 @@ def _check_inputs(q, k, v, g, key_mask, who=_WHO) -> None:
 
 def check_log_gate(who: str, g, B: int, Hkv: int, N: int, M: Optional[int], per_channel_ok: bool) -> None:
     """g must be a float tensor [B, Hkv, N] (per head) or, when per_channel_ok, [B, Hkv, N, M],
-    finite and <= 0. The value check is one reduction and is skipped on fake (traced) tensors."""
+    finite and <= 0. The value check is one reduction, skipped while tracing (`_values_known`)."""
     shapes = f"[B, Hkv, N] = {[B, Hkv, N]}" + (f" or [B, Hkv, N, M] = {[B, Hkv, N, M]}" if per_channel_ok else "")
     if not isinstance(g, torch.Tensor):
         raise TypeError(f"{who}: g (log-gates) must be a tensor of shape {shapes}, got {type(g).__name__}")
@@ -169,7 +177,7 @@ def check_log_gate(who: str, g, B: int, Hkv: int, N: int, M: Optional[int], per_
     ok = tuple(g.shape) == (B, Hkv, N) or (per_channel_ok and tuple(g.shape) == (B, Hkv, N, M))
     if not ok:
         raise ValueError(f"{who}: g (log-gates) must have shape {shapes}, got {list(g.shape)}")
-    if not _is_fake(g) and g.numel() and not bool(((g <= 0) & torch.isfinite(g)).all()):
+    if _values_known(g) and not bool(((g <= 0) & torch.isfinite(g)).all()):
         bad = g[~((g <= 0) & torch.isfinite(g))].flatten()[0].item()
         raise ValueError(
             f"{who}: g holds log-gates and must be finite and <= 0 (got {bad}); pass e.g. F.logsigmoid(x), not the gate itself"
@@ -267,11 +275,15 @@ def _gla_chunks(fq: Tensor, fk: Tensor, v: Tensor, g: Tensor, T0: Tensor, C: int
     # Across chunks: a masked decay matmul per group of chunks, a Python loop over the groups.
     S_before, S = _scan_chunks(chunk_U, sub_total.sum(2), T0)  # [X, nc, M, W], [X, M, W]
 
-    # State entering every sub-chunk: the chunk's entry state decayed to it, plus the inner scan.
+    # A query reads the state entering its sub-chunk: the chunk's entry state decayed to the query
+    # (exp of the in-chunk inclusive sum: earlier sub-chunks' totals + the local cumsum) plus this
+    # chunk's earlier sub-chunks (the inner scan, decayed by the local cumsum). Two products; the
+    # per-sub-chunk states S_before + inner are never formed.
     into_sub = torch.cumsum(F.pad(sub_total[:, :, :-1], (0, 0, 1, 0)), dim=2)  # Σ over earlier sub-chunks
-    S_sub = torch.exp(into_sub)[..., None] * S_before[:, :, None] + inner  # [X, nc, ns, M, W]
     q_in = q6 * torch.exp(local)[:, :, :, None]  # [X, nc, ns, G, c, M]
-    out = q_in.reshape(X, nc, ns, G * c, M) @ S_sub  # [X, nc, ns, G·c, W]
+    q_chunk = q6 * torch.exp(local + into_sub[:, :, :, None])[:, :, :, None]
+    out = q_in.reshape(X, nc, ns, G * c, M) @ inner  # [X, nc, ns, G·c, W]
+    out = out + (q_chunk.reshape(X, nc, ns * G * c, M) @ S_before).view(X, nc, ns, G * c, W)
 
     # Own sub-chunk, j <= i: Σ_m φq_im φk_jm exp(Σ_{j<s<=i} g_sm).
     if Mg == 1:  # one gate per head: a scalar c×c decay matrix

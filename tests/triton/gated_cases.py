@@ -141,6 +141,33 @@ def delta_fp16():
 
 
 @case
+def dispatch_from_reference_ops():
+    """The reference ops hand a stateless no-grad call to the kernels (CUDA is faked here: the
+    interpreter runs CPU tensors) and keep calls that need gradients or carry a state."""
+    import attnopt.kernels.gated_delta as rd
+    import attnopt.kernels.gated_linear as rl
+    import attnopt.kernels.triton.gated_delta as td
+    import attnopt.kernels.triton.gated_linear as tgl
+
+    launched = []
+    for mod, tmod in ((rl, tgl), (rd, td)):
+        mod.cuda_kernels = lambda q: object()  # "a CUDA tensor and Triton imports"
+        real = tmod._launch
+        tmod._launch = lambda *a, _real=real, **kw: (launched.append(_real.__module__), _real(*a, **kw))[1]
+    q, k, v, g, beta, keep = _problem(**SHAPE, gate="channel")
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    kn = F.normalize(k, dim=-1)
+    r = {"gla": _check(rl.gated_linear_attention(q, k, v, g, key_mask=keep), gla_oracle(q.double(), k.double(), v.double(), g.double(), key_mask=keep)[0], torch.float32)["out"]}
+    r["delta"] = _check(rd.gated_delta_attention(q, kn, v, g[..., 0], beta, key_mask=keep),
+                        delta_oracle(q.double(), kn.double(), v.double(), g[..., 0].double(), beta.double(), key_mask=keep)[0], torch.float32)["out"]
+    n_fast = len(launched)
+    rl.gated_linear_attention(q, k, v, g.requires_grad_())  # needs a backward: PyTorch path
+    rd.gated_delta_attention(q, kn, v, g[..., 0].detach(), beta, state=torch.zeros(2, 3, 12, 10))  # a state: PyTorch path
+    assert n_fast == 2 and len(launched) == 2, launched
+    return r
+
+
+@case
 def unsupported_reasons():
     """Not a numeric case: the reasons the reference ops' dispatch would see."""
     from attnopt.kernels.triton.gated_delta import gated_delta_unsupported

@@ -1,7 +1,6 @@
 """Gated delta-rule prefill (forward) as a fused-chunk Triton scan in the WY / UT form.
 
-Semantics of `attnopt.kernels.gated_delta.gated_delta_attention` (stateless; its checks are
-reused): S_t = exp(g_t)(I − β_t k_t k_tᵀ)S_{t-1} + β_t k_t v_tᵀ, o_t = s·S_tᵀq_t, g and β [B, Hkv, N].
+Semantics of `attnopt.kernels.gated_delta.gated_delta_attention` (stateless): S_t = exp(g_t)(I − β_t k_t k_tᵀ)S_{t-1} + β_t k_t v_tᵀ, o_t = s·S_tᵀq_t, g and β [B, Hkv, N].
 
 The columns of S evolve independently, so one program owns one (batch, kv head, block of BV value
 columns) with the full key width BD, carries S [BD, BV] in registers across chunks of BC = 16
@@ -30,8 +29,9 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op
 
-from attnopt.kernels.gated_delta import _check_inputs, _check_options
+from attnopt.kernels.layout import check_sdpa_inputs
 from attnopt.kernels.triton.chunk_scan import _dot
+from attnopt.kernels.triton.gated_linear import check_gate
 from attnopt.kernels.triton.runtime import interpreting, kernel_dtype_ok, launcher, low_precision, pow2, require_runtime
 
 __all__ = ["gated_delta_attention", "gated_delta_unsupported", "MAX_HEAD_DIM"]
@@ -161,9 +161,14 @@ def gated_delta_attention(
 ) -> Tensor:
     """`attnopt.kernels.gated_delta.gated_delta_attention` (stateless, forward) on the Triton kernel;
     same arguments and result. `chunk_size` is accepted for compatibility: the kernel uses 16."""
-    _check_inputs(q, k, v, g, beta, key_mask)
-    _check_options(scale, chunk_size)
-    require_runtime("gated_delta_attention", q)
+    who = "gated_delta_attention"
+    check_sdpa_inputs(who, q, k, v, key_mask)
+    if q.shape[2] > k.shape[2]:
+        raise ValueError(f"{who}: {q.shape[2]} queries but {k.shape[2]} keys; causal gated attention needs Nq <= Nk")
+    check_gate(who, g, k, per_channel_ok=False)
+    if not isinstance(beta, Tensor) or not beta.is_floating_point() or tuple(beta.shape) != tuple(g.shape):
+        raise ValueError(f"{who}: beta must be a float tensor of shape [B, Hkv, N] = {list(g.shape)}")
+    require_runtime(who, q)
     reason = gated_delta_unsupported(q, k=k, v=v, g=g, beta=beta)
     if reason:
         raise ValueError(reason)

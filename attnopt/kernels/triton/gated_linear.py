@@ -1,7 +1,6 @@
 """Gated linear attention prefill (forward) as a fused-chunk Triton scan.
 
-Semantics of `attnopt.kernels.gated_linear.gated_linear_attention` (stateless; its checks are
-reused): S_t = diag(exp g_t) S_{t-1} + φ(k_t)v_tᵀ, o_t = s·φ(q_t)ᵀS_t, or the normalised ratio with
+Semantics of `attnopt.kernels.gated_linear.gated_linear_attention` (stateless): S_t = diag(exp g_t) S_{t-1} + φ(k_t)v_tᵀ, o_t = s·φ(q_t)ᵀS_t, or the normalised ratio with
 z_t = exp(g_t) ⊙ z_{t-1} + φ(k_t); g [B, Hkv, N, M] per channel or [B, Hkv, N] per head, <= 0.
 
 One program owns one (batch, kv head, block of BV value columns) and walks the key positions in
@@ -36,11 +35,21 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op
 
-from attnopt.kernels.gated_linear import GATED_LINEAR_FEATURE_MAPS, _check_inputs, _check_options
+from attnopt.kernels.decay_schedule import DECAY_FEATURE_MAPS
+from attnopt.kernels.layout import check_sdpa_inputs
 from attnopt.kernels.triton.chunk_scan import _dot, _phi
-from attnopt.kernels.triton.runtime import FMAP_CODES, interpreting, kernel_dtype_ok, launcher, low_precision, pow2, require_runtime
+from attnopt.kernels.triton.runtime import (
+    FMAP_CODES,
+    concrete,
+    interpreting,
+    kernel_dtype_ok,
+    launcher,
+    low_precision,
+    pow2,
+    require_runtime,
+)
 
-__all__ = ["gated_linear_attention", "gated_linear_unsupported", "MAX_FEATURES"]
+__all__ = ["gated_linear_attention", "gated_linear_unsupported", "check_gate", "MAX_FEATURES"]
 
 MAX_FEATURES = 128  # a [128, 64] fp32 state plus the chunk tiles per program
 
@@ -182,7 +191,7 @@ def gated_linear_unsupported(q: Tensor, feature_map="identity", state=None, k=No
     who = "gated_linear_attention"
     if state is not None:
         return f"{who}: a carried state (decoding / chunked prefill) runs on the PyTorch path"
-    if feature_map not in GATED_LINEAR_FEATURE_MAPS:
+    if feature_map not in DECAY_FEATURE_MAPS:
         return f"{who}: unknown feature map {feature_map!r}"
     if not (q.is_cuda or interpreting()):
         return f"{who}: the Triton kernel needs CUDA tensors, got {q.device}"
@@ -195,6 +204,18 @@ def gated_linear_unsupported(q: Tensor, feature_map="identity", state=None, k=No
     if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (q, k, v, g)):
         return f"{who}: the Triton kernel is forward-only; a call that needs gradients runs on the PyTorch path"
     return None
+
+
+def check_gate(who: str, g, k: Tensor, per_channel_ok: bool) -> None:
+    """The kernels' own check of the log-gates (the reference ops run their fuller checks before they
+    dispatch here; this module must not import them: the reference ops import it)."""
+    B, Hkv, N, D = k.shape
+    shapes = [(B, Hkv, N)] + ([(B, Hkv, N, D)] if per_channel_ok else [])
+    if not isinstance(g, Tensor) or not g.is_floating_point() or tuple(g.shape) not in shapes:
+        got = list(g.shape) if isinstance(g, Tensor) else type(g).__name__
+        raise ValueError(f"{who}: g (log-gates) must be a float tensor of shape {' or '.join(map(str, map(list, shapes)))}, got {got}")
+    if concrete(g) and g.numel() and not bool(((g <= 0) & torch.isfinite(g)).all()):
+        raise ValueError(f"{who}: g holds log-gates and must be finite and <= 0")
 
 
 def gated_linear_attention(
@@ -212,10 +233,15 @@ def gated_linear_attention(
 ) -> Tensor:
     """`attnopt.kernels.gated_linear.gated_linear_attention` (stateless, forward) on the Triton kernel;
     same arguments and result. `chunk_size` is accepted for compatibility: the kernel picks its own."""
-    _check_inputs(q, k, v, g, key_mask)
-    _check_options(feature_map, normalize, scale, eps, chunk_size)
-    require_runtime("gated_linear_attention", q)
+    who = "gated_linear_attention"
+    check_sdpa_inputs(who, q, k, v, key_mask)
+    if q.shape[2] > k.shape[2]:
+        raise ValueError(f"{who}: {q.shape[2]} queries but {k.shape[2]} keys; causal gated attention needs Nq <= Nk")
+    check_gate(who, g, k, per_channel_ok=True)
+    require_runtime(who, q)
     reason = gated_linear_unsupported(q, feature_map=feature_map, k=k, v=v, g=g)
+    if not isinstance(normalize, bool):
+        reason = f"{who}: normalize must be a bool, got {normalize!r}"
     if reason:
         raise ValueError(reason)
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
