@@ -10,7 +10,6 @@ position Nk − Nq + i), D head dim, Dv value dim, M feature width (= D here).
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -113,3 +112,52 @@ def delta_oracle(q, k, v, g, beta, *, scale=None, key_mask=None, S0=None):
                     out[b, h, i] = s * (S.T @ q[b, h, i].to(F64))
             S_all[b, kv] = S
     return out, S_all
+
+
+def gla_window_oracle(q, k, v, phi_q, phi_k, g, *, window, sinks=0, scale=None, beta=None, key_mask=None):
+    """The gla+window formula stepped token by token: a GLA state over the keys that have left the
+    window (a key joins it W steps after it arrived, with the gates since then applied one diag at a
+    time), the window and sinks as an explicit softmax list, one normaliser:
+    o = (Σ_win e^{s q·k} v + β φ(q)ᵀS) / (Σ_win e^{s q·k} + β φ(q)ᵀz). φ(q), φ(k) are given."""
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    M = phi_k.shape[3]
+    G = H // Hkv
+    s = 1.0 / math.sqrt(D) if scale is None else scale
+    out = torch.zeros(B, H, Nq, Dv, dtype=F64)
+    for b in range(B):
+        real = [j for j in range(Nk) if _kept(key_mask, b, j)]
+        sink_set = set(real[:sinks])
+        for kv in range(Hkv):
+            S, z = torch.zeros(M, Dv, dtype=F64), torch.zeros(M, dtype=F64)
+            pending = []  # (column, decayed φ(k)) of kept non-sink keys still inside the band
+            for t in range(Nk):
+                if _kept(key_mask, b, t):
+                    gt = g[b, kv, t].to(F64)
+                    gate = torch.exp(gt) if gt.dim() == 1 else torch.full((M,), math.exp(float(gt)), dtype=F64)
+                    S, z = torch.diag(gate) @ S, gate * z
+                    pending = [(j, gate * f) for j, f in pending]
+                    if t not in sink_set:
+                        pending.append((t, phi_k[b, kv, t].to(F64)))
+                left = [(j, f) for j, f in pending if j <= t - window]
+                pending = [(j, f) for j, f in pending if j > t - window]
+                for j, f in left:
+                    S = S + torch.outer(f, v[b, kv, j].to(F64))
+                    z = z + f
+                i = t - (Nk - Nq)
+                if i < 0:
+                    continue
+                visible = [j for j in range(t + 1) if _kept(key_mask, b, j) and (t - j < window or j in sink_set)]
+                for h in range(kv * G, (kv + 1) * G):
+                    qh = q[b, h, i].to(F64)
+                    logits = [s * float(qh @ k[b, kv, j].to(F64)) for j in visible]
+                    top = max(logits) if logits else 0.0
+                    w = [math.exp(x - top) for x in logits]
+                    num = sum((wi * v[b, kv, j].to(F64) for wi, j in zip(w, visible)), torch.zeros(Dv, dtype=F64))
+                    den = sum(w)
+                    bh = 1.0 if beta is None else float(beta[h])
+                    fq = phi_q[b, h, i].to(F64)
+                    num = num + bh * math.exp(-top) * (fq @ S)
+                    den = den + bh * math.exp(-top) * float(fq @ z)
+                    out[b, h, i] = num / den if den > 0 else 0.0
+    return out

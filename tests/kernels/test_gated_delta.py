@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import attnopt.kernels.gated_delta as gd
-from attnopt.kernels.gated_delta import (
+import attnopt.forms.delta.reference as gd
+from attnopt.forms.delta.reference import (
     gated_delta_attention,
     gated_delta_attention_step,
     init_gated_delta_state,

@@ -4,20 +4,18 @@ token-by-token fp64 recurrence in gated_oracles.py, plus the properties the deco
 Letters: B batch, H query heads, Hkv kv heads, N length, D head dim, Dv value dim, C chunk.
 """
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-import attnopt.kernels.gated_linear as gl
-from attnopt.kernels.decay import decay_attention
-from attnopt.kernels.gated_linear import (
+import attnopt.forms.gla.reference as gl
+from attnopt.forms.ssm.reference import decay_attention
+from attnopt.forms.gla.reference import (
     gated_linear_attention,
     gated_linear_attention_step,
     init_gated_linear_state,
 )
-from attnopt.kernels.linear import linear_attention
+from attnopt.forms.linear.reference import linear_attention
 from gated_oracles import gla_oracle, ungated_causal_linear
 from kernel_testing import MaxNumel, assert_exports_as_one_node
 from kernel_testing import sdpa_inputs as _inputs
@@ -45,9 +43,12 @@ def _mask(B, N, seed, p=0.3):
 SHAPES = [(2, 6, 3, 13, 19, 4, 5), (3, 6, 2, 17, 17, 5, 7)]
 
 
+@pytest.mark.parametrize("path", ["factorised", "exact"])
 @pytest.mark.parametrize("gate", ["channel", "head"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}H{}Hkv{}Nq{}Nk{}".format(*s))
-def test_matches_token_recurrence(gate, shape):
+def test_matches_token_recurrence(gate, shape, path, monkeypatch):
+    if path == "exact":  # no chunk passes the range check: the exact sub-chunk blocks run
+        monkeypatch.setattr(gl, "FACTOR_RANGE", -1.0)
     B, H, Hkv, Nq, Nk, D, Dv = shape
     q, k, v = _inputs(B, H, Hkv, Nq, Nk, D, Dv, seed=Nk + H)
     g = _gates(gate, B, Hkv, Nk, D, seed=Nq)
@@ -263,18 +264,23 @@ def test_bf16_inputs_keep_an_fp32_state():
     assert out16.dtype == torch.float16 and _rel(out16, gla_oracle(q, k, v, g)[0]) <= 5e-3
 
 
-def test_never_materialises_n_by_n_or_per_position_state():
+@pytest.mark.parametrize("shift", [3.0, -4.0])  # weak gates: the factorised chunks; strong: the exact blocks
+def test_never_materialises_n_by_n_or_per_position_state(shift):
     B, H, Hkv, N, D, C = 1, 4, 2, 1024, 32, 64
     q, k, v = _inputs(B, H, Hkv, N, N, D, D, seed=31)
-    g = _gates("channel", B, Hkv, N, D, seed=32, shift=3.0)
+    g = _gates("channel", B, Hkv, N, D, seed=32, shift=shift)
+    exact = not gl.factorable(g.reshape(B * Hkv, N, D), C)
+    assert exact == (shift < 0)
     q, k, v, g = (t.requires_grad_(True) for t in (q, k, v, g))
     with MaxNumel() as probe:
         out, _, _ = gl._gla_forward(q, k, v, g, None, "elu", True, 0.5, 1e-6, C)
         out.sin().sum().backward()
     assert torch.isfinite(g.grad).all()
     c = gl.SUB_CHUNK["channel"]
-    assert probe.max_numel >= B * Hkv * N * c * D  # the probe sees inside: the [c, c, M] blocks
-    assert probe.max_numel <= max(B * H * N * (D + 1), B * Hkv * N * c * D)  # inputs, or those blocks
+    if exact:
+        assert probe.max_numel >= B * Hkv * N * c * D  # the probe sees inside: the [c, c, M] blocks
+    # inputs, the [c, c, M] blocks or the factorised path's C×C chunk products
+    assert probe.max_numel <= max(B * H * N * (D + 1), B * Hkv * N * c * D, B * H * N * C)
     assert probe.max_numel < B * Hkv * N * D * D // 2  # a per-position state
     assert probe.max_numel < B * H * N * N // 4
 

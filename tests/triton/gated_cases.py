@@ -23,7 +23,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from gated_oracles import delta_oracle, gla_oracle  # noqa: E402
+from gated_oracles import delta_oracle, gla_oracle, gla_window_oracle  # noqa: E402
 
 torch.set_num_threads(1)
 F64 = torch.float64
@@ -58,7 +58,7 @@ def case(fn):
 
 
 def _gla(gate, fmap, normalize, dtype, shape=None, mask=True, strength=1.0, **kw):
-    from attnopt.kernels.triton.gated_linear import gated_linear_attention
+    from attnopt.forms.gla.triton import gated_linear_attention
 
     q, k, v, g, _, keep = _problem(**dict(SHAPE, **(shape or {})), gate=gate)
     g = g * strength
@@ -70,7 +70,7 @@ def _gla(gate, fmap, normalize, dtype, shape=None, mask=True, strength=1.0, **kw
 
 
 def _delta(dtype, shape=None, mask=True, parallel_keys=False, **kw):
-    from attnopt.kernels.triton.gated_delta import gated_delta_attention
+    from attnopt.forms.delta.triton import gated_delta_attention
 
     q, k, v, g, beta, keep = _problem(**dict(SHAPE, **(shape or {})), gate="head")
     k = F.normalize(k, dim=-1)
@@ -140,18 +140,50 @@ def delta_fp16():
     return _delta(torch.float16, mask=False)
 
 
+def _gla_window(gate, dtype, window, sinks, mask=True, shape=None):
+    from attnopt.forms.gla_window.triton import gla_window_attention
+
+    q, k, v, g, _, keep = _problem(**dict(SHAPE, **(shape or {})), gate=gate)
+    keep = keep if mask else None
+    phi_q, phi_k = F.elu(q) + 1.0, F.elu(k) + 1.0
+    beta = torch.linspace(0.5, 2.0, q.shape[1], dtype=F64)
+    args = [t.to(dtype) for t in (q, k, v, phi_q, phi_k, g)]
+    opts = dict(window=window, sinks=sinks, scale=0.3, key_mask=keep)
+    out = gla_window_attention(*args, linear_weight=beta, **opts)
+    return _check(out, gla_window_oracle(*(t.double() for t in args), beta=beta, **opts), dtype)
+
+
+@case
+def gla_window_channel_sinks_fp32_gqa_mask():
+    return _gla_window("channel", torch.float32, window=5, sinks=2)
+
+
+@case
+def gla_window_head_fp32_wide_window():
+    return _gla_window("head", torch.float32, window=64, sinks=0, mask=False, shape=dict(Nq=37))
+
+
+@case
+def gla_window_channel_bf16():
+    return _gla_window("channel", torch.bfloat16, window=3, sinks=1)
+
+
 @case
 def dispatch_from_reference_ops():
     """The reference ops hand a stateless no-grad call to the kernels (CUDA is faked here: the
     interpreter runs CPU tensors) and keep calls that need gradients or carry a state."""
-    import attnopt.kernels.gated_delta as rd
-    import attnopt.kernels.gated_linear as rl
-    import attnopt.kernels.triton.gated_delta as td
-    import attnopt.kernels.triton.gated_linear as tgl
+    import attnopt.forms.delta.reference as rd
+    import attnopt.forms.delta.triton as td
+    import attnopt.forms.gla.reference as rl
+    import attnopt.forms.gla.triton as tgl
+    import attnopt.forms.gla_window.reference as rw
+    import attnopt.forms.gla_window.triton as tw
 
     launched = []
-    for mod, tmod in ((rl, tgl), (rd, td)):
-        mod.cuda_kernels = lambda q: object()  # "a CUDA tensor and Triton imports"
+    for mod, tmod in ((rl, tgl), (rd, td), (rw, tw)):
+        mod.cuda_kernels = lambda q, package, _t=tmod: _t  # "a CUDA tensor and Triton imports"
+        if tmod is tw:
+            continue  # its GLA half runs gla's (counted) launch
         real = tmod._launch
         tmod._launch = lambda *a, _real=real, **kw: (launched.append(_real.__module__), _real(*a, **kw))[1]
     q, k, v, g, beta, keep = _problem(**SHAPE, gate="channel")
@@ -160,18 +192,26 @@ def dispatch_from_reference_ops():
     r = {"gla": _check(rl.gated_linear_attention(q, k, v, g, key_mask=keep), gla_oracle(q.double(), k.double(), v.double(), g.double(), key_mask=keep)[0], torch.float32)["out"]}
     r["delta"] = _check(rd.gated_delta_attention(q, kn, v, g[..., 0], beta, key_mask=keep),
                         delta_oracle(q.double(), kn.double(), v.double(), g[..., 0].double(), beta.double(), key_mask=keep)[0], torch.float32)["out"]
+    fq, fk = F.elu(q) + 1.0, F.elu(k) + 1.0
+    r["gla_window"] = _check(rw.gla_window_attention(q, k, v, fq, fk, g, window=4, sinks=1, key_mask=keep),
+                             gla_window_oracle(*(t.double() for t in (q, k, v, fq, fk, g)), window=4, sinks=1,
+                                               key_mask=keep), torch.float32)["out"]
     n_fast = len(launched)
     rl.gated_linear_attention(q, k, v, g.requires_grad_())  # needs a backward: PyTorch path
     rd.gated_delta_attention(q, kn, v, g[..., 0].detach(), beta, state=torch.zeros(2, 3, 12, 10))  # a state: PyTorch path
-    assert n_fast == 2 and len(launched) == 2, launched
+    # g needs a backward: the PyTorch op, whose forward (run without autograd, as custom ops are) still
+    # hands its gated half to the GLA kernel; the backward recomputes on the PyTorch path.
+    rw.gla_window_attention(q, k, v, fq, fk, g, window=4)
+    assert n_fast == 3 and len(launched) == 4 and launched[-1] == "attnopt.forms.gla.triton", launched
     return r
 
 
 @case
 def unsupported_reasons():
     """Not a numeric case: the reasons the reference ops' dispatch would see."""
-    from attnopt.kernels.triton.gated_delta import gated_delta_unsupported
-    from attnopt.kernels.triton.gated_linear import gated_linear_unsupported
+    from attnopt.forms.delta.triton import unsupported as gated_delta_unsupported
+    from attnopt.forms.gla.triton import unsupported as gated_linear_unsupported
+    from attnopt.forms.gla_window.triton import unsupported as gla_window_unsupported
 
     q = torch.randn(1, 2, 5, 8)
     r = {
@@ -183,6 +223,9 @@ def unsupported_reasons():
         "delta_ok": gated_delta_unsupported(q),
         "delta_grad": gated_delta_unsupported(q.requires_grad_()),
         "delta_wide": gated_delta_unsupported(torch.randn(1, 2, 5, 256)),
+        "gla_window_ok": gla_window_unsupported(q.detach(), phi_k=torch.rand(1, 2, 5, 16)),
+        "gla_window_wide": gla_window_unsupported(q.detach(), phi_k=torch.rand(1, 2, 5, 256)),
+        "gla_window_grad": gla_window_unsupported(q.detach(), g=torch.zeros(1, 2, 5, requires_grad=True)),
     }
     return {"reasons": r}
 
@@ -206,8 +249,8 @@ def build():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    import attnopt.kernels.triton.gated_delta as gd
-    import attnopt.kernels.triton.gated_linear as gl
+    import attnopt.forms.delta.triton as gd
+    import attnopt.forms.gla.triton as gl
 
     def compile_(kernel, num_warps=4, **constexprs):
         sig = {}

@@ -68,6 +68,7 @@ def test_unsupported_reasons(interpreted):
     assert "favor" in r["gla_map"]
     assert "torch.float64" in r["gla_fp64"]
     assert "exceeds" in r["delta_wide"]
+    assert r["gla_window_ok"] is None and "exceed" in r["gla_window_wide"] and "forward-only" in r["gla_window_grad"]
 
 
 def test_kernels_compile_for_sm90_and_export_as_one_node(children):

@@ -1,6 +1,6 @@
 """Gated linear attention prefill (forward) as a fused-chunk Triton scan.
 
-Semantics of `attnopt.kernels.gated_linear.gated_linear_attention` (stateless): S_t = diag(exp g_t) S_{t-1} + φ(k_t)v_tᵀ, o_t = s·φ(q_t)ᵀS_t, or the normalised ratio with
+Semantics of `attnopt.forms.gla.reference.gated_linear_attention` (stateless): S_t = diag(exp g_t) S_{t-1} + φ(k_t)v_tᵀ, o_t = s·φ(q_t)ᵀS_t, or the normalised ratio with
 z_t = exp(g_t) ⊙ z_{t-1} + φ(k_t); g [B, Hkv, N, M] per channel or [B, Hkv, N] per head, <= 0.
 
 One program owns one (batch, kv head, block of BV value columns) and walks the key positions in
@@ -35,21 +35,21 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op
 
-from attnopt.kernels.decay_schedule import DECAY_FEATURE_MAPS
+from attnopt.forms.ssm.schedule import DECAY_FEATURE_MAPS
 from attnopt.kernels.layout import check_sdpa_inputs
-from attnopt.kernels.triton.chunk_scan import _dot, _phi
+from attnopt.kernels.triton.chunk_scan import dot, phi
 from attnopt.kernels.triton.runtime import (
     FMAP_CODES,
+    call_unsupported,
     concrete,
     interpreting,
-    kernel_dtype_ok,
     launcher,
     low_precision,
     pow2,
     require_runtime,
 )
 
-__all__ = ["gated_linear_attention", "gated_linear_unsupported", "check_gate", "MAX_FEATURES"]
+__all__ = ["gated_linear_attention", "unsupported", "gated_linear_unsupported", "check_gate", "MAX_FEATURES"]
 
 MAX_FEATURES = 128  # a [128, 64] fp32 state plus the chunk tiles per program
 
@@ -87,7 +87,7 @@ def _gla_fwd_kernel(
             kept = kept & (keep != 0)
         km = kept[:, None] & m_ok[None, :]
         kx = tl.load(k_base + pos[:, None] * s_kn + rm[None, :], mask=km, other=0.0)
-        fk = tl.where(km, _phi(kx.to(tl.float32), FMAP), 0.0)
+        fk = tl.where(km, phi(kx.to(tl.float32), FMAP), 0.0)
         vx = tl.load(v_base + pos[:, None] * s_vn + rv[None, :], mask=kept[:, None] & v_ok[None, :], other=0.0)
         vx = vx.to(tl.float32)
         if PER_CHANNEL:
@@ -112,25 +112,25 @@ def _gla_fwd_kernel(
             h = hk * GROUP + gi
             q_base = Q + b * s_qb + h * s_qh
             qx = tl.load(q_base + qi[:, None] * s_qn + rm[None, :], mask=qm, other=0.0)
-            fq = tl.where(qm, _phi(qx.to(tl.float32), FMAP), 0.0)
+            fq = tl.where(qm, phi(qx.to(tl.float32), FMAP), 0.0)
             if PER_CHANNEL:
                 A = tl.zeros([BC, BC], dtype=tl.float32)
                 for m0 in tl.static_range(0, BM, BMS):
                     rs = m0 + tl.arange(0, BMS)
                     sm = rs < M
                     qs = tl.load(q_base + qi[:, None] * s_qn + rs[None, :], mask=q_in[:, None] & sm[None, :], other=0.0)
-                    qs = tl.where(q_in[:, None] & sm[None, :], _phi(qs.to(tl.float32), FMAP), 0.0)
+                    qs = tl.where(q_in[:, None] & sm[None, :], phi(qs.to(tl.float32), FMAP), 0.0)
                     ks_m = kept[:, None] & sm[None, :]
                     ks = tl.load(k_base + pos[:, None] * s_kn + rs[None, :], mask=ks_m, other=0.0)
-                    ks = tl.where(ks_m, _phi(ks.to(tl.float32), FMAP), 0.0)
+                    ks = tl.where(ks_m, phi(ks.to(tl.float32), FMAP), 0.0)
                     gs = tl.load(g_base + pos[:, None] * s_gn + rs[None, :], mask=ks_m, other=0.0).to(tl.float32)
                     bs = tl.cumsum(gs, axis=0)
                     expo = tl.where(tri[:, :, None], bs[:, None, :] - bs[None, :, :], float("-inf"))
                     A += tl.sum(qs[:, None, :] * ks[None, :, :] * tl.exp(expo), axis=2)
             else:
-                A = _dot(fq, tl.trans(fk), LOWP, DT) * w_cc
+                A = dot(fq, tl.trans(fk), LOWP, DT) * w_cc
             fq_in = fq * q_dec
-            num = _dot(A, vx, LOWP, DT) + _dot(fq_in, S, LOWP, DT)
+            num = dot(A, vx, LOWP, DT) + dot(fq_in, S, LOWP, DT)
             if NORMALIZE:
                 den = tl.sum(A, axis=1) + tl.sum(fq_in * z[None, :], axis=1) + eps
                 out = num / tl.where(den == 0.0, 1.0, den)[:, None]
@@ -140,10 +140,10 @@ def _gla_fwd_kernel(
             tl.store(o_base + qi[:, None] * s_on + rv[None, :], out.to(O.dtype.element_ty), mask=q_in[:, None] & v_ok[None, :])
         fk_out = fk * k_dec
         if PER_CHANNEL:
-            S = S_dec[:, None] * S + _dot(tl.trans(fk_out), vx, LOWP, DT)
+            S = S_dec[:, None] * S + dot(tl.trans(fk_out), vx, LOWP, DT)
             z = S_dec * z + tl.sum(fk_out, axis=0)
         else:
-            S = S_dec * S + _dot(tl.trans(fk_out), vx, LOWP, DT)
+            S = S_dec * S + dot(tl.trans(fk_out), vx, LOWP, DT)
             z = S_dec * z + tl.sum(fk_out, axis=0)
 
 
@@ -186,19 +186,19 @@ def _gated_linear_op(
     return _launch(q, k, v, g, keep, fmap, normalize, scale, eps, wrap=True)
 
 
+def unsupported(q: Tensor, **kwargs) -> Optional[str]:
+    """None if this kernel can run the reference op's call (its keywords, plus k= to check the key
+    length), else a one-line reason; the reference op's CUDA dispatch asks it before handing over."""
+    return call_unsupported(q, kwargs.get("k")) or gated_linear_unsupported(q, **kwargs)
+
+
 def gated_linear_unsupported(q: Tensor, feature_map="identity", state=None, k=None, v=None, g=None, **_) -> Optional[str]:
-    """Why the Triton kernel cannot run these arguments (one line), or None."""
+    """This kernel's own limits (after the checks every form's kernels share), one line, or None."""
     who = "gated_linear_attention"
     if state is not None:
         return f"{who}: a carried state (decoding / chunked prefill) runs on the PyTorch path"
     if feature_map not in DECAY_FEATURE_MAPS:
         return f"{who}: unknown feature map {feature_map!r}"
-    if not (q.is_cuda or interpreting()):
-        return f"{who}: the Triton kernel needs CUDA tensors, got {q.device}"
-    if not kernel_dtype_ok(q.dtype):
-        return f"{who}: the Triton kernel takes fp32, bf16 or fp16, got {q.dtype}"
-    if q.dim() != 4 or q.shape[2] == 0 or (k is not None and k.shape[2] == 0):
-        return f"{who}: empty or non-4-D inputs run on the PyTorch path"
     if q.shape[-1] > MAX_FEATURES:
         return f"{who}: head dim {q.shape[-1]} exceeds the kernel's {MAX_FEATURES}"
     if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (q, k, v, g)):
@@ -208,7 +208,7 @@ def gated_linear_unsupported(q: Tensor, feature_map="identity", state=None, k=No
 
 def check_gate(who: str, g, k: Tensor, per_channel_ok: bool) -> None:
     """The kernels' own check of the log-gates (the reference ops run their fuller checks before they
-    dispatch here; this module must not import them: the reference ops import it)."""
+    dispatch here; the kernels do not import the reference ops, which reach them by dispatch)."""
     B, Hkv, N, D = k.shape
     shapes = [(B, Hkv, N)] + ([(B, Hkv, N, D)] if per_channel_ok else [])
     if not isinstance(g, Tensor) or not g.is_floating_point() or tuple(g.shape) not in shapes:
@@ -231,7 +231,7 @@ def gated_linear_attention(
     key_mask: Optional[Tensor] = None,
     chunk_size: int = 64,
 ) -> Tensor:
-    """`attnopt.kernels.gated_linear.gated_linear_attention` (stateless, forward) on the Triton kernel;
+    """`attnopt.forms.gla.reference.gated_linear_attention` (stateless, forward) on the Triton kernel;
     same arguments and result. `chunk_size` is accepted for compatibility: the kernel picks its own."""
     who = "gated_linear_attention"
     check_sdpa_inputs(who, q, k, v, key_mask)
@@ -239,7 +239,7 @@ def gated_linear_attention(
         raise ValueError(f"{who}: {q.shape[2]} queries but {k.shape[2]} keys; causal gated attention needs Nq <= Nk")
     check_gate(who, g, k, per_channel_ok=True)
     require_runtime(who, q)
-    reason = gated_linear_unsupported(q, feature_map=feature_map, k=k, v=v, g=g)
+    reason = unsupported(q, feature_map=feature_map, k=k, v=v, g=g)
     if not isinstance(normalize, bool):
         reason = f"{who}: normalize must be a bool, got {normalize!r}"
     if reason:

@@ -9,11 +9,17 @@ The recurrence, per key/value head, with a log-gate g_t <= 0 per feature channel
 g is [B, Hkv, N, M] (one gate per feature channel, GLA) or [B, Hkv, N] (one per head, a
 data-dependent RetNet / Mamba-2 style decay). `scale` s defaults to 1/sqrt(D) and is not applied
 when normalize=True (the ratio makes it redundant), as in `decay_attention`.
-Feature maps φ (the names of `decay_schedule.DECAY_FEATURE_MAPS`): "identity", "elu" (ELU + 1),
-"relu"; M = D for all three.
+Feature maps φ (the names of `attnopt.forms.ssm.schedule.DECAY_FEATURE_MAPS`): "identity", "elu"
+(ELU + 1), "relu"; M = D for all three. A caller with another map (the `gla` form's hedgehog)
+featurises q and k itself and passes feature_map="identity": M is then the width of what it passes.
 
-Chunk algorithm (two levels; every exponent is a sum of log-gates over a causal range, so every
-factor is exp(<= 0): strong gates underflow to 0 instead of overflowing):
+Chunk algorithm. When no chunk spans more than FACTOR_RANGE (60) of decay -- every practical gate:
+that is a mean decay of e^(−60/C) per step and chunk -- the in-chunk weights exp(b_i − b_j) are
+formed as exp(b_i)·exp(−b_j) (b the in-chunk cumsum), both within e^(±60), so the chunk is two
+matmuls for any gate kind (`_gla_chunks_factored`); products carry no cancellation, so this is as
+accurate as the exact form. Otherwise (strong gates), the exact two-level form below, in which every
+exponent is a sum of log-gates over a causal range, so every factor is exp(<= 0) and strong gates
+underflow to 0 instead of overflowing:
 
 * chunks of C = chunk_size positions. Each chunk's keys become one state [M, Dv'] at its end (the
   normaliser z folded in as an extra value column); the states entering the chunks follow from
@@ -44,7 +50,10 @@ The stateless prefill is the custom op `torch.ops.attnopt.gated_linear_attention
 torch.export; fake and recompute-autograd registered; gradients for q, k, v and g). Stateful use
 (`state=`, `gated_linear_attention_step`) is plain differentiable PyTorch, as for decay_attention.
 On CUDA, a stateless call that needs no gradient runs the Triton forward kernel instead
-(`attnopt.kernels.triton.gated_linear`, when Triton imports and `gated_linear_unsupported` returns None).
+(`attnopt.forms.gla.triton`, when Triton imports and its `unsupported` returns None).
+
+The range-sum helpers (`segsum`, `rev_cumsum_exclusive`), `own`, `values_known` and
+`check_log_gate` are public: the delta form's op uses them too.
 
 Letters: B batch, H query heads, Hkv key/value heads, G = H // Hkv, N length, D head dim of q/k,
 M feature width of φ, Mg gate width (M or 1), Dv head dim of v, C chunk, c sub-chunk, nc chunks,
@@ -60,7 +69,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnopt.kernels.decay_schedule import DECAY_FEATURE_MAPS
+from attnopt.forms.ssm.schedule import DECAY_FEATURE_MAPS
 from attnopt.kernels.dispatch import cuda_kernels
 from attnopt.kernels.feature_maps import feature_map_class
 from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
@@ -71,6 +80,11 @@ __all__ = [
     "gated_linear_attention_step",
     "init_gated_linear_state",
     "GATED_LINEAR_FEATURE_MAPS",
+    "check_log_gate",
+    "segsum",
+    "rev_cumsum_exclusive",
+    "own",
+    "values_known",
 ]
 
 GATED_LINEAR_FEATURE_MAPS = DECAY_FEATURE_MAPS  # the same vocabulary, not a second list
@@ -103,19 +117,19 @@ def _is_fake(t: Tensor) -> bool:
     return is_fake(t)
 
 
-def _own(t: Tensor) -> Tensor:
+def own(t: Tensor) -> Tensor:
     """A custom op's output must be a fresh dense tensor (its fake twin has offset 0), not a slice."""
     t = t.contiguous()
     return t if t.storage_offset() == 0 else t.clone()
 
 
-def _values_known(t: Tensor) -> bool:
+def values_known(t: Tensor) -> bool:
     """Whether a value check can look at `t`: not a fake tensor (torch.export) and not while
     torch.compile traces (a data-dependent branch there would only break the graph)."""
     return t.numel() > 0 and not torch.compiler.is_compiling() and not _is_fake(t)
 
 
-def _segsum(x: Tensor) -> Tensor:
+def segsum(x: Tensor) -> Tensor:
     """x [..., T, W] -> [..., T(i), T(j), W]: Σ_{j<s<=i} x_s for j <= i (0 on the diagonal), -inf above.
 
     A masked cumsum down each column, not a difference of prefix sums: exact to the rounding of the
@@ -133,7 +147,7 @@ def _tril(n: int, device) -> Tensor:
     return idx[:, None] >= idx[None, :]
 
 
-def _rev_cumsum_exclusive(x: Tensor, dim: int) -> Tensor:
+def rev_cumsum_exclusive(x: Tensor, dim: int) -> Tensor:
     """Σ_{s>j} x_s along `dim` (0 at the last position), summed from the end (no subtraction)."""
     shifted = torch.cat([x.narrow(dim, 1, x.shape[dim] - 1), torch.zeros_like(x.narrow(dim, 0, 1))], dim=dim)
     return shifted.flip(dim).cumsum(dim).flip(dim)
@@ -168,7 +182,7 @@ def _check_inputs(q, k, v, g, key_mask, who=_WHO) -> None:
 
 def check_log_gate(who: str, g, B: int, Hkv: int, N: int, M: Optional[int], per_channel_ok: bool) -> None:
     """g must be a float tensor [B, Hkv, N] (per head) or, when per_channel_ok, [B, Hkv, N, M],
-    finite and <= 0. The value check is one reduction, skipped while tracing (`_values_known`)."""
+    finite and <= 0. The value check is one reduction, skipped while tracing (`values_known`)."""
     shapes = f"[B, Hkv, N] = {[B, Hkv, N]}" + (f" or [B, Hkv, N, M] = {[B, Hkv, N, M]}" if per_channel_ok else "")
     if not isinstance(g, torch.Tensor):
         raise TypeError(f"{who}: g (log-gates) must be a tensor of shape {shapes}, got {type(g).__name__}")
@@ -177,7 +191,7 @@ def check_log_gate(who: str, g, B: int, Hkv: int, N: int, M: Optional[int], per_
     ok = tuple(g.shape) == (B, Hkv, N) or (per_channel_ok and tuple(g.shape) == (B, Hkv, N, M))
     if not ok:
         raise ValueError(f"{who}: g (log-gates) must have shape {shapes}, got {list(g.shape)}")
-    if _values_known(g) and not bool(((g <= 0) & torch.isfinite(g)).all()):
+    if values_known(g) and not bool(((g <= 0) & torch.isfinite(g)).all()):
         bad = g[~((g <= 0) & torch.isfinite(g))].flatten()[0].item()
         raise ValueError(
             f"{who}: g holds log-gates and must be finite and <= 0 (got {bad}); pass e.g. F.logsigmoid(x), not the gate itself"
@@ -219,7 +233,7 @@ def _scan_chunks(U: Tensor, log_decay: Tensor, S0: Tensor, group: int = 64) -> t
     for a in range(0, nc, group):
         n = min(nc, a + group) - a
         lg = log_decay[:, a : a + n]  # [X, n, Mg]
-        seg = _segsum(lg)  # Σ_{c'<s<=c} a_s                [X, n, n, Mg]
+        seg = segsum(lg)  # Σ_{c'<s<=c} a_s                [X, n, n, Mg]
         # weight of U_{c'} in the state entering c: Σ over c' < s < c, i.e. seg[c-1, c'] (row 0: none)
         w = torch.exp(torch.cat([torch.full_like(seg[:, :1], float("-inf")), seg[:, :-1]], dim=1))
         carry = torch.exp(torch.cumsum(F.pad(lg[:, :-1], (0, 0, 1, 0)), dim=1))  # Σ_{s<c} a_s  [X, n, Mg]
@@ -259,7 +273,7 @@ def _gla_chunks(fq: Tensor, fk: Tensor, v: Tensor, g: Tensor, T0: Tensor, C: int
     k5, v5, g5 = kv_blocks(fk), kv_blocks(v), kv_blocks(g)
 
     local = torch.cumsum(g5, dim=-2)  # Σ_{start(sub) <= s <= i} g_s          [X, nc, ns, c, Mg]
-    to_end = _rev_cumsum_exclusive(g5, dim=-2)  # Σ_{i < s <= end(sub)} g_s        [X, nc, ns, c, Mg]
+    to_end = rev_cumsum_exclusive(g5, dim=-2)  # Σ_{i < s <= end(sub)} g_s        [X, nc, ns, c, Mg]
     sub_total = local[..., -1, :]  # [X, nc, ns, Mg]
 
     # Each sub-chunk's keys as a state at its own end, then the states entering each sub-chunk
@@ -288,7 +302,7 @@ def _gla_chunks(fq: Tensor, fk: Tensor, v: Tensor, g: Tensor, T0: Tensor, C: int
     # Own sub-chunk, j <= i: Σ_m φq_im φk_jm exp(Σ_{j<s<=i} g_sm).
     if Mg == 1:  # one gate per head: a scalar c×c decay matrix
         A = (q6.reshape(X, nc, ns, G * c, M) @ k5.transpose(-1, -2)).view(X, nc, ns, G, c, c)
-        A = A * torch.exp(_segsum(g5)[..., 0])[:, :, :, None]
+        A = A * torch.exp(segsum(g5)[..., 0])[:, :, :, None]
     else:  # per channel: the [c, c, M] decays, from in-sub-chunk cumsums (at most c terms each)
         expo = (local[..., :, None, :] - local[..., None, :, :]).masked_fill(~_tril(c, g.device)[:, :, None], float("-inf"))
         kd = k5[..., None, :, :] * torch.exp(expo)  # [X, nc, ns, c(i), c(j), M]
@@ -296,6 +310,38 @@ def _gla_chunks(fq: Tensor, fk: Tensor, v: Tensor, g: Tensor, T0: Tensor, C: int
     out = out + A.reshape(X, nc, ns, G * c, c) @ v5
     out = out.view(X, nc, ns, G, c, W).permute(0, 3, 1, 2, 4, 5).reshape(X, G, nc, Cp, W)[:, :, :, :C]
     return out.reshape(X, G, L, W), S
+
+
+# Largest in-chunk decay range |Σ g| the factorised chunk path takes: exp(±60) stays far inside
+# fp32's range (1e±38 is reached at 88), so both factors and their products are finite.
+FACTOR_RANGE = 60.0
+
+
+def factorable(g: Tensor, C: int) -> bool:
+    """Whether every chunk of C positions of the log-gates g [X, L, Mg] (L a multiple of C) spans at
+    most FACTOR_RANGE of decay, so exp(b_i − b_j) may be formed as exp(b_i)·exp(−b_j)."""
+    X, L, Mg = g.shape
+    return bool((g.reshape(X, L // C, C, Mg).sum(2) >= -FACTOR_RANGE).all())
+
+
+def _gla_chunks_factored(fq: Tensor, fk: Tensor, v: Tensor, g: Tensor, T0: Tensor, C: int) -> tuple[Tensor, Tensor]:
+    """`_gla_chunks` for gates whose in-chunk range passes `factorable`: with b the in-chunk inclusive
+    cumsum, A_ij = Σ_m (φq_im e^{b_im})(φk_jm e^{−b_jm}) for j <= i is one C×C matmul per chunk (every
+    factor within e^{±60}, each product exact to rounding: no difference of large terms is formed).
+    Same arguments and result; per channel or per head alike."""
+    X, G, L, M = fq.shape
+    W, nc = v.shape[-1], L // C
+    q5 = fq.reshape(X, G, nc, C, M).transpose(1, 2)  # [X, nc, G, C, M]
+    k4, v4, g4 = fk.reshape(X, nc, C, M), v.reshape(X, nc, C, W), g.reshape(X, nc, C, -1)
+    b = torch.cumsum(g4, dim=2)  # [X, nc, C, Mg]
+    total = b[:, :, -1:]  # [X, nc, 1, Mg]
+    q_in = (q5 * torch.exp(b)[:, :, None]).reshape(X, nc, G * C, M)  # decayed from the chunk start to the query
+    k_in = k4 * torch.exp(-b)
+    A = (q_in @ k_in.transpose(-1, -2)).masked_fill_(~_tril(C, fq.device).repeat(G, 1), 0.0)  # [X, nc, G·C, C]
+    U = (k_in * torch.exp(total)).transpose(-1, -2) @ v4  # chunk keys as a state at its end [X, nc, M, W]
+    S_before, S = _scan_chunks(U, total[:, :, 0], T0)
+    out = (A @ v4).add_(q_in @ S_before)
+    return out.view(X, nc, G, C, W).transpose(1, 2).reshape(X, G, L, W), S
 
 
 def _gla_forward(
@@ -348,9 +394,11 @@ def _gla_forward(
         # Queries are the last Nq positions; positions past Nk are zero keys with zero gates.
         fq = F.pad(fq, (0, 0, Nk - Nq, L - Nk))
         fk, vv, gg = (F.pad(t, (0, 0, 0, L - Nk)) for t in (fk, vv, gg))
-        out, T = _gla_chunks(
+        g3 = gg.reshape(B * Hkv, L, Mg)
+        chunks = _gla_chunks_factored if factorable(g3, C) else _gla_chunks
+        out, T = chunks(
             fq.reshape(B * Hkv, G, L, M), fk.reshape(B * Hkv, L, M), vv.reshape(B * Hkv, L, W),
-            gg.reshape(B * Hkv, L, Mg), T0.reshape(B * Hkv, M, W), C,
+            g3, T0.reshape(B * Hkv, M, W), C,
         )
         out = out.reshape(B, H, L, W)[:, :, Nk - Nq : Nk]
         T = T.reshape(B, Hkv, M, W)
@@ -378,7 +426,7 @@ def _gated_linear_op(
     eps: float,
     chunk_size: int,
 ) -> Tensor:
-    return _own(_gla_forward(q, k, v, g, key_mask, feature_map, normalize, scale, eps, chunk_size)[0])
+    return own(_gla_forward(q, k, v, g, key_mask, feature_map, normalize, scale, eps, chunk_size)[0])
 
 
 @_gated_linear_op.register_fake
@@ -431,8 +479,8 @@ def gated_linear_attention(
     B, H, _, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]
     s = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    tk = _triton_path(q, state)
-    if tk is not None and tk.gated_linear_unsupported(q, k=k, v=v, g=g, feature_map=feature_map) is None:
+    tk = None if state is not None else cuda_kernels(q, __package__)
+    if tk is not None and tk.unsupported(q, k=k, v=v, g=g, feature_map=feature_map) is None:
         return tk.gated_linear_attention(q, k, v, g, feature_map=feature_map, normalize=normalize, scale=s,
                                          eps=float(eps), key_mask=key_mask)
     if state is None:
@@ -440,17 +488,6 @@ def gated_linear_attention(
     S0, z0 = _check_state(state, B, Hkv, D, Dv, normalize)
     out, S, z = _gla_forward(q, k, v, g, key_mask, feature_map, normalize, s, float(eps), chunk_size, S0, z0)
     return out, (S, z)
-
-
-def _triton_path(q: Tensor, state):
-    """The Triton module for a stateless CUDA call, else None (CPU, a carried state, no Triton)."""
-    if state is not None or cuda_kernels(q) is None:
-        return None
-    try:
-        import attnopt.kernels.triton.gated_linear as tk
-    except ImportError:
-        return None
-    return tk
 
 
 def gated_linear_attention_step(

@@ -1,6 +1,6 @@
 """Gated delta-rule prefill (forward) as a fused-chunk Triton scan in the WY / UT form.
 
-Semantics of `attnopt.kernels.gated_delta.gated_delta_attention` (stateless): S_t = exp(g_t)(I − β_t k_t k_tᵀ)S_{t-1} + β_t k_t v_tᵀ, o_t = s·S_tᵀq_t, g and β [B, Hkv, N].
+Semantics of `attnopt.forms.delta.reference.gated_delta_attention` (stateless): S_t = exp(g_t)(I − β_t k_t k_tᵀ)S_{t-1} + β_t k_t v_tᵀ, o_t = s·S_tᵀq_t, g and β [B, Hkv, N].
 
 The columns of S evolve independently, so one program owns one (batch, kv head, block of BV value
 columns) with the full key width BD, carries S [BD, BV] in registers across chunks of BC = 16
@@ -30,11 +30,18 @@ from torch import Tensor
 from torch.library import triton_op
 
 from attnopt.kernels.layout import check_sdpa_inputs
-from attnopt.kernels.triton.chunk_scan import _dot
-from attnopt.kernels.triton.gated_linear import check_gate
-from attnopt.kernels.triton.runtime import interpreting, kernel_dtype_ok, launcher, low_precision, pow2, require_runtime
+from attnopt.kernels.triton.chunk_scan import dot
+from attnopt.forms.gla.triton import check_gate
+from attnopt.kernels.triton.runtime import (
+    call_unsupported,
+    interpreting,
+    launcher,
+    low_precision,
+    pow2,
+    require_runtime,
+)
 
-__all__ = ["gated_delta_attention", "gated_delta_unsupported", "MAX_HEAD_DIM"]
+__all__ = ["gated_delta_attention", "unsupported", "gated_delta_unsupported", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 128
 
@@ -80,7 +87,7 @@ def _delta_fwd_kernel(
         bc = tl.cumsum(gx, axis=0)
         b_last = tl.sum(gx, axis=0)
         gam = tl.exp(tl.where(incl, bc[:, None] - bc[None, :], float("-inf")))  # Γ, 0 above the diagonal
-        Lm = tl.where(strict, _dot(kx, tl.trans(kx), LOWP, DT) * gam * bx[:, None], 0.0)
+        Lm = tl.where(strict, dot(kx, tl.trans(kx), LOWP, DT) * gam * bx[:, None], 0.0)
         # T = (I + L)⁻¹, row by row: T_i = e_i − Σ_{j<i} L_ij T_j (rows >= i are still e_j, and L_ij = 0 there)
         T = eye
         for i in range(1, BC):
@@ -97,8 +104,8 @@ def _delta_fwd_kernel(
         for gi in range(0, GROUP):
             h = hk * GROUP + gi
             qx = tl.load(Q + b * s_qb + h * s_qh + qi[:, None] * s_qn + rd[None, :], mask=qm, other=0.0).to(tl.float32)
-            A = _dot(qx, tl.trans(kx), LOWP, DT) * gam
-            out = scale * (tl.dot(A, delta, input_precision="ieee") + _dot(qx * tl.exp(bc)[:, None], S, LOWP, DT))
+            A = dot(qx, tl.trans(kx), LOWP, DT) * gam
+            out = scale * (tl.dot(A, delta, input_precision="ieee") + dot(qx * tl.exp(bc)[:, None], S, LOWP, DT))
             tl.store(O + b * s_ob + h * s_oh + qi[:, None] * s_on + rv[None, :], out.to(O.dtype.element_ty),
                      mask=q_in[:, None] & v_ok[None, :])
         k_out = kx * tl.exp(b_last - bc)[:, None]
@@ -130,17 +137,17 @@ def _gated_delta_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ke
     return _launch(q, k, v, g, beta, keep, scale, wrap=True)
 
 
+def unsupported(q: Tensor, **kwargs) -> Optional[str]:
+    """None if this kernel can run the reference op's call (its keywords, plus k= to check the key
+    length), else a one-line reason; the reference op's CUDA dispatch asks it before handing over."""
+    return call_unsupported(q, kwargs.get("k")) or gated_delta_unsupported(q, **kwargs)
+
+
 def gated_delta_unsupported(q: Tensor, state=None, k=None, v=None, g=None, beta=None, **_) -> Optional[str]:
-    """Why the Triton kernel cannot run these arguments (one line), or None."""
+    """This kernel's own limits (after the checks every form's kernels share), one line, or None."""
     who = "gated_delta_attention"
     if state is not None:
         return f"{who}: a carried state (decoding / chunked prefill) runs on the PyTorch path"
-    if not (q.is_cuda or interpreting()):
-        return f"{who}: the Triton kernel needs CUDA tensors, got {q.device}"
-    if not kernel_dtype_ok(q.dtype):
-        return f"{who}: the Triton kernel takes fp32, bf16 or fp16, got {q.dtype}"
-    if q.dim() != 4 or q.shape[2] == 0 or (k is not None and k.shape[2] == 0):
-        return f"{who}: empty or non-4-D inputs run on the PyTorch path"
     if q.shape[-1] > MAX_HEAD_DIM:
         return f"{who}: head dim {q.shape[-1]} exceeds the kernel's {MAX_HEAD_DIM}"
     if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (q, k, v, g, beta)):
@@ -159,7 +166,7 @@ def gated_delta_attention(
     key_mask: Optional[Tensor] = None,
     chunk_size: int = 64,
 ) -> Tensor:
-    """`attnopt.kernels.gated_delta.gated_delta_attention` (stateless, forward) on the Triton kernel;
+    """`attnopt.forms.delta.reference.gated_delta_attention` (stateless, forward) on the Triton kernel;
     same arguments and result. `chunk_size` is accepted for compatibility: the kernel uses 16."""
     who = "gated_delta_attention"
     check_sdpa_inputs(who, q, k, v, key_mask)
@@ -169,7 +176,7 @@ def gated_delta_attention(
     if not isinstance(beta, Tensor) or not beta.is_floating_point() or tuple(beta.shape) != tuple(g.shape):
         raise ValueError(f"{who}: beta must be a float tensor of shape [B, Hkv, N] = {list(g.shape)}")
     require_runtime(who, q)
-    reason = gated_delta_unsupported(q, k=k, v=v, g=g, beta=beta)
+    reason = unsupported(q, k=k, v=v, g=g, beta=beta)
     if reason:
         raise ValueError(reason)
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)

@@ -17,8 +17,9 @@ exp(Σ_{j<s<=i} g_s) for j <= i, S0 the state entering the chunk):
 
 so with the unit-lower-triangular solve (I + L)⁻¹ applied once per chunk to [βV, diag(β exp b) K]
 (the WY / UT transform: U and W), Δ = U - W S0. Everything but the S0 products is batched over all
-chunks; a Python loop over chunks then carries the state: Δ_c = U_c - W_c S, S <- exp(b_C) S +
-(K ⊙ exp(b_C - b))ᵀ Δ_c. Outputs, batched again: O = s[(Q ⊙ exp b) S0 + (Q Kᵀ ⊙ Γ ⊙ tril) Δ].
+chunks; a Python loop over chunks then carries the state, S <- A_c S + B_c with A_c = exp(b_C) I −
+K̃_cᵀW_c and B_c = K̃_cᵀU_c (K̃ = K ⊙ exp(b_C − b), both batched beforehand: one fused multiply-add
+per chunk), and Δ_c = U_c − W_c S_c follows batched. Outputs, batched again: O = s[(Q ⊙ exp b) S0 + (Q Kᵀ ⊙ Γ ⊙ tril) Δ].
 Γ and the exponents are range sums of log-gates formed by masked cumsums (never differences of a
 long prefix), masked to -inf before the exp: every factor is exp(<= 0).
 Memory O(N·(C·G + D + Dv) + (N/C)·D·Dv) per kv head: chunk-local C×C only, a state per chunk.
@@ -33,7 +34,7 @@ The stateless prefill is the custom op `torch.ops.attnopt.gated_delta_attention`
 torch.export; fake and recompute-autograd registered; gradients for q, k, v, g and β). Stateful use
 (`state=`, `gated_delta_attention_step`) is plain differentiable PyTorch.
 On CUDA, a stateless call that needs no gradient runs the Triton forward kernel instead
-(`attnopt.kernels.triton.gated_delta`, when Triton imports and `gated_delta_unsupported` returns None).
+(`attnopt.forms.delta.triton`, when Triton imports and its `unsupported` returns None).
 
 Letters: B batch, H query heads, Hkv kv heads, G = H // Hkv, N length, D head dim of q/k, Dv head
 dim of v, C chunk, nc chunks, X = B·Hkv.
@@ -49,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnopt.kernels.dispatch import cuda_kernels
-from attnopt.kernels.gated_linear import _own, _rev_cumsum_exclusive, _segsum, _values_known, check_log_gate
+from attnopt.forms.gla.reference import check_log_gate, own, rev_cumsum_exclusive, segsum, values_known
 from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
 from attnopt.kernels.registration import register_recompute_autograd
 
@@ -65,7 +66,7 @@ def _check_beta(who, beta, B, Hkv, N) -> None:
         raise TypeError(f"{who}: beta must be floating point, got {beta.dtype}")
     if tuple(beta.shape) != (B, Hkv, N):
         raise ValueError(f"{who}: beta must have shape [B, Hkv, N] = {[B, Hkv, N]} (one write strength per kv head and key), got {list(beta.shape)}")
-    if _values_known(beta) and not bool(torch.isfinite(beta).all()):
+    if values_known(beta) and not bool(torch.isfinite(beta).all()):
         raise ValueError(f"{who}: beta must be finite")
 
 
@@ -106,8 +107,8 @@ def _delta_chunks(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S0: 
     gc, bc = g.reshape(X, nc, C, 1), beta.reshape(X, nc, C)
 
     b_in = torch.cumsum(gc, dim=2)[..., 0]  # Σ_{s<=i} g_s within the chunk         [X, nc, C]
-    to_end = _rev_cumsum_exclusive(gc, dim=2)[..., 0]  # Σ_{i<s<C} g_s
-    Gam = torch.exp(_segsum(gc)[..., 0])  # Γ_ij = exp Σ_{j<s<=i} g_s, 0 above      [X, nc, C, C]
+    to_end = rev_cumsum_exclusive(gc, dim=2)[..., 0]  # Σ_{i<s<C} g_s
+    Gam = torch.exp(segsum(gc)[..., 0])  # Γ_ij = exp Σ_{j<s<=i} g_s, 0 above      [X, nc, C, C]
     idx = torch.arange(C, device=q.device)
     strict = idx[:, None] > idx[None, :]
 
@@ -117,17 +118,21 @@ def _delta_chunks(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S0: 
     sol = torch.linalg.solve_triangular(Lmat, rhs, upper=False, unitriangular=True)  # diagonal read as 1
     U, Wm = sol[..., :Dv], sol[..., Dv:]
 
+    # Across chunks S' = e^{b_C} S + K̃ᵀ(U − W S) = A S + Bᵀ with A = e^{b_C} I − K̃ᵀW [D, D] and
+    # B = K̃ᵀU, both batched over every chunk first; the loop then carries S by one fused
+    # multiply-add per chunk, and Δ = U − W S_before is one batched product after it.
     k_out = kc * torch.exp(to_end)[..., None]  # each key decayed to its chunk's end
     decay = torch.exp(b_in[..., -1])[..., None, None]  # [X, nc, 1, 1]
+    k_out_T = k_out.transpose(-1, -2)
+    A_t = (torch.eye(D, dtype=q.dtype, device=q.device) * decay - k_out_T @ Wm).transpose(0, 1).contiguous()
+    B_t = (k_out_T @ U).transpose(0, 1).contiguous()  # [nc, X, D, Dv], A_t [nc, X, D, D]
     S = S0
-    befores, deltas = [], []
+    befores = []
     for i in range(nc):
         befores.append(S)
-        d = U[:, i] - Wm[:, i] @ S  # Δ of chunk i   [X, C, Dv]
-        deltas.append(d)
-        S = decay[:, i] * S + k_out[:, i].transpose(-1, -2) @ d
+        S = torch.baddbmm(B_t[i], A_t[i], S)
     S_before = torch.stack(befores, dim=1)  # [X, nc, D, Dv]
-    Delta = torch.stack(deltas, dim=1)  # [X, nc, C, Dv]
+    Delta = U - Wm @ S_before  # [X, nc, C, Dv]
 
     A = (qc @ kc.transpose(-1, -2)).view(X, nc, G, C, C) * Gam[:, :, None]
     q_in = (qc.view(X, nc, G, C, D) * torch.exp(b_in)[:, :, None, :, None]).view(X, nc, G * C, D)
@@ -173,7 +178,7 @@ def _delta_forward(q, k, v, g, beta, key_mask, scale: float, chunk_size: int, S0
 def _gated_delta_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, key_mask: Optional[Tensor], scale: float, chunk_size: int
 ) -> Tensor:
-    return _own(_delta_forward(q, k, v, g, beta, key_mask, scale, chunk_size)[0])
+    return own(_delta_forward(q, k, v, g, beta, key_mask, scale, chunk_size)[0])
 
 
 @_gated_delta_op.register_fake
@@ -217,13 +222,9 @@ def gated_delta_attention(
     B, H, _, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]
     s = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    if state is None and cuda_kernels(q) is not None:
-        try:
-            import attnopt.kernels.triton.gated_delta as tk
-        except ImportError:
-            tk = None
-        if tk is not None and tk.gated_delta_unsupported(q, k=k, v=v, g=g, beta=beta) is None:
-            return tk.gated_delta_attention(q, k, v, g, beta, scale=s, key_mask=key_mask)
+    tk = None if state is not None else cuda_kernels(q, __package__)
+    if tk is not None and tk.unsupported(q, k=k, v=v, g=g, beta=beta) is None:
+        return tk.gated_delta_attention(q, k, v, g, beta, scale=s, key_mask=key_mask)
     if state is None:
         return torch.ops.attnopt.gated_delta_attention(q, k, v, g, beta, key_mask, s, chunk_size)
     S0 = _check_state(state, B, Hkv, D, Dv)
