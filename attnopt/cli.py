@@ -1,5 +1,5 @@
 """`attnopt` command line (typer, rich): `inspect MODEL`, `compile MODEL --policy P`, `calibrate`, `export`,
-`bench`, `demo`.
+`generate DIR`, `bench`, `demo`.
 
 Every expected failure (bad argument or MODEL, model that does not trace, no attention, Ctrl-C)
 prints one line to stderr and returns its exit code; no traceback. `main(argv) -> int` is the
@@ -32,7 +32,8 @@ EXIT_CODES_HELP = (
     "Exit codes: 0 success; 2 bad argument, option or MODEL; 3 the model could not be captured; "
     "4 no attention found; 130 interrupted."
 )
-MODEL_HELP = "'minilm' (default), a Hugging Face model directory, or path/to/file.py:factory"
+MODEL_KINDS = "a Hugging Face model directory, or path/to/file.py:factory"
+MODEL_HELP = f"'minilm' (default), {MODEL_KINDS}"
 
 
 class CliError(Exception):
@@ -143,6 +144,11 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
+
+# `attnopt generate DIR --prompt ...`: the decode-folder runner (numpy + onnxruntime; no torch)
+from attnopt.onnx.cli import GENERATE_EPILOG, GENERATE_HELP, generate_command  # noqa: E402
+
+app.command("generate", help=GENERATE_HELP, epilog=GENERATE_EPILOG)(generate_command)
 
 @app.callback()
 def _root(
@@ -325,7 +331,7 @@ def summary_line(report) -> str:
     return summary
 
 
-BENCH_POLICIES = ("linear", "window:256+sinks:4")
+BENCH_POLICIES = ("linear", "window:256+sinks:4")  # attnopt.bench.DEFAULT_POLICIES; not imported (torch loads lazily)
 BENCH_LENGTHS = "512,2048"
 
 
@@ -341,7 +347,7 @@ BENCH_LENGTHS = "512,2048"
                    "attnopt bench examples/custom_model.py:build --policy linear --repeats 5"),
 )
 def bench_command(
-    model: str = typer.Argument("decoder", metavar="MODEL", help="'decoder' (default), or " + MODEL_HELP),
+    model: str = typer.Argument("decoder", metavar="MODEL", help=f"'decoder', 'minilm', {MODEL_KINDS}"),
     policy: Optional[list[str]] = typer.Option(None, "--policy", help="a policy to time (repeat the option); "
                                                f"default: {', '.join(BENCH_POLICIES)}"),
     lengths: str = typer.Option(BENCH_LENGTHS, "--lengths", help="comma-separated token counts"),
@@ -356,103 +362,86 @@ def bench_command(
 
 def run_bench(spec: str, policies: list, lengths_text: str, repeats: int, threads: Optional[int],
               as_json: bool, dispatch: Optional[str] = None) -> int:
-    """Compile each policy, then time every model at every length, taking turns; print a table or JSON."""
-    import time
-    import warnings
-
+    """Compile each policy, then time every model at every length, taking turns (attnopt.bench); print
+    a table or JSON."""
     import torch
 
+    from attnopt import bench
+
+    lengths = parse_lengths(lengths_text)
+    parsed = parse_policies(policies)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    workload = bench_workload(spec, lengths, as_json)
+
+    def compiler(model, policy, example_inputs, **options):
+        return compile_or_fail(model, policy, example_inputs, workload.description, **options)
+
+    with step_bar(f"bench {workload.description}", quiet=as_json) as update:
+        result = bench.compare(workload, parsed, lengths, repeats, names=policies, compiler=compiler,
+                               progress=update, dispatch=dispatch)
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print_bench(result)
+    return EXIT_OK
+
+
+def parse_lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise CliError(f"--lengths must be comma-separated positive token counts like 512,2048; got {text!r}",
+                       EXIT_BAD_ARGUMENT)
+    return lengths
+
+
+def parse_policies(texts: list) -> list:
     from attnopt.ir.errors import PolicyError
     from attnopt.policy import Policy
 
     try:
-        lengths = [int(x) for x in lengths_text.split(",") if x.strip()]
-    except ValueError:
-        lengths = []
-    if not lengths or min(lengths) < 1:
-        raise CliError(f"--lengths must be comma-separated positive token counts like 512,2048; got {lengths_text!r}",
-                       EXIT_BAD_ARGUMENT)
-    try:
-        parsed = [Policy.parse(p) for p in policies]
+        return [Policy.parse(p) for p in texts]
     except PolicyError as exc:
         raise CliError(f"bad --policy: {exc}", EXIT_BAD_ARGUMENT) from exc
-    if threads is not None:
-        torch.set_num_threads(threads)
-    if spec == "decoder":
-        from attnopt.demo import build_decoder
 
-        model, description = build_decoder(max(lengths))
-        args, kwargs = (), {"input_ids": torch.randint(1, 1000, (1, 128), generator=torch.Generator().manual_seed(0))}
-        random_weights = True
+
+def bench_workload(spec: str, lengths: list[int], quiet: bool):
+    """MODEL as an attnopt.bench.Workload: 'decoder' is the built-in one, sized for the longest length."""
+    from attnopt import bench
+
+    if spec == "decoder":
+        workload = bench.decoder_workload(max(lengths))
     else:
-        model, args, kwargs, description = _load(spec, quiet=as_json)
-        random_weights = False
-    ids = kwargs.get("input_ids")
-    sized = not args and isinstance(ids, torch.Tensor) and ids.dim() == 2
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if sized and isinstance(limit, int) and max(lengths) > limit:
-        raise CliError(f"--lengths {max(lengths)} is beyond {description}'s {limit} positions; use at most {limit}",
-                       EXIT_BAD_ARGUMENT)
-    if sized and "use_cache" in getattr(getattr(model, "config", None), "to_dict", dict)():
-        kwargs = {**kwargs, "use_cache": False}
-    models = {"original": model}
-    with step_bar(f"bench {description}", quiet=as_json) as update:
-        for text, pol in zip(policies, parsed):
-            update(f"compiling {text}")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the table says what a warning would
-                # Random weights: a drift budget would measure noise, so none is set.
-                opt = compile_or_fail(model, pol, (args, kwargs), description, dispatch=dispatch,
-                                      **({"e2e_tolerance": None} if random_weights else {}))
-            models[text] = opt
-        if not sized:
-            lengths = [None]  # a factory model's own example: its length cannot be changed here
-        total, done = len(lengths) * (repeats + 1) * len(models), 0
-        rows = []
-        for n in lengths:
-            call_kwargs = kwargs
-            if n is not None:
-                gen = torch.Generator().manual_seed(n)
-                vocab = int(getattr(getattr(model, "config", None), "vocab_size", 1000) or 1000)
-                call_kwargs = {**kwargs, "input_ids": torch.randint(1, vocab, (1, n), generator=gen)}
-                for key in ("attention_mask", "token_type_ids"):  # the example's, shaped for its own length
-                    call_kwargs.pop(key, None)
-            best = {name: float("inf") for name in models}
-            with torch.inference_mode():
-                for r in range(repeats + 1):  # round 0 is an untimed warm-up
-                    for name, m in models.items():
-                        update(f"N={n or 'example'} {name}", done, total)
-                        t = time.perf_counter()
-                        m(*args, **call_kwargs)
-                        if r:
-                            best[name] = min(best[name], time.perf_counter() - t)
-                        done += 1
-            rows.append({"tokens": n, "seconds": best,
-                         "speedup": {name: best["original"] / sec for name, sec in best.items()}})
-    thresholds = {text: [None if r.threshold is None else r.threshold.min_seq_len for r in m.attnopt_report.sites]
-                  for text, m in models.items() if text != "original"}
-    rewritten = {text: f"{m.attnopt_report.count('rewritten')}/{len(m.attnopt_report.sites)}"
-                 for text, m in models.items() if text != "original"}
-    if as_json:
-        print(json.dumps({"model": description, "threads": torch.get_num_threads(), "repeats": repeats,
-                          "rows": rows, "rewritten": rewritten, "thresholds": thresholds}, indent=2))
-        return EXIT_OK
+        model, args, kwargs, description = _load(spec, quiet=quiet)
+        workload = bench.Workload(model, tuple(args), dict(kwargs), description)
+    limit = workload.positions
+    if workload.resizable and limit is not None and max(lengths) > limit:
+        raise CliError(f"--lengths {max(lengths)} is beyond {workload.description}'s {limit} positions; use at most "
+                       f"{limit}", EXIT_BAD_ARGUMENT)
+    return workload
+
+
+def print_bench(result) -> None:
+    """The bench table (ms and speed-up per length), then each policy's sites and thresholds."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("tokens", *[f"{name} ms" + ("" if name == "original" else " (speed-up)") for name in models],
-                  title=f"{description}: forward, best of {repeats}, interleaved, {torch.get_num_threads()} thread(s)")
-    for row in rows:
-        table.add_row(str(row["tokens"] or "example"), *[
-            f"{row['seconds'][name] * 1e3:.1f}" + ("" if name == "original" else f" ({row['speedup'][name]:.2f}x)")
-            for name in models])
+    names = result.names
+    table = Table("tokens", *[f"{name} ms" + ("" if name == "original" else " (speed-up)") for name in names],
+                  title=f"{result.model}: forward, best of {result.repeats}, interleaved, {result.threads} thread(s)")
+    for row in result.rows:
+        table.add_row(str(row.length or "example"), *[
+            f"{row.seconds[name] * 1e3:.1f}" + ("" if name == "original" else f" ({row.speedup[name]:.2f}x)")
+            for name in names])
     console = Console(highlight=False)
     console.print(table)
-    for text in thresholds:
-        shown = sorted({t for t in thresholds[text] if t is not None})
-        console.print(f"{text}: {rewritten[text]} sites rewritten; exact below "
+    for text, thresholds in result.thresholds.items():
+        shown = sorted({t for t in thresholds if t is not None})
+        console.print(f"{text}: {result.rewritten[text]} sites rewritten; exact below "
                       f"{', '.join(map(str, shown)) or '-'} tokens (dispatch thresholds)")
-    return EXIT_OK
 
 
 @app.command(

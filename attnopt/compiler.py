@@ -82,14 +82,15 @@ def compile(
                                 calibration=calibration, verify_inputs=verify_inputs, method=method, name=name,
                                 dispatch=dispatch, progress=progress)
     timer, say = _Timer(), opts.progress
+    check_runnable(model, opts.name)
     target = target_for(model, opts.method, opts.name)
     timer.lap("copy")
     say("capture + detect")
     found = target.detect(opts.batches[:1])
     timer.lap("capture+detect")
     say("record")
-    planning = plan_sites_of(found, opts)
-    recorded = record_where_forms_act(target, found, planning, opts.batches)
+    recorded = record_and_plan(target, found, opts)
+    planning = recorded.planning
     timer.lap("record")
     say("build + verify sites")
     verification = verify_sites(found.sites, planning.plans, target.build_context(found.sites, recorded.recording),
@@ -113,9 +114,27 @@ def compile(
     budget.model.attnopt_report = build_report(
         model_name=opts.name, policy=opts.policy, found=found, plans=planning.plans, outcomes=dispatch_result.outcomes,
         end_to_end=budget.end_to_end, timings=timer.timings, counts=counts, budget_steps=budget.steps,
-        thresholds=dispatch_result.thresholds,
+        thresholds=dispatch_result.thresholds, mechanism=target.mechanism, installs=target.installs(found.sites),
         notes=compile_notes(found, recorded, budget.install_counts, dispatch_result.thresholds))
     return budget.model
+
+
+def _warn_if_no_attention(found, name: str) -> None:
+    if not found.sites:
+        warnings.warn(f"attnopt.compile({name}): found no attention in this model, so nothing can be rewritten "
+                      "(the result computes what the model computes); attnopt.inspect shows what looked close",
+                      stacklevel=3)
+
+
+def check_runnable(model: nn.Module, name: str) -> None:
+    """One line, before any capture, for a model that cannot run: weights without values."""
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for path, t in named:
+            if t.is_meta:
+                raise ValueError(
+                    f"attnopt.compile({name}): {kind} {path!r} is on the meta device (it has no values); load real "
+                    "weights first (from_pretrained without a meta device map, or model.to_empty(device='cpu') and "
+                    "then load_state_dict)")
 
 
 def _install(target: Target, sites: list, modules: dict) -> tuple:
@@ -137,27 +156,32 @@ def plan_sites_of(found, opts: CompileOptions):
 @dataclass
 class Recorded:
     """The record step: every site's calls on `batches` (the inputs given, plus a longer one built
-    from the example when some planned form changes nothing at the example length)."""
+    from the example when some planned form changes nothing at the example length), and the plan."""
 
     recording: Recording
+    planning: Any
     batches: list
     notes: list = field(default_factory=list)
 
 
-def record_where_forms_act(target: Target, found, planning, batches: list) -> Recorded:
-    """Record every batch; when some planned form acts only on longer inputs, add one and record again."""
-    batches = list(batches)
+def record_and_plan(target: Target, found, opts: CompileOptions) -> Recorded:
+    """Record every batch (a transformers model may describe its sites only now, or add what their
+    calls show), plan the sites, and when some planned form acts only on longer inputs, add one and
+    record again."""
+    batches = list(opts.batches)
     recording = target.record(found, batches)
+    _warn_if_no_attention(found, opts.name)
+    planning = plan_sites_of(found, opts)
     need = verification_length(found.sites, planning.plans, recording.calls)
     if need is None:
-        return Recorded(recording, batches)
+        return Recorded(recording, planning, batches)
     longer = target.longer_batch(batches[0], need)
     if longer.batch is None:
-        return Recorded(recording, batches, [
+        return Recorded(recording, planning, batches, [
             f"some planned forms act only from about {need} tokens and no input that long was given "
             f"({longer.reason}); pass verify_inputs=: those sites stay exact, reported unverified"])
     batches.append(longer.batch)
-    return Recorded(target.record(found, batches), batches, [
+    return Recorded(target.record(found, batches), planning, batches, [
         f"verification also ran on a {longer.batch[1]['input_ids'].shape[1]}-token input built from the example's "
         f"tokens (repeated), for forms that act only on inputs longer than the example (about {need} tokens wanted)"])
 
@@ -200,7 +224,7 @@ def _position_limit(model: nn.Module) -> Optional[int]:
 
 
 def build_report(*, model_name, policy, found, plans, outcomes, end_to_end, timings, notes, counts, budget_steps=(),
-                 thresholds=None):
+                 thresholds=None, mechanism="", installs=None):
     """The report is assembled from exactly what the passes returned; only costs are computed here."""
     example_len = next((s.q_len for s in found.sites if isinstance(s.q_len, int)), None)
     records = []
@@ -214,11 +238,11 @@ def build_report(*, model_name, policy, found, plans, outcomes, end_to_end, timi
             why = "its length is symbolic and no site shows a static one" if "symbolic" in str(exc) else str(exc)
             notes.append(f"site {site.id}: cost not computed ({why})")
         records.append(SiteRecord(site=site, plan=plan, outcome=outcome, costs_before=before, costs_after=after,
-                                  threshold=(thresholds or {}).get(site.id)))
+                                  threshold=(thresholds or {}).get(site.id), install=(installs or {}).get(site.id, "")))
     return CompileReport(
         model_name=model_name, policy=policy, capture=found.capture, sites=records, near_misses=found.near_misses,
         end_to_end=end_to_end, timings=timings, notes=notes, counts=counts,
-        budget_steps=[s.to_dict() for s in budget_steps],
+        budget_steps=[s.to_dict() for s in budget_steps], mechanism=mechanism,
     )
 
 

@@ -5,6 +5,7 @@
 2. a small Llama-style decoder with random weights: compile with each of DECODER_POLICIES and time
    the forward, original against rewritten, interleaved, best of REPEATS; then generate(): the
    prefill of a DECODE_PROMPT-token prompt and the time per new token (DECODE_TOKENS of them);
+   the timing is attnopt.bench's, shared with `attnopt bench` and benchmarks/;
 3. the linear+window MiniLM report as report.html and report.json.
 
 `run(out, quick, step)` returns a DemoResult (plain data); `render(result)` is what the CLI prints.
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Optional
 
 import attnopt
+from attnopt import bench
+from attnopt.bench import DecodeTiming, Timing, build_decoder
 from attnopt.models import load_model
 from attnopt.samples import english_passages
 
@@ -31,15 +34,15 @@ REPORT_POLICY = "linear+window:64+sinks:4"  # the policy whose report is written
 # --quick fits the linear+window feature map in 20 Adam steps instead of the form's 100.
 QUICK_SUFFIX = "+fit_steps:20"
 
-DECODER_POLICIES = ("linear", "window:256+sinks:4")
-DECODER_EXAMPLE_TOKENS = 128  # compile's verification adds a longer input where a window needs one
+DECODER_POLICIES = bench.DEFAULT_POLICIES
+DECODER_EXAMPLE_TOKENS = bench.DECODER_EXAMPLE_TOKENS
 LENGTHS = (512, 2048, 4096)
 QUICK_LENGTHS = (1024,)
 REPEATS = 3
 DECODE_PROMPT, DECODE_TOKENS = 2048, 8
 QUICK_DECODE_PROMPT, QUICK_DECODE_TOKENS = 256, 3
 UNSTEADY = 1.5  # slowest / fastest repeat above which the timings are called unreliable
-SEED = 0
+SEED = bench.SEED
 
 
 @dataclass
@@ -50,25 +53,6 @@ class MiniLMRun:
     embedding_cosine: Optional[float]
     seconds: float
     exact_below: str = "-"  # the rewritten sites' dispatch thresholds, e.g. "1024 (measured)"
-
-
-@dataclass
-class Timing:
-    """Best-of-REPEATS forward seconds at one length, per model (original first)."""
-
-    length: int
-    seconds: dict[str, float]
-    spread: dict[str, float]  # slowest / fastest of the repeats: how steady the machine was
-
-
-@dataclass
-class DecodeTiming:
-    """generate() per model, best of REPEATS: seconds to the first token's logits, and per further token."""
-
-    prompt: int
-    new_tokens: int
-    prefill: dict[str, float]
-    per_token: dict[str, float]
 
 
 @dataclass
@@ -137,17 +121,12 @@ def _run(out: str, quick: bool, step: Step) -> DemoResult:
     report.to_html(html)
     report.to_json(json_path)
 
-    decoder, decoder_description = build_decoder()
-    compiled, rewritten = {"original": decoder}, {}
+    decoder, decoder_description = build_decoder(max(LENGTHS))
     example = {"input_ids": _ids(decoder, DECODER_EXAMPLE_TOKENS), "use_cache": False}
-    for policy in DECODER_POLICIES:
-        with step(f"compiling the decoder with {policy} ..."), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            # Random weights: a drift budget would measure noise, so none is set.
-            opt = attnopt.compile(decoder, policy, example_inputs=example, e2e_tolerance=None,
-                                  name=decoder_description)
-        compiled[policy] = opt
-        rewritten[policy] = f"{opt.attnopt_report.count('rewritten')}/{len(opt.attnopt_report.sites)}"
+    # Random weights: a drift budget would measure noise, so none is set.
+    compiled = bench.build_subjects(decoder, DECODER_POLICIES, example, compiler=_compile_in(step),
+                                    e2e_tolerance=None, name=decoder_description)
+    rewritten = bench.rewritten_counts(compiled)
     lengths = QUICK_LENGTHS if quick else LENGTHS
     with step(f"timing the forward at {', '.join(map(str, lengths))} tokens ..."):
         timings = time_forward(compiled, lengths)
@@ -167,82 +146,35 @@ def _run(out: str, quick: bool, step: Step) -> DemoResult:
                       time.perf_counter() - start, torch.get_num_threads(), notes, decode)
 
 
-def build_decoder(max_len: int = max(LENGTHS)):
-    """A small Llama-style decoder (GQA 8/2 heads, RoPE) with seeded random weights, `max_len` positions."""
-    import torch
-    import transformers
+def _compile_in(step: Step):
+    """attnopt.compile, each call inside step("compiling the decoder with P ...")."""
 
-    config = transformers.LlamaConfig(
-        vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=max_len,
-    )
-    torch.manual_seed(SEED)
-    model = transformers.LlamaForCausalLM(config).eval()  # generate() needs the LM head
-    return model, (f"Llama-style decoder ({config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-                   f"{config.num_attention_heads}/{config.num_key_value_heads} heads, random weights)")
+    def compile_in_step(model, policy, **options):
+        with step(f"compiling the decoder with {policy} ..."):
+            return attnopt.compile(model, policy, **options)
+
+    return compile_in_step
 
 
 def _ids(model, n: int):
-    import torch
-
-    gen = torch.Generator().manual_seed(SEED)
-    return torch.randint(1, model.config.vocab_size, (1, n), generator=gen)
+    return bench.random_ids(n, model.config.vocab_size, seed=SEED)
 
 
 def time_forward(models: dict, lengths, repeats: int = REPEATS) -> list[Timing]:
-    """Best-of-`repeats` forward seconds per model and length; the models take turns within each
-    repeat, so a slow moment of the machine lands on all of them rather than on one."""
-    import torch
+    """Best-of-`repeats` forward seconds per model and length (attnopt.bench.time_forward: one warm-up
+    round, then the models take turns), all fed the same seeded ids at a length, without a KV cache."""
 
-    rows = []
-    for n in lengths:
-        ids = _ids(next(iter(models.values())), n)
-        best = {name: float("inf") for name in models}
-        worst = {name: 0.0 for name in models}
-        with torch.inference_mode():
-            for name, m in models.items():  # one untimed warm-up each
-                m(input_ids=ids, use_cache=False)
-            for _ in range(repeats):
-                for name, m in models.items():
-                    t = time.perf_counter()
-                    m(input_ids=ids, use_cache=False)
-                    seconds = time.perf_counter() - t
-                    best[name], worst[name] = min(best[name], seconds), max(worst[name], seconds)
-        rows.append(Timing(n, best, {name: worst[name] / best[name] for name in models}))
-    return rows
+    def inputs(n: int):
+        return (), {"input_ids": _ids(next(iter(models.values())), n), "use_cache": False}
+
+    return bench.time_forward(models, lengths, inputs, repeats, clock=time.perf_counter)
 
 
 def time_generate(models: dict, prompt: int, new_tokens: int, repeats: int = REPEATS) -> DecodeTiming:
-    """Greedy generate() per model, taking turns, best of `repeats`: the prefill is the time to the
-    first token's logits, the time per token the mean gap between the next ones, both read by a
-    logits processor that notes the clock at every step (one generate() call; the original keeps HF's KV
-    cache, the rewritten models their sites' decode states)."""
-    import torch
-    import transformers
-
-    class Clock(transformers.LogitsProcessor):
-        def __init__(self):
-            self.ticks = []
-
-        def __call__(self, input_ids, scores):
-            self.ticks.append(time.perf_counter())
-            return scores
-
+    """Greedy generate() per model after a `prompt`-token seeded prompt, taking turns, best of `repeats`
+    (attnopt.bench.time_generate: the prefill and the time per new token)."""
     ids = _ids(next(iter(models.values())), prompt)
-    prefill = {name: float("inf") for name in models}
-    per_token = {name: float("inf") for name in models}
-    with torch.inference_mode():
-        for _ in range(repeats):
-            for name, m in models.items():
-                clock = Clock()
-                t = time.perf_counter()
-                m.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                           logits_processor=transformers.LogitsProcessorList([clock]))
-                ticks = clock.ticks
-                prefill[name] = min(prefill[name], ticks[0] - t)
-                if len(ticks) > 1:
-                    per_token[name] = min(per_token[name], (ticks[-1] - ticks[0]) / (len(ticks) - 1))
-    return DecodeTiming(prompt, new_tokens, prefill, per_token)
+    return bench.time_generate(models, ids, new_tokens, repeats, clock=time.perf_counter)
 
 
 def render(result: DemoResult, console=None) -> None:

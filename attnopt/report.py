@@ -42,6 +42,9 @@ class SiteRecord:
     costs_after: list = field(default_factory=list)
     # Rewritten sites: the length below which the site runs exact attention, and where it came from.
     threshold: Optional[Threshold] = None
+    # How the site's module is reached: "graph" (spliced into the captured graph), or for the hf
+    # mechanism "attention-interface" or a module route ("sdpa-intercept", "forward-replace", ...).
+    install: str = ""
 
     def flops_ratio(self, i: int) -> Optional[float]:
         """Attention FLOPs after / before at multiplier index `i` (None when not costed)."""
@@ -57,6 +60,7 @@ class SiteRecord:
             "costs_before": [c.to_dict() for c in self.costs_before],
             "costs_after": [c.to_dict() for c in self.costs_after],
             "threshold": self.threshold.to_dict() if self.threshold is not None else None,
+            "install": self.install,
         }
 
 
@@ -77,6 +81,7 @@ class CompileReport:
     cost_multipliers: tuple = (1, 4, 16)  # the lengths (× example length) of each SiteRecord.costs_*
     exports: list = field(default_factory=list)  # one OnnxExport.to_dict() per attnopt.export_onnx call
     calibration: Optional[dict] = None  # what attnopt.calibrate did (Calibration.to_dict()), once run
+    mechanism: str = ""  # "hf" (the model keeps its class) or "graph" (a captured graph); "" in old reports
     torch_version: str = field(default_factory=lambda: _package_version("torch"))
     attnopt_version: str = field(default_factory=lambda: _package_version("attnopt"))
 
@@ -129,6 +134,16 @@ class CompileReport:
             "bytes_after": self.bytes_after,
         }
 
+    @property
+    def mechanism_text(self) -> str:
+        """The mechanism and how many sites each install took, e.g. "hf (sdpa-intercept: 2 sites)"."""
+        counts: dict = {}
+        for r in self.sites:
+            if r.install:
+                counts[r.install] = counts.get(r.install, 0) + 1
+        how = ", ".join(f"{k}: {n} site{'s' if n != 1 else ''}" for k, n in counts.items())
+        return f"{self.mechanism or 'unknown'}" + (f" ({how})" if how else "")
+
     # ------------------------------------------------------------ policy text
 
     def policy_dict(self) -> Any:
@@ -149,6 +164,7 @@ class CompileReport:
             "model_name": self.model_name,
             "policy": self.policy_dict(),
             "capture": self.capture,
+            "mechanism": self.mechanism,
             "sites": [r.to_dict() for r in self.sites],
             "near_misses": [n.to_dict() for n in self.near_misses],
             "end_to_end": self.end_to_end.to_dict() if self.end_to_end is not None else None,
@@ -180,6 +196,7 @@ class CompileReport:
             model_name=d["model_name"],
             policy=d["policy"],
             capture=d["capture"],
+            mechanism=d.get("mechanism", ""),
             sites=[_record_from_dict(r) for r in d.get("sites", [])],
             near_misses=[NearMiss(**n) for n in d.get("near_misses", [])],
             end_to_end=_output_drift_from_dict(d.get("end_to_end")),
@@ -271,6 +288,7 @@ def _record_from_dict(d: dict) -> SiteRecord:
         costs_before=[Cost(**c) for c in d.get("costs_before", [])],
         costs_after=[Cost(**c) for c in d.get("costs_after", [])],
         threshold=Threshold.from_dict(d["threshold"]) if d.get("threshold") else None,
+        install=d.get("install", ""),
     )
 
 

@@ -349,7 +349,7 @@ def render_html(rep) -> str:
 <style>{CSS}</style></head>
 <body><main>
 <h1>attnopt report: {esc(rep.model_name)}</h1>
-<div class="meta">capture: {esc(rep.capture)} · torch {esc(rep.torch_version)} · attnopt {esc(rep.attnopt_version)}</div>
+<div class="meta">capture: {esc(rep.capture)} · mechanism: {esc(rep.mechanism_text)} · torch {esc(rep.torch_version)} · attnopt {esc(rep.attnopt_version)}</div>
 <div class="cards">{cards}</div>
 <h2>Drift and cost</h2>
 <div class="plots">

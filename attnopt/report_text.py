@@ -102,7 +102,8 @@ def markdown(rep) -> str:
     t = rep.totals
     out = [f"# attnopt report: {_md_cell(rep.model_name)}", ""]
     out.append(
-        f"Capture: {_md_cell(rep.capture)} · torch {rep.torch_version} · attnopt {rep.attnopt_version}"
+        f"Capture: {_md_cell(rep.capture)} · mechanism: {_md_cell(rep.mechanism_text)} · torch {rep.torch_version} · "
+        f"attnopt {rep.attnopt_version}"
     )
     out += ["", "## Totals", ""]
     out.append(

@@ -26,9 +26,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import attnopt  # noqa: E402
+from attnopt.bench import take_turns, timed  # noqa: E402
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):
@@ -39,13 +40,8 @@ def _cpu_name() -> str:
 
 
 def _time(fn, repeats=3) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    """Median seconds of `repeats` calls after one warm-up (attnopt.bench's loop, one subject)."""
+    return statistics.median(take_turns({"fn": timed(fn)}, repeats, warmups=1).values()["fn"])
 
 
 def bench_minilm(policies):
@@ -140,7 +136,7 @@ def main(argv=None):
     ap.add_argument("--long", action="store_true", help="also a 4-layer Llama at N = 8192 (forward speed)")
     args = ap.parse_args(argv)
     result = {
-        "hardware": {"cpu": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
+        "hardware": {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
                      "threads": torch.get_num_threads()},
         "conditions": "default tolerances (window 0.6, linear/ssm/reuse 0.8) and e2e_tolerance 0.5 for minilm; "
                       "tolerance 0.99 and no end-to-end budget for the random-weight llama rows",

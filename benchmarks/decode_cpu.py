@@ -17,6 +17,7 @@ Separately, each policy generates 512 tokens from a 16-token prompt and the cach
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -26,7 +27,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import attnopt  # noqa: E402
-from compile_cpu import _cpu_name  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from compile_cpu import cpu_name  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from attnopt.bench import take_turns  # noqa: E402
 from attnopt.hf.cache import decode_state_bytes, make_cache  # noqa: E402
 from transformers.cache_utils import CacheLayerMixin  # noqa: E402
 
@@ -180,7 +182,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     base = build_model(max(args.contexts))
     models = variants(base)
-    result = {"hardware": f"{_cpu_name()}, {os.cpu_count()} cores, torch threads {args.threads}",
+    result = {"hardware": f"{cpu_name()}, {os.cpu_count()} cores, torch threads {args.threads}",
               "torch": torch.__version__, "model": "Llama-style, 4 layers, hidden 128, heads 4/2, head dim 32, "
               "random weights, batch 1, fp32", "method": f"per-token decode, mean of {args.steps} steps, best of "
               f"{args.rounds} interleaved rounds", "contexts": {}, "growth": {}}
@@ -189,11 +191,9 @@ def main(argv=None):
         print(f"growth {name}: {result['growth'][name]}", flush=True)
     for n in args.contexts:
         caches = {name: prefill(m, n) for name, m in models.items()}
-        best = {name: float("inf") for name in models}
-        for _ in range(args.rounds):
-            for name, m in models.items():
-                cache, tok = caches[name]
-                best[name] = min(best[name], decode_steps(m, cache, tok, args.steps))
+        # attnopt.bench's loop: rounds that take turns over the variants, the best round kept.
+        runs = {name: functools.partial(decode_steps, m, *caches[name], args.steps) for name, m in models.items()}
+        best = take_turns(runs, args.rounds).best()
         row = {}
         for name in models:
             row[name] = {"ms_per_token": best[name] * 1e3, "state_bytes": sum(decode_state_bytes(caches[name][0]).values()),

@@ -20,6 +20,7 @@ workers take turns at each length, and each time is the best of several forwards
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -160,6 +161,18 @@ class Worker:
         self.proc.wait()
 
 
+def _turn(worker: Worker, n: int, say):
+    """One forward of a worker at length n, for take_turns: its first call also warms up where warm_up(n)."""
+    calls = itertools.count()
+
+    def run() -> dict:
+        res = worker.run(n, warm=warm_up(n) and next(calls) == 0)
+        say(f"  N={n} {worker.variant}: {res['seconds']:.3f} s")
+        return res
+
+    return run
+
+
 def hardware() -> dict:
     import torch
 
@@ -174,6 +187,9 @@ def hardware() -> dict:
 
 
 def run(lengths, policies, out: Path, threads=None, say=print) -> dict:
+    # Here, not at the top: only the driver times; a worker imports torch when it builds its model.
+    from attnopt.bench import take_turns
+
     variants = ["original", *policies, "ceiling"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     if threads:
@@ -190,22 +206,15 @@ def run(lengths, policies, out: Path, threads=None, say=print) -> dict:
     rows = []
     try:
         for n in lengths:
-            times = {v: [] for v in variants}
-            peak, resets = {}, set()
-            for r in range(repeats_at(n)):
-                order = variants[r % len(variants):] + variants[:r % len(variants)]  # rotate who goes first
-                for v in order:
-                    res = workers[v].run(n, warm=warm_up(n) and r == 0)
-                    times[v].append(res["seconds"])
-                    peak[v] = max(peak.get(v, 0.0), res["peak_rss_mb"])
-                    resets.add(res["peak_reset"])
-                    say(f"  N={n} {v}: {res['seconds']:.3f} s")
-            best = {v: min(ts) for v, ts in times.items()}
+            # attnopt.bench's loop: the workers take turns, rotating who goes first, best of the repeats.
+            turns = take_turns({v: _turn(w, n, say) for v, w in workers.items()}, repeats_at(n), rotate=True)
+            best = turns.best()
             rows.append({
-                "N": n, "repeats": repeats_at(n), "seconds": best, "seconds_all": times,
+                "N": n, "repeats": repeats_at(n), "seconds": best, "seconds_all": turns.values(),
                 "speedup": {v: best["original"] / best[v] for v in variants},
                 "of_ceiling": {v: best["ceiling"] / best[v] for v in variants},
-                "peak_rss_mb": peak, "peak_rss_is_per_forward": resets == {True},
+                "peak_rss_mb": {v: max(p) for v, p in turns.values("peak_rss_mb").items()},
+                "peak_rss_is_per_forward": {r for rs in turns.values("peak_reset").values() for r in rs} == {True},
                 "load_average_1min": os.getloadavg()[0],
             })
             _write(out, lengths, policies, workers, rows, start)

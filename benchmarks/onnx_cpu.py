@@ -14,12 +14,12 @@ from other processes over all variants alike. Writes JSON and a PNG plot.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -75,6 +75,9 @@ def main(argv=None) -> int:
     import onnxruntime as ort
     import torch
 
+    # After OMP_NUM_THREADS is set, like torch.
+    from attnopt.bench import take_turns, timed
+
     torch.set_num_threads(THREADS)
     model = build_model()
     with tempfile.TemporaryDirectory() as tmp:
@@ -94,22 +97,18 @@ def main(argv=None) -> int:
         for n in sizes:
             ids = torch.randint(0, 1000, (1, n), generator=torch.Generator().manual_seed(n))
             feed = {sessions["exact"].get_inputs()[0].name: ids.numpy()}
-            runs = {}
+            calls = {}
             for name, sess in sessions.items():
-                runs[f"ort_{name}"] = (lambda s=sess: s.run(None, feed)[0])
+                calls[f"ort_{name}"] = (lambda s=sess: s.run(None, feed)[0])
                 opt = exported[name][0]
-                runs[f"torch_{name}"] = (lambda m=opt: m(input_ids=ids, use_cache=False).logits)
-            best = {k: float("inf") for k in runs}
+                calls[f"torch_{name}"] = (lambda m=opt: m(input_ids=ids, use_cache=False).logits)
             outputs = {}
+            # attnopt.bench's loop: one warm-up call each (allocator, ORT's first-run planning), then
+            # interleaved rounds (every variant once per round), the best time of each kept.
+            # The last call's output is kept (outside the timing) to compare ORT with torch.
+            runs = {key: timed(fn, keep=functools.partial(outputs.__setitem__, key)) for key, fn in calls.items()}
             with torch.no_grad():
-                for fn in runs.values():  # one warm-up call each (allocator, ORT's first-run planning)
-                    fn()
-                for _ in range(args.repeats):
-                    for key, fn in runs.items():  # interleaved: every variant once per round
-                        start = time.perf_counter()
-                        result = fn()
-                        best[key] = min(best[key], time.perf_counter() - start)
-                        outputs[key] = result
+                best = take_turns(runs, args.repeats, warmups=1).best()
             # The same rewrite in ORT and torch computes the same logits (here at N, not just at export).
             agree = {name: float(np.sqrt(np.mean((np.asarray(outputs[f"ort_{name}"]) -
                                                   outputs[f"torch_{name}"].numpy()) ** 2) /

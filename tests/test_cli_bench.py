@@ -77,3 +77,9 @@ def test_compile_dispatch_option_measures_thresholds(factory, tmp_path, monkeypa
                  str(tmp_path / "r.html")]) == 0
     assert "| 0 (off) |" in capsys.readouterr().out
     assert main(["compile", factory, "--dispatch", "fast"]) == 2
+
+
+def test_bench_help_names_one_default_model(capsys):
+    assert main(["bench", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "[default: decoder]" in out and "(default)" not in out and "default: minilm" not in out

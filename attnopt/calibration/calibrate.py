@@ -1,17 +1,20 @@
 """`attnopt.calibrate`: attention transfer on a compiled model, then held-out re-verification.
 
-    record (exact run: each site's original inputs and softmax output)
+    check the arguments                                           (options.py: CalibrateOptions)
+      → the trainable sites, every rank starting from rank 0's tensors
+      → record (exact run: each site's original inputs and softmax output; held-out drift before)
       → train each site's own tensors, layer by layer            (train.py; ranks share batches)
+      → re-verify each site on held-out batches (keep the compiled values where it got worse)
       → [LoRA on q/k/v/o against the original outputs]           (lora.py, params="forms+lora")
-      → re-verify on held-out batches, per site and end to end    → report.calibration
+      → end-to-end guard on the held-out batches                  → report.calibration
 
+Each step is one function returning a dataclass (or plain data); `calibrate` lists them in order.
 The model is changed in place (it is already attnopt's copy of the user's model) and returned.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -20,28 +23,18 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from attnopt.calibration.distributed import (
-    World,
-    barrier,
-    broadcast_,
-    current_world,
-    shard,
-)
+from attnopt.calibration.distributed import World, barrier, broadcast_, shard
 from attnopt.calibration.lora import train_lora
+from attnopt.calibration.options import CalibrateOptions
 from attnopt.calibration.reuse_plan import reuse_matrix_in_use
 from attnopt.calibration.targets import record_targets, site_modules
 from attnopt.calibration.train import SiteTraining, train_site, trainable_tensors
-from attnopt.ir.batch import as_batch
 from attnopt.ir.calls import Recording
 from attnopt.ir.errors import CalibrationError
 from attnopt.ir.outcomes import Status
 from attnopt.passes.verify import output_drift, site_drift
 from attnopt.targets import target_of
 
-PARAMS = ("forms", "forms+lora")
-DEFAULT_STEPS = 200  # per site; at 256 tokens about 0.1-0.2 s a step on one CPU core (MiniLM)
-DEFAULT_LR = 5e-2  # on MiniLM 5e-2 beat 1e-2 by a wide margin at 120 steps (site rel RMS 0.14 vs 0.22)
-HELD_OUT_EVERY = 4  # without held_out=, batches 3, 7, 11, ... are held out
 CHECKPOINT_TENSORS = "calibration.safetensors"
 CHECKPOINT_STATE = "calibration.json"
 
@@ -80,135 +73,178 @@ def calibrate(model: nn.Module, batches: Sequence[Any], *, steps: Optional[int] 
     (feature maps, β, reuse residuals) or "forms+lora" (then LoRA on q/k/v/o, transformers models).
     checkpoint: a directory; finished sites are saved there (safetensors) and skipped on a rerun.
     """
-
     start = time.perf_counter()
-    report = getattr(model, "attnopt_report", None)
-    if report is None or not isinstance(model, nn.Module):
-        raise CalibrationError(f"attnopt.calibrate needs a model returned by attnopt.compile; this "
-                               f"{type(model).__name__} has no attnopt_report (compile it first)")
-    if params not in PARAMS:
-        raise CalibrationError(f"params must be one of {', '.join(repr(p) for p in PARAMS)}; got {params!r}")
-    steps = DEFAULT_STEPS if steps is None else steps
-    lr = DEFAULT_LR if lr is None else lr
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise CalibrationError(f"steps must be a positive int (Adam steps per site); got {steps!r}")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
-        raise CalibrationError(f"lr must be a finite number > 0; got {lr!r}")
-    train, held = _split(batches, held_out, as_batch)
-    world = current_world()
-    if len(train) < world.size:
-        raise CalibrationError(f"{len(train)} training batches for {world.size} ranks: every rank needs at least one; "
-                               "pass more (smaller) batches")
+    opts = CalibrateOptions.check(model, batches, steps=steps, lr=lr, seed=seed, params=params, held_out=held_out,
+                                  progress=progress, checkpoint=checkpoint)
+    sites = trainable_sites(model, opts)
+    recorded = record_calibration_targets(model, opts, sites)
+    trained = train_sites(model, opts, sites, recorded)
+    result = Calibration(opts.params, opts.steps, opts.lr, opts.seed, opts.world.size, len(opts.train),
+                         len(opts.held))
+    if any(m.uses_anchor_qk for m in sites.modules.values()):
+        result.reuse = reuse_matrix_in_use(opts.report.sites, recorded.targets.calls, sites.modules)
+    result.sites = reverify_held_out(sites, recorded, trained)
+    if opts.params == "forms+lora":
+        result.lora = train_lora(model, opts.report, recorded.mine, recorded.targets.outputs, steps=opts.steps,
+                                 lr=opts.lr, seed=opts.seed, world=opts.world, progress=opts.progress)
+    guard = end_to_end_guard(model, opts, sites, recorded, trained, result.sites)
+    result.notes += guard.notes
+    result.end_to_end_before, result.end_to_end_after = recorded.e2e_before.to_dict(), guard.e2e_after.to_dict()
+    if not opts.held:
+        result.notes.append("no held-out batch: the before/after drift was not measured")
+    result.seconds = time.perf_counter() - start
+    write_report(opts, sites, trained, result)
+    return model
+
+
+# ------------------------------------------------------------------ steps
+
+
+@dataclass
+class SitesToTrain:
+    """The compiled model's site modules by id, and those among them with tensors to train."""
+
+    modules: dict  # {site id: SiteModule}
+    trainable: dict  # {site id: SiteModule}, in the model's site order
+
+
+def trainable_sites(model: nn.Module, opts: CalibrateOptions) -> SitesToTrain:
+    """The sites calibrate trains, starting on every rank from rank 0's tensors (after seeding)."""
     modules = site_modules(model)
-    sites = {r.site.id: r for r in report.sites}
-    trainable = {sid: m for sid, m in modules.items() if trainable_tensors(m) and sid in sites}
-    if not trainable and params == "forms":
+    recorded_ids = {r.site.id for r in opts.report.sites}
+    trainable = {sid: m for sid, m in modules.items() if trainable_tensors(m) and sid in recorded_ids}
+    if not trainable and opts.params == "forms":
         forms_in_use = sorted({m.form for m in modules.values()}) or ["none (every site exact)"]
         raise CalibrationError(f"nothing to calibrate: the rewritten sites' forms ({', '.join(forms_in_use)}) have no "
                                "trainable tensors; use linear:hedgehog, linear+window or reuse with rank > 0, or "
                                "params='forms+lora' on a transformers model")
-    torch.manual_seed(seed)
+    torch.manual_seed(opts.seed)
     for m in trainable.values():  # every rank starts from rank 0's tensors
-        broadcast_(list(trainable_tensors(m).values()), world)
+        broadcast_(list(trainable_tensors(m).values()), opts.world)
+    return SitesToTrain(modules, trainable)
 
-    mine = shard(train, world)
-    targets = _record(model, mine, report, "batches")
-    held_targets = _record(model, held, report, "held_out")
-    masks = [_attention_mask(b) for b in held]
-    e2e_before = output_drift(_run(model, held), held_targets.outputs, masks)
-    drift_before = {sid: _held_out_drift(m, held_targets, sid) for sid, m in trainable.items()}
 
-    done = _resume(checkpoint, trainable)
-    compiled_values = {sid: [t.detach().clone() for t in trainable_tensors(m).values()] for sid, m in trainable.items()}
+@dataclass
+class CalibrationTargets:
+    """The exact runs calibration trains and re-verifies against, and the drift before training."""
+
+    mine: list  # this rank's share of the training batches
+    targets: Recording  # on `mine`
+    held_targets: Recording  # on the held-out batches
+    masks: list  # the held-out batches' attention masks (or None)
+    e2e_before: Any  # OutputDrift on the held-out batches
+    drift_before: dict  # {site id: held-out site drift dict, or None}
+
+
+def record_calibration_targets(model: nn.Module, opts: CalibrateOptions, sites: SitesToTrain) -> CalibrationTargets:
+    """Record each site's original inputs and outputs on this rank's batches and the held-out ones,
+    and measure the held-out drift, per site and end to end, before any training."""
+    mine = shard(opts.train, opts.world)
+    targets = _record(model, mine, opts.report, "batches")
+    held_targets = _record(model, opts.held, opts.report, "held_out")
+    masks = [_attention_mask(b) for b in opts.held]
+    e2e_before = output_drift(_run(model, opts.held), held_targets.outputs, masks)
+    drift_before = {sid: _held_out_drift(m, held_targets, sid) for sid, m in sites.trainable.items()}
+    return CalibrationTargets(mine, targets, held_targets, masks, e2e_before, drift_before)
+
+
+@dataclass
+class TrainedSites:
+    """Each site's training record, its tensors as compile (or the checkpoint) left them, and the
+    sites whose training diverged (put back to exact attention)."""
+
+    trainings: dict  # {site id: SiteTraining}
+    compiled_values: dict  # {site id: [Tensor]} in trainable_tensors order
+    dropped: list  # site ids
+
+
+def train_sites(model: nn.Module, opts: CalibrateOptions, sites: SitesToTrain,
+                recorded: CalibrationTargets) -> TrainedSites:
+    """Train each site on its own recorded calls, layer by layer (resumed sites are skipped and each
+    finished one is checkpointed); sites that diverge are taken out of the model."""
+    done = _resume(opts.checkpoint, sites.trainable)
+    compiled_values = {sid: [t.detach().clone() for t in trainable_tensors(m).values()]
+                       for sid, m in sites.trainable.items()}
     trainings: dict[str, SiteTraining] = {}
-    for index, (sid, m) in enumerate(trainable.items()):
+    for index, (sid, m) in enumerate(sites.trainable.items()):
         if sid in done:
             trainings[sid] = SiteTraining(sid, m.form, sorted(trainable_tensors(m)), 0, "resumed",
-                                          f"loaded from checkpoint {checkpoint}", curve=done[sid].get("curve", []))
+                                          f"loaded from checkpoint {opts.checkpoint}",
+                                          curve=done[sid].get("curve", []))
             continue
-        anchors = _anchor_calls(m, targets)
-        trainings[sid] = train_site(m, targets.calls.get(sid, []), anchors, steps=steps, lr=float(lr),
-                                    seed=seed * 1009 + index, world=world, progress=progress)
-        if checkpoint is not None:
-            _save_checkpoint(checkpoint, trainable, trainings, world)
+        anchors = _anchor_calls(m, recorded.targets)
+        trainings[sid] = train_site(m, recorded.targets.calls.get(sid, []), anchors, steps=opts.steps, lr=opts.lr,
+                                    seed=opts.seed * 1009 + index, world=opts.world, progress=opts.progress)
+        if opts.checkpoint is not None:
+            _save_checkpoint(opts.checkpoint, sites.trainable, trainings, opts.world)
     dropped = [sid for sid, t in trainings.items() if t.status == "non_finite"]
     if dropped:
-        _keep_exact(model, report, dropped, {sid: trainings[sid].reason for sid in dropped})
+        _keep_exact(model, opts.report, dropped, {sid: trainings[sid].reason for sid in dropped})
+    return TrainedSites(trainings, compiled_values, dropped)
 
-    result = Calibration(params, steps, float(lr), seed, world.size, len(train), len(held))
-    if any(m.uses_anchor_qk for m in modules.values()):
-        result.reuse = reuse_matrix_in_use(report.sites, targets.calls, modules)
-    for sid, t in trainings.items():
-        after = _held_out_drift(modules[sid], held_targets, sid) if sid not in dropped else None
-        if after is not None and drift_before[sid] is not None and t.status == "trained" \
-                and not after["rel_rms"] < drift_before[sid]["rel_rms"]:
-            # Better on its training calls, worse held out: it learnt the batches, not the attention.
-            with torch.no_grad():
-                for tensor, value in zip(trainable_tensors(modules[sid]).values(), compiled_values[sid]):
-                    tensor.copy_(value)
+
+def reverify_held_out(sites: SitesToTrain, recorded: CalibrationTargets, trained: TrainedSites) -> list:
+    """One report entry per trained site: its training and held-out drift before / after. A site
+    better on its training calls but worse held out learnt the batches, not the attention: it gets
+    its compiled values back."""
+    entries = []
+    for sid, t in trained.trainings.items():
+        before = recorded.drift_before[sid]
+        after = _held_out_drift(sites.modules[sid], recorded.held_targets, sid) if sid not in trained.dropped else None
+        if after is not None and before is not None and t.status == "trained" \
+                and not after["rel_rms"] < before["rel_rms"]:
+            _restore(sites.modules[sid], trained.compiled_values[sid])
             t.status = "unchanged"
-            t.reason = (f"held-out drift rose ({drift_before[sid]['rel_rms']:.4g} -> {after['rel_rms']:.4g}) although "
-                        f"training lowered its own ({t.rms_before:.4g} -> {t.rms_after:.4g}); the compiled values are kept")
-            after = drift_before[sid]
-        result.sites.append({**t.to_dict(), "held_out_before": drift_before[sid], "held_out_after": after})
-    if params == "forms+lora":
-        result.lora = train_lora(model, report, mine, targets.outputs, steps=steps, lr=float(lr), seed=seed,
-                                 world=world, progress=progress)
-    e2e_after = output_drift(_run(model, held), held_targets.outputs, masks)
-    if params == "forms" and held and _worse(e2e_after, e2e_before):
-        # Each site better on its own, the model worse: errors compound (reuse sites read drifted
-        # anchors). The model goes back to what compile built rather than get worse.
-        with torch.no_grad():
-            for sid, m in trainable.items():
-                for tensor, value in zip(trainable_tensors(m).values(), compiled_values[sid]):
-                    tensor.copy_(value)
-        for entry in result.sites:
-            if entry["status"] == "trained":
-                entry["status"], entry["held_out_after"] = "unchanged", entry["held_out_before"]
-                trainings[entry["site_id"]].status = "unchanged"
-        result.notes.append(f"end to end the held-out drift rose ({_describe(e2e_before)} -> {_describe(e2e_after)}) "
-                            "although the sites improved; every site keeps its compiled values")
-        e2e_after = e2e_before
-    result.end_to_end_before, result.end_to_end_after = e2e_before.to_dict(), e2e_after.to_dict()
-    if not held:
-        result.notes.append("no held-out batch: the before/after drift was not measured")
-    result.seconds = time.perf_counter() - start
+            t.reason = (f"held-out drift rose ({before['rel_rms']:.4g} -> {after['rel_rms']:.4g}) although "
+                        f"training lowered its own ({t.rms_before:.4g} -> {t.rms_after:.4g}); "
+                        "the compiled values are kept")
+            after = before
+        entries.append({**t.to_dict(), "held_out_before": before, "held_out_after": after})
+    return entries
+
+
+@dataclass
+class EndToEnd:
+    """The end-to-end held-out drift after calibration, and the note when the guard undid it."""
+
+    e2e_after: Any  # OutputDrift
+    notes: list
+
+
+def end_to_end_guard(model: nn.Module, opts: CalibrateOptions, sites: SitesToTrain, recorded: CalibrationTargets,
+                     trained: TrainedSites, entries: list) -> EndToEnd:
+    """Measure the model end to end on the held-out batches; with params="forms", when it got worse
+    although each site improved (errors compound: reuse sites read drifted anchors), every site goes
+    back to what compile built and its entry says so."""
+    e2e_before = recorded.e2e_before
+    e2e_after = output_drift(_run(model, opts.held), recorded.held_targets.outputs, recorded.masks)
+    if not (opts.params == "forms" and opts.held and _worse(e2e_after, e2e_before)):
+        return EndToEnd(e2e_after, [])
+    for sid, m in sites.trainable.items():
+        _restore(m, trained.compiled_values[sid])
+    for entry in entries:
+        if entry["status"] == "trained":
+            entry["status"], entry["held_out_after"] = "unchanged", entry["held_out_before"]
+            trained.trainings[entry["site_id"]].status = "unchanged"
+    note = (f"end to end the held-out drift rose ({_describe(e2e_before)} -> {_describe(e2e_after)}) "
+            "although the sites improved; every site keeps its compiled values")
+    return EndToEnd(e2e_before, [note])
+
+
+def write_report(opts: CalibrateOptions, sites: SitesToTrain, trained: TrainedSites, result: Calibration) -> None:
+    """Put `result` into the compile report (and, on the leader, the checkpoint directory); then
+    wait for every rank."""
+    report = opts.report
     report.calibration = result.to_dict()
     report.notes.append(_summary(result))
-    if checkpoint is not None and world.leader:
-        _save_checkpoint(checkpoint, trainable, trainings, world)
-        report.to_json(Path(checkpoint) / "report.json")
-        report.to_html(Path(checkpoint) / "report.html")
-    barrier(world)
-    return model
+    if opts.checkpoint is not None and opts.world.leader:
+        _save_checkpoint(opts.checkpoint, sites.trainable, trained.trainings, opts.world)
+        report.to_json(Path(opts.checkpoint) / "report.json")
+        report.to_html(Path(opts.checkpoint) / "report.html")
+    barrier(opts.world)
 
 
 # ------------------------------------------------------------------ inputs
-
-
-def _split(batches, held_out, as_batch) -> tuple[list, list]:
-    if isinstance(batches, (torch.Tensor, dict)) or not isinstance(batches, (list, tuple)):
-        raise CalibrationError(f"batches must be a list of model inputs (each like compile's example_inputs: a dict of "
-                               f"keyword arguments, a tuple of arguments or (args, kwargs)); got {type(batches).__name__}")
-    converted = []
-    for name, group in (("batches", batches), ("held_out", held_out or [])):
-        out = []
-        for i, b in enumerate(group):
-            try:
-                out.append(as_batch(b, f"{name}[{i}]"))
-            except TypeError as exc:
-                raise CalibrationError(f"calibrate: {exc}") from None
-        converted.append(out)
-    train, held = converted
-    if held_out is None:
-        if len(train) < 2:
-            raise CalibrationError(f"calibrate needs at least 2 batches to hold one out (got {len(train)}); pass more "
-                                   "batches or held_out=[...]")
-        held = [b for i, b in enumerate(train) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1] or [train[-1]]
-        train = [b for b in train if not any(b is h for h in held)]
-    if not train:
-        raise CalibrationError("calibrate got no training batch; pass a non-empty list of batches")
-    return train, held
 
 
 def _record(model, batches, report, what) -> Recording:
@@ -236,6 +272,13 @@ def _anchor_calls(module, targets: Recording) -> list:
     if module.uses_anchor_qk:
         return list(targets.calls.get(module.anchor_id, [None] * len(calls)))
     return [None] * len(calls)
+
+
+def _restore(module, values: list) -> None:
+    """Copy `values` (as `TrainedSites.compiled_values` keeps them) back into the module's trainable tensors."""
+    with torch.no_grad():
+        for tensor, value in zip(trainable_tensors(module).values(), values):
+            tensor.copy_(value)
 
 
 def _held_out_drift(module, targets: Recording, sid: str) -> Optional[dict]:

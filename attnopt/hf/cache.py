@@ -2,20 +2,24 @@
 form's fixed-size state (attnopt.forms.common.decoding) instead of a growing KV cache.
 
 `SiteCacheLayer` is a `transformers.cache_utils.CacheLayerMixin`. Its `update()` returns only the new
-tokens' keys and values; the registered attention function then hands them, with the queries, to
-the site module's `decode`, which reads and advances the state the layer holds. Everything else a
-cache does -- beam reordering, batch selection and repetition, offloading, reset -- goes through the
-library's Cache, which calls the layer's methods.
+tokens' keys and values and hands the layer to this call's attention function
+(`attnopt.hf.interface.hand_over`), which passes them, with the queries, to the site module's
+`decode`; that reads and advances the state the layer holds. Everything else a cache does -- beam
+reordering, batch selection and repetition, offloading, reset -- goes through the library's Cache,
+which calls the layer's methods. All of it lives in the cache object, none on a module: threads
+with caches of their own never meet.
 
-Which layer a site gets is decided when the cache first reaches the site: a forward pre-hook on
-each decoding attention module swaps the empty layer that `generate()` (or the user's
-`DynamicCache()`) made for a `SiteCacheLayer`. A layer that already holds tokens (a cache prefilled
-by another model) is left alone: the site then recomputes over the full KV cache, which is correct
+Which layer a site gets is decided when the cache first reaches the model: a forward pre-hook on
+the compiled model (outside any `torch.compile`d forward) swaps the empty layers that `generate()`
+(or the user's `DynamicCache()`) made; a pre-hook on each such attention module does it for a
+cache the model makes inside its forward. A layer that already holds tokens (a cache prefilled by
+another model) is left alone: the site then recomputes over the full KV cache, which is correct
 but not O(1). `make_cache(model)` builds the right layers up front for users who make caches.
 
-Exact sites, reuse sites and the anchors reuse reads keep HF's own layers: softmax attention needs
-its keys. A site under `min_seq_len` carries its exact prefix inside the state until every row
-passes the threshold (see SiteModule.decode).
+Exact sites and the anchors reuse reads keep HF's own layers: softmax attention needs its keys. A
+reuse site with a residual keeps HF's K/V in a `ReuseCacheLayer`, which also holds the layer
+inputs x of the cached tokens and crops them with the keys. A site under `min_seq_len` carries its
+exact prefix inside the state until every row passes the threshold (see SiteModule.decode).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Optional
 
 import torch
 from torch import nn
-from transformers.cache_utils import CacheLayerMixin, DynamicCache
+from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
 
 from attnopt.forms.common.decoding import (
     index_batch,
@@ -32,10 +36,11 @@ from attnopt.forms.common.decoding import (
     state_nbytes,
     to_device,
 )
-from attnopt.hf.interface import ModuleState
+from attnopt.hf.interface import hand_over, layer_index
 from attnopt.ir.masks import key_keep
 
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")  # names across transformers versions and models
+SITE = "attnopt_site"
 
 
 class SiteCacheLayer(CacheLayerMixin):
@@ -43,11 +48,12 @@ class SiteCacheLayer(CacheLayerMixin):
 
     is_sliding = False  # masks are built full-length, as for every other full-attention layer
     is_compileable = False
-    is_croppable = False
+    decodes = True  # the attention function decodes from this layer (attnopt.hf.interface)
 
-    def __init__(self, site_module: nn.Module, **kwargs):
+    def __init__(self, site_module: nn.Module, refusal: str = "", **kwargs):
         super().__init__()
         self.site_module = site_module
+        self.refusal = refusal or refusal_line([(None, site_module.form)])
         self.state = None
         self.columns = 0
 
@@ -58,6 +64,12 @@ class SiteCacheLayer(CacheLayerMixin):
     def nbytes(self) -> int:
         return state_nbytes(self.state)
 
+    @property
+    def is_croppable(self) -> bool:
+        # Assisted, prompt-lookup and speculative decoding ask this right after their prefill, before
+        # any draft is verified: refuse there, in attnopt's words, instead of transformers' generic ones.
+        raise ValueError(self.refusal)
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
@@ -66,11 +78,13 @@ class SiteCacheLayer(CacheLayerMixin):
         """Only the new tokens go on to the attention function; `attend` absorbs them into the state."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.keys is None or self.keys.shape[0] != key_states.shape[0]:
+            # Zero-length stand-ins for code that reads layer.keys / .values itself (Whisper's
+            # generate() rebuilds the cache it returns from them; the state is not in it).
+            self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]
+        hand_over(self, kwargs, key_states)
         return key_states, value_states
 
-    # Under torch.compile the state step runs eagerly (one graph break per site): its shapes change
-    # with the step count, which would otherwise recompile the model at every token.
-    @torch.compiler.disable
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
         """The site's output for the new tokens [B, H, Nq, Dv]; advances the state by them."""
@@ -96,24 +110,29 @@ class SiteCacheLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.state, self.columns = None, 0
+        self.keys = self.values = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.state is not None:
             self.state = index_batch(self.state, beam_idx)
+        if self.keys is not None:
+            self.keys, self.values = (t.index_select(0, beam_idx.to(t.device)) for t in (self.keys, self.values))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.state is not None:
             self.state = index_batch(self.state, torch.as_tensor(indices))
+        if self.keys is not None:
+            self.keys, self.values = self.keys[indices], self.values[indices]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.state is not None:
             self.state = repeat_batch(self.state, repeats)
+        if self.keys is not None:
+            self.keys, self.values = (t.repeat_interleave(repeats, 0) for t in (self.keys, self.values))
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise ValueError(
-            f"attnopt: a {self.site_module.form} site keeps a fixed-size decode state, which cannot drop tokens "
-            "(crop, assisted or speculative decoding); compile that layer as exact to use them"
-        )
+        if tokens_to_remove != 0:  # crop(0) is a no-op transformers calls after every step of some decoders
+            raise ValueError(self.refusal)
 
     def offload(self):
         if self.state is not None:
@@ -124,20 +143,93 @@ class SiteCacheLayer(CacheLayerMixin):
             self.state = to_device(self.state, self.device)
 
 
+def refusal_line(layers: list) -> str:
+    """The one line a state layer refuses to drop tokens with, naming the layers to keep exact."""
+    named = [str(i) for i, _ in layers if i is not None]
+    forms = sorted({f for _, f in layers})
+    which = f"layers {', '.join(named)}" if named else "this layer"
+    rule = f'{{"layers": "{",".join(named)}", "form": "exact"}}' if named else '{"form": "exact"}'
+    return (f"attnopt: assisted, prompt-lookup and speculative decoding drop tokens from the cache, which the "
+            f"fixed-size {'/'.join(forms)} decode state of {which} cannot; compile {which} as exact "
+            f"(policy rule {rule}) to use them, or generate without them")
+
+
+class ReuseCacheLayer(DynamicLayer):
+    """HF's growing K/V of a reuse site, plus the layer inputs x of the same tokens, which the reuse
+    residual reads for every key (its x·B replaces a K cache of its own); cropped together."""
+
+    decodes = False
+
+    def __init__(self, site_module: nn.Module, **kwargs):
+        super().__init__()
+        self.site_module = site_module
+        self.inputs: Optional[torch.Tensor] = None  # [B, N, C] layer inputs of every cached token
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = super().update(key_states, value_states)
+        hand_over(self, kwargs, keys)
+        return keys, values
+
+    def layer_inputs(self, x: torch.Tensor, nk: int) -> torch.Tensor:
+        """Append this call's x; the inputs of every key so far (as many as the keys, or an error)."""
+        prev = self.inputs
+        if prev is not None and prev.shape[0] != x.shape[0]:
+            prev = None
+        self.inputs = x if prev is None else torch.cat([prev, x], dim=1)
+        if self.inputs.shape[1] != nk:
+            raise RuntimeError(
+                f"reuse residual: the cache holds the layer inputs of {self.inputs.shape[1]} tokens but {nk} keys "
+                "(was the KV cache built by another model or edited?); run the prompt through this compiled model first")
+        return self.inputs
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if tokens_to_remove < 0 and self.inputs is not None:
+            self.inputs = self.inputs[:, :tokens_to_remove]
+
+    def reset(self) -> None:
+        super().reset()
+        self.inputs = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.inputs is not None:
+            self.inputs = self.inputs.index_select(0, beam_idx.to(self.inputs.device))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.inputs is not None:
+            self.inputs = self.inputs[indices]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.inputs is not None:
+            self.inputs = self.inputs.repeat_interleave(repeats, dim=0)
+
+    def offload(self):
+        super().offload()
+        if self.inputs is not None:
+            self.inputs = self.inputs.to("cpu", non_blocking=True)
+
+    def prefetch(self):
+        super().prefetch()
+        if self.inputs is not None and self.inputs.device != self.device:
+            self.inputs = self.inputs.to(self.device, non_blocking=True)
+
+
 def decoding_modules(model: nn.Module) -> list[nn.Module]:
-    """The attention modules whose site decodes from its own state (not reuse sites or their anchors)."""
+    """The attention modules whose site keeps a cache layer of its own (a decode state, or reuse inputs)."""
     out = []
     for m in model.modules():
-        site = m._modules.get("attnopt_site")
         state = m.__dict__.get("_attnopt_state")
-        if site is None or state is None or state.store_qk or not getattr(site, "decodes", False):
-            continue
-        if isinstance(getattr(m, "layer_idx", None), int):
+        if m._modules.get(SITE) is not None and state is not None and state.cache_role and layer_index(m) is not None:
             out.append(m)
     return out
 
 
 def _find_cache(kwargs: dict):
+    if kwargs.get("key_value_states") is not None:
+        return None  # cross-attention: its cache is the encoder's, never a site's
     for name in _CACHE_KWARGS:
         cache = kwargs.get(name)
         if cache is not None:
@@ -145,12 +237,14 @@ def _find_cache(kwargs: dict):
     return None
 
 
-def bind_layer(module: nn.Module, cache) -> Optional[SiteCacheLayer]:
-    """The SiteCacheLayer of `module` in `cache`, swapped in for the empty layer the cache made."""
+def bind_layer(module: nn.Module, cache) -> Optional[CacheLayerMixin]:
+    """The cache layer of `module`'s site in `cache`, swapped in for the empty layer the cache made."""
+    site = module._modules.get(SITE)
+    state = module.__dict__.get("_attnopt_state")
     layers = getattr(cache, "layers", None)
-    if layers is None:
-        return None
-    idx = module.layer_idx
+    idx = layer_index(module)
+    if site is None or state is None or not state.cache_role or layers is None or idx is None:
+        return None  # a site put back to exact keeps HF's layer
     if len(layers) <= idx:
         replicate = getattr(cache, "layer_class_to_replicate", None)
         if replicate is None:
@@ -158,32 +252,80 @@ def bind_layer(module: nn.Module, cache) -> Optional[SiteCacheLayer]:
         while len(layers) <= idx:
             layers.append(replicate())
     layer = layers[idx]
-    site = module._modules["attnopt_site"]
-    if isinstance(layer, SiteCacheLayer):
+    if isinstance(layer, (SiteCacheLayer, ReuseCacheLayer)):
         if layer.site_module is not site:
             raise ValueError(f"attnopt: cache layer {idx} belongs to another compiled model's site; "
                              "make a new cache for each model (attnopt.hf.make_cache(model))")
         return layer
     if cache.get_seq_length(idx) > 0:  # prefilled by something else: keep its keys, recompute over them
         return None
-    layers[idx] = SiteCacheLayer(site)
+    if state.cache_role == "state":
+        layers[idx] = SiteCacheLayer(site, state.crop_refusal)
+    elif type(layer) is DynamicLayer:  # reuse: HF's plain layer only (a sliding one keeps its own band)
+        layers[idx] = ReuseCacheLayer(site)
+    else:
+        return None
     return layers[idx]
 
 
 def watch_cache(module: nn.Module):
-    """Forward pre-hook: point the module's state at its SiteCacheLayer for this call (or None)."""
-    module.__dict__.setdefault("_attnopt_state", ModuleState())
+    """Forward pre-hook on an attention module: bind its layer in a cache the model made inside its
+    forward (the compiled model's own pre-hook, `watch_model_cache`, has bound any cache it was given)."""
 
-    @torch.compiler.disable
     def hook(mod, args, kwargs):
-        # The state is read from the module called, not captured: a deep copy of the model copies
-        # its hooks by reference, and must not write into the original's state.
         cache = _find_cache(kwargs)
-        site = mod._modules.get("attnopt_site")
-        decodes = site is not None and getattr(site, "decodes", False)  # a site put back to exact has none
-        mod.__dict__["_attnopt_state"].cache_layer = bind_layer(mod, cache) if decodes and cache is not None else None
+        if cache is not None:
+            bind_layer(mod, cache)
 
     return module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def watch_model_cache(model: nn.Module):
+    """Forward pre-hook on the compiled model: bind every site's layer in the cache it is given.
+
+    It runs in Module.__call__, outside a `torch.compile`d forward, so the traced model finds its
+    layers in place and takes no graph break for them.
+    """
+
+    def hook(mod, args, kwargs):
+        cache = _find_cache(kwargs)
+        if cache is not None:
+            for m in mod.__dict__["_attnopt_state"].stateful:
+                layer = bind_layer(m, cache)
+                if isinstance(layer, SiteCacheLayer):
+                    layer.state = layer.site_module.settle(layer.state)  # decode leaves it to us under torch.compile
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def set_cache_roles(model: nn.Module, sites: list) -> int:
+    """Mark each site module's attention module with the cache layer it keeps; the count marked.
+
+    A decode state only for causal self-attention whose every call the site rewrites (a site whose
+    calls carry a bias runs exact and needs HF's keys); never for cross-attention.
+    """
+    by_path = {s.module_path: s for s in sites}
+    stateful = []
+    marked = 0
+    for path, m in model.named_modules():
+        site, state = m._modules.get(SITE), m.__dict__.get("_attnopt_state")
+        if state is None:
+            continue
+        state.cache_role, state.crop_refusal = None, ""
+        s = by_path.get(path)
+        if site is None or s is None or layer_index(m) is None or s.runtime_inputs:
+            continue
+        if getattr(site, "decodes", False) and s.q_len == s.kv_len and not state.store_qk:
+            # (an anchor keeps HF's keys: the sites reusing it read them)
+            state.cache_role = "state"
+            stateful.append((m, layer_index(m), site.form))
+        elif site.uses_anchor_qk and site.needs_layer_input:
+            state.cache_role = "reuse"
+        marked += state.cache_role is not None
+    refusal = refusal_line([(i, f) for _, i, f in stateful])
+    for m, _, _ in stateful:
+        m.__dict__["_attnopt_state"].crop_refusal = refusal
+    return marked
 
 
 def make_cache(model: nn.Module) -> DynamicCache:

@@ -11,9 +11,10 @@ from torch import nn
 
 from attnopt import forms
 from attnopt.forms.common.base import BuildContext
-from attnopt.hf.cache import decoding_modules, watch_cache
+from attnopt.hf.cache import decoding_modules, set_cache_roles, watch_cache, watch_model_cache
 from attnopt.hf.interface import ModuleState
 from attnopt.hf.recording import watch_layer_input
+from attnopt.hf.routes import keep_routes_of
 
 # What HF's sliding-window masks and caches are given instead of the model's window: wider than any
 # input, so they hide nothing (models that always build a sliding mask need a number, not None).
@@ -63,16 +64,20 @@ def take_over_model_windows(model: nn.Module, sites: list, modules: dict) -> int
 
 
 def uninstall(model: nn.Module) -> int:
-    """Detach every site module and its hooks: the model runs its original attention again."""
+    """Detach every site module and its hooks: the model runs its original attention again (the
+    route, attnopt.hf.routes, stays: exact sites run the module's own attention through it)."""
     removed = 0
     for m in model.modules():
         if "attnopt_site" in m._modules:
             del m._modules["attnopt_site"]
             removed += 1
         m.__dict__.pop("_attnopt_layer_state", None)
-        state = m.__dict__.pop("_attnopt_state", None)
-        for h in getattr(state, "hooks", ()):
+        state = m.__dict__.get("_attnopt_state")
+        if state is None:
+            continue
+        for h in state.hooks:
             h.remove()
+        state.hooks, state.store_qk, state.anchor, state.cache_role, state.stateful = [], False, None, None, []
     return removed
 
 
@@ -82,27 +87,32 @@ def install(model: nn.Module, sites: list, modules: dict) -> dict:
     uninstall(model)
     modules = dict(modules)
     banded = take_over_model_windows(model, sites, modules)
-    reuse_cache: dict = {}
     by_id = {s.id: s for s in sites}
-    anchors = watched = stateful = 0
+    anchors = watched = 0
     for site_id, module in modules.items():
         target = model.get_submodule(by_id[site_id].module_path)
         target.attnopt_site = module
         state = target.__dict__.setdefault("_attnopt_state", ModuleState())
-        state.reuse_cache = reuse_cache
         if module.uses_anchor_qk:
             anchor_mod = model.get_submodule(by_id[module.anchor_id].module_path)
             astate = anchor_mod.__dict__.setdefault("_attnopt_state", ModuleState())
-            astate.store_qk, astate.reuse_cache = True, reuse_cache
-            astate.qk_key = state.anchor_key = by_id[module.anchor_id].module_path
+            astate.store_qk, state.anchor = True, astate
             anchors += 1
             if module.needs_layer_input:
                 hook = watch_layer_input(target)
                 if hook is not None:
                     state.hooks.append(hook)
                     watched += 1
-    for target in decoding_modules(model):  # after the loop above: anchors are known by now
+    keep_routes_of(model, {by_id[i].module_path for i in modules}
+                   | {by_id[m.anchor_id].module_path for m in modules.values() if m.uses_anchor_qk})
+    set_cache_roles(model, sites)  # after the loop above: anchors are known by now
+    stateful = decoding_modules(model)
+    for target in stateful:
         target.__dict__["_attnopt_state"].hooks.append(watch_cache(target))
-        stateful += 1
+    if stateful:
+        top = model.__dict__.setdefault("_attnopt_state", ModuleState())
+        top.stateful = stateful  # a deep copy of the model maps these to its own modules
+        top.hooks.append(watch_model_cache(model))
     return {"installed": len(modules), "reuse_anchors": anchors, "layer_inputs_watched": watched,
-            "model_window_taken_over": banded, "decode_state_sites": stateful}
+            "model_window_taken_over": banded,
+            "decode_state_sites": sum(m.__dict__["_attnopt_state"].cache_role == "state" for m in stateful)}

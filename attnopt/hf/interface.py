@@ -5,11 +5,20 @@ function: without a mask function HF hands the attention no mask at all and logi
   "attnopt"        masks as for "sdpa" (bool, True keeps; None when HF can prove it unneeded)
   "attnopt_eager"  masks as for "eager" (additive float), for models captured in eager mode
 Sites the plan keeps exact call the model's original attention function unchanged.
+
+Nothing one call computes is kept on a module: a compiled model may serve several threads at once.
+What one call hands to a later step of the same call lives in the call itself --
+  the cache layer of a site     the layer's `update` puts itself into the kwargs dict the module
+                                passes on to the attention function (`LAYER_KW`); models whose
+                                `update` gets no kwargs hand it over per thread (`hand_over`)
+  a reuse anchor's (q, k), x    `ModuleState.call`, a per-thread slot of the module
+-- and what a sequence keeps between calls lives in its cache object (attnopt.hf.cache).
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -20,6 +29,7 @@ from attnopt.ir.calls import SiteCall
 
 IMPL_SDPA = "attnopt"
 IMPL_EAGER = "attnopt_eager"
+LAYER_KW = "_attnopt_cache_layer"  # the keyword a cache layer hands itself to the attention function under
 
 
 @dataclass(frozen=True)
@@ -30,26 +40,99 @@ class CallInfo:
     is_causal: Optional[bool] = None
     sliding_window: Optional[int] = None
     softcap: Optional[float] = None
+    # A position bias added to the scores (T5's relative bias, ALiBi): "zero" when it is all zeros
+    # (T5 cross-attention: no bias at all), "nonzero" otherwise, None when the call has none.
+    position_bias: Optional[str] = None
 
     @classmethod
     def of(cls, scaling, is_causal, kwargs: dict) -> "CallInfo":
-        return cls(scaling, is_causal, kwargs.get("sliding_window"), kwargs.get("softcap"))
+        bias = kwargs.get("position_bias")
+        kind = None if bias is None else ("nonzero" if has_bias(bias) else "zero")
+        return cls(scaling, is_causal, kwargs.get("sliding_window"), kwargs.get("softcap"), kind)
+
+
+def has_bias(position_bias: Optional[torch.Tensor]) -> bool:
+    """Whether a position bias changes the scores (an all-zero one, T5's cross-attention, does not)."""
+    return position_bias is not None and bool(position_bias.any())
+
+
+class PerThread:
+    """A module's scratch for the forward call in progress: one per thread; a copy starts empty."""
+
+    __slots__ = ("_local",)
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def __deepcopy__(self, memo):
+        return PerThread()
+
+    def __reduce__(self):
+        return (PerThread, ())
+
+    def get(self, name: str):
+        return getattr(self._local, name, None)
+
+    def set(self, name: str, value) -> None:
+        setattr(self._local, name, value)
 
 
 @dataclass
 class ModuleState:
-    """Per attention module of a compiled copy: recording hook and reuse cache (no globals)."""
+    """Per attention module of a compiled copy: its role, recording hook and per-thread scratch."""
 
-    recorder: Optional[list] = None  # when a list: every call appends a SiteCall (exact run)
-    reuse_cache: Optional[dict] = None  # shared by an anchor and the sites reusing its q, k
-    store_qk: bool = False  # this module is an anchor: put (q, k) into reuse_cache
-    call_info: list = field(default_factory=list)  # a CallInfo per call seen
-    anchor_key: Optional[str] = None  # reuse site: the reuse_cache key of its anchor (the anchor's qk_key)
-    qk_key: Optional[str] = None  # anchor: the key it files its (q, k) under (its module path; survives a deep copy)
-    last_x: Optional[torch.Tensor] = None  # this forward's input to the q projection (reuse residual)
-    x_cache: Optional[torch.Tensor] = None  # layer inputs of every token so far, when decoding with reuse
+    recorder: Optional[list] = None  # when a list: every call appends a SiteCall (exact run, compile time)
+    call_info: list = field(default_factory=list)  # a CallInfo per call seen (compile time)
+    store_qk: bool = False  # this module is an anchor: its (q, k) of the call go to `call` for the reuse sites
+    anchor: Optional["ModuleState"] = None  # reuse site: its anchor module's state (a deep copy maps it along)
     hooks: list = field(default_factory=list)  # forward hooks install() added (removed by uninstall)
-    cache_layer: Optional[object] = None  # this call's SiteCacheLayer (attnopt.hf.cache), when decoding from a state
+    # Which cache layer this module's site keeps (attnopt.hf.cache): "state" (its form's decode
+    # state), "reuse" (HF's K/V plus the layer inputs the residual reads) or None (HF's own layer).
+    cache_role: Optional[str] = None
+    crop_refusal: str = ""  # the one-line error a "state" layer raises when asked to drop tokens
+    # The exact attention of a module attnopt routes itself (attnopt.hf.routes), in the attention
+    # function's signature; None: the model's own attention function (original_attention).
+    original: Optional[Callable] = None
+    call: PerThread = field(default_factory=PerThread)  # "qk" (anchor) and "x" (layer input) of this call
+    stateful: list = field(default_factory=list)  # top-level model: the modules whose cache layers it binds
+
+
+def layer_index(module: nn.Module) -> Optional[int]:
+    """The cache index of an attention module: `layer_idx`, or GPT-Neo's / XLM's `layer_id`."""
+    for name in ("layer_idx", "layer_id"):
+        idx = getattr(module, name, None)
+        if isinstance(idx, int) and not isinstance(idx, bool):
+            return idx
+    return None
+
+
+_HANDED = threading.local()  # site module id -> (cache layer, the keys its update returned), per thread
+
+
+def hand_over(layer, kwargs: dict, keys: torch.Tensor) -> None:
+    """Called by a cache layer's `update`: make `layer` reach the attention function of this call.
+
+    Most transformers modules pass their own kwargs dict to `update` and then to the attention
+    function: the layer rides in it. The others (GPT-NeoX, Falcon, ...) get it per thread, matched
+    to the keys `update` returned, so a stale hand-over can never be taken by another call.
+    """
+    call_kwargs = kwargs.get("kwargs")
+    if isinstance(call_kwargs, dict):
+        call_kwargs[LAYER_KW] = layer
+        return
+    table = getattr(_HANDED, "table", None)
+    if table is None:
+        table = _HANDED.table = {}
+    table[id(layer.site_module)] = (layer, keys)
+
+
+def _taken(site_module: nn.Module, key: torch.Tensor):
+    """The layer handed over per thread for this site and these keys (None when there is none)."""
+    table = getattr(_HANDED, "table", None)
+    entry = None if not table else table.pop(id(site_module), None)
+    if entry is None or entry[1] is not key:
+        return None
+    return entry[0]
 
 
 def original_attention(module: nn.Module) -> Callable:
@@ -78,54 +161,57 @@ def attention_forward(
     **kwargs,
 ):
     """HF attention function: q [B, H, Nq, D], k/v [B, Hkv, Nk, D]; returns ([B, Nq, H, Dv], None)."""
+    layer = kwargs.pop(LAYER_KW, None)  # this call's cache layer of the site, when it keeps one
     state: Optional[ModuleState] = module.__dict__.get("_attnopt_state")
-    site_module = getattr(module, "attnopt_site", None)
+    site_module = module._modules.get("attnopt_site")
     if site_module is None and _planner is not None and state is None:
         site_module = _planner(module, query, key, value, attention_mask, scaling, is_causal, kwargs)
+        state = module.__dict__.get("_attnopt_state")
+    exact = state.original if state is not None and state.original is not None else original_attention(module)
+    if state is not None and state.store_qk:
+        state.call.set("qk", (query, key))
     if state is not None and state.recorder is not None:
-        out, weights = original_attention(module)(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-        )
-        state.recorder.append(SiteCall(query, key, value, attention_mask, out.transpose(1, 2), x=state.last_x))
+        out, weights = exact(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                             is_causal=is_causal, **kwargs)
+        state.recorder.append(SiteCall(query, key, value, attention_mask, out.transpose(1, 2), x=state.call.get("x")))
         state.call_info.append(CallInfo.of(scaling, is_causal, kwargs))
-        if state.store_qk and state.reuse_cache is not None:
-            state.reuse_cache[state.qk_key] = (query, key)
         return out, weights
-    if state is not None and state.store_qk and state.reuse_cache is not None:
-        state.reuse_cache[state.qk_key] = (query, key)
-    if site_module is None or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
-        return original_attention(module)(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-        )
-    layer = state.cache_layer if state is not None else None
-    if layer is not None and layer.site_module is site_module:  # decode from the site's own state
+    if site_module is None or kwargs.get("softcap") is not None or has_bias(kwargs.get("position_bias")):
+        return exact(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+                     **kwargs)
+    if layer is None and state is not None and state.cache_role is not None:
+        layer = _taken(site_module, key)
+    if layer is not None and layer.site_module is not site_module:
+        layer = None  # another site's layer (a cache shared by mistake is refused when it is bound)
+    if layer is not None and layer.decodes:  # decode from the site's own state
         return layer.attend(query, key, value, attention_mask).transpose(1, 2).contiguous(), None
     x = None
     if site_module.uses_anchor_qk:
-        query, key = state.reuse_cache[state.anchor_key]
+        qk = state.anchor.call.get("qk") if state is not None and state.anchor is not None else None
+        if qk is None:
+            raise RuntimeError(f"attnopt: reuse site {site_module.geometry.site_id} runs before its anchor in this call; "
+                               "call the whole compiled model, not one of its layers")
+        query, key = qk
         if site_module.needs_layer_input:
-            x = _layer_input_for_keys(state, query.shape[-2], key.shape[-2])
+            x = _layer_input_for_keys(state.call.get("x"), layer, query.shape[-2], key.shape[-2])
     out = site_module(query, key, value, attention_mask, x=x)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _layer_input_for_keys(state: ModuleState, nq: int, nk: int) -> torch.Tensor:
-    """The layer input x for every key: a prefill sees all of it; decoding appends to a cache of x.
+def _layer_input_for_keys(x: torch.Tensor, layer, nq: int, nk: int) -> torch.Tensor:
+    """The layer input x for every key: a prefill sees all of it; decoding appends to the cache's x.
 
-    Caching x of earlier tokens is what replaces this layer's K cache (x·B is r wide per head).
+    Caching x of earlier tokens is what replaces this layer's K cache (x·B is r wide per head); it
+    lives in the sequence's cache layer (attnopt.hf.cache.ReuseCacheLayer), cropped with its keys.
     """
-    x = state.last_x
+    if layer is not None:
+        return layer.layer_inputs(x, nk)
     if nq == nk:
-        state.x_cache = x
         return x
-    prev = state.x_cache
-    if prev is None or prev.shape[0] != x.shape[0] or prev.shape[1] + x.shape[1] != nk:
-        raise RuntimeError(
-            "reuse residual: the cached layer inputs do not match the key cache (was the KV cache built "
-            "by another model or edited?); run the prompt through this compiled model first"
-        )
-    state.x_cache = torch.cat([prev, x], dim=1)
-    return state.x_cache
+    raise RuntimeError(
+        "reuse residual: the cached layer inputs do not match the key cache (was the KV cache built "
+        "by another model or edited?); run the prompt through this compiled model first"
+    )
 
 
 def register_names(planner: Optional[Callable] = None) -> None:
@@ -159,11 +245,3 @@ def switch(model: nn.Module, impl: str) -> None:
         cfg = getattr(m, "config", None)
         if cfg is not None and hasattr(cfg, "_attn_implementation_internal"):
             cfg._attn_implementation_internal = impl
-
-
-def is_hf_model(model: nn.Module) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return False
-    return isinstance(model, PreTrainedModel) and bool(getattr(model, "_supports_attention_backend", False))

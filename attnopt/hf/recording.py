@@ -23,7 +23,7 @@ def qk_projections(module: nn.Module) -> Optional[tuple[nn.Linear, nn.Linear]]:
 
 
 def watch_layer_input(module: nn.Module):
-    """Keep the input of the module's q projection in its state (the x of the reuse residual)."""
+    """Keep the input of the module's q projection for this call (the x of the reuse residual)."""
     proj = qk_projections(module)
     if proj is None:
         return None
@@ -32,7 +32,7 @@ def watch_layer_input(module: nn.Module):
     proj[0].__dict__["_attnopt_layer_state"] = module.__dict__.setdefault("_attnopt_state", ModuleState())
 
     def hook(mod, args):
-        mod.__dict__["_attnopt_layer_state"].last_x = args[0]
+        mod.__dict__["_attnopt_layer_state"].call.set("x", args[0])
 
     return proj[0].register_forward_pre_hook(hook)
 
@@ -65,7 +65,7 @@ def record_calls(model: nn.Module, batches: list) -> tuple[dict[str, list], list
             if st.recorder:
                 result[paths[id(m)]] = list(zip(st.recorder, st.call_info))
             st.recorder = None
-            st.last_x = None
+            st.call.set("x", None)
         for h in hooks:
             h.remove()
     return result, outs

@@ -11,8 +11,8 @@ import warnings
 
 from attnopt import forms
 from attnopt.forms.common.base import BuildContext
-from attnopt.hf.cache import watch_cache
-from attnopt.hf.interface import CallInfo, ModuleState, register_names
+from attnopt.hf.cache import refusal_line, watch_cache
+from attnopt.hf.interface import CallInfo, ModuleState, layer_index, register_names
 from attnopt.hf.sites import site_from_call
 from attnopt.ir.calls import SiteCall
 from attnopt.policy import Policy
@@ -40,7 +40,7 @@ def register(policy="exact") -> None:
 
 def plan_on_first_call(module, query, key, value, attention_mask, scaling, is_causal, kwargs, *, policy):
     """register() mode: describe the site from this call, plan it with the policy, attach its module."""
-    layer = int(getattr(module, "layer_idx", 0) or 0)
+    layer = int(layer_index(module) or 0)
     call = SiteCall(query, key, value, attention_mask, query)
     info = CallInfo.of(scaling, is_causal, kwargs)
     site = site_from_call(type(module).__name__, module, call, info, layer)
@@ -53,8 +53,16 @@ def plan_on_first_call(module, query, key, value, attention_mask, scaling, is_ca
             site_module = form.build(site, rule.params, BuildContext(sites=[site])).to(query.device)
             module.attnopt_site = site_module
     state = module.__dict__["_attnopt_state"] = ModuleState()
-    if site_module is not None and site_module.decodes and isinstance(getattr(module, "layer_idx", None), int):
+    if site_module is not None and site_module.decodes and layer_index(module) is not None and _self_attention_call(call) \
+            and info.position_bias != "nonzero":
         # From the next cache on, this site decodes from its own state; the cache of the call that
         # planned it already holds the prompt's keys, so that generation recomputes over them.
+        state.cache_role = "state"
+        state.crop_refusal = refusal_line([(layer_index(module), site_module.form)])
         state.hooks.append(watch_cache(module))
     return site_module
+
+
+def _self_attention_call(call: SiteCall) -> bool:
+    """Self-attention over the call's own tokens (a first call without a cache): cross-attention never decodes."""
+    return call.q.shape[-2] == call.k.shape[-2]

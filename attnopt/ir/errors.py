@@ -16,11 +16,11 @@ class CaptureError(RuntimeError):
 
 
 class SpecializedInputError(CaptureError, AssertionError):
-    """A captured graph was called with a Python number other than the one it was captured with.
+    """A captured graph was called with a non-tensor input other than the one it was captured with.
 
-    torch.export bakes Python floats / ints / bools into the graph and guards them; this names the
-    argument instead of the raw `Guard failed: sc == 0.3`. Also an AssertionError, which is what
-    the guard raised before."""
+    torch.export bakes Python floats / ints / bools / strings / None into the graph; this names the
+    argument instead of the raw `Guard failed: sc == 0.3` (or no error at all). Also an
+    AssertionError, which is what the guard raised before."""
 
 
 class SaveError(ValueError):
@@ -33,3 +33,11 @@ class CalibrationError(ValueError):
 
 class ParityError(RuntimeError):
     """An exported file computes something else than the torch model; the message names the site."""
+
+
+class SpecializedShapeError(SpecializedInputError, ValueError):
+    """A captured graph was called with a tensor size it was not captured for.
+
+    torch.export fixes a dim at its example size where the model's code needs it (or where the
+    example's size is 1); the message names the input, the dim and the size the graph holds,
+    instead of a raw guard assertion or a reshape error deep inside the graph."""

@@ -38,6 +38,7 @@ __all__ = [
     "make_feature_map",
     "feature_map_class",
     "query_key_features",
+    "feature_map_of",
 ]
 
 FEATURE_MAP_NAMES = ("elu", "relu", "favor", "hedgehog", "taylor")
@@ -226,6 +227,40 @@ _CLASSES: dict[str, type[FeatureMap]] = {
     "hedgehog": HedgehogFeatureMap,
     "taylor": TaylorFeatureMap,
 }
+
+
+class _GivenWeightMap(FeatureMap):
+    """A map rebuilt from an op's arguments (its name and weight) rather than from its constructor."""
+
+    def __init__(self, name: str, weight: Optional[Tensor]):
+        super().__init__()
+        self.name = name
+        self.per_head = feature_map_class(name).per_head
+        self.weight = weight
+
+    def num_features(self, head_dim: int) -> int:
+        cls = feature_map_class(self.name)
+        if cls is FavorFeatureMap:
+            return self.weight.shape[1]
+        if cls is HedgehogFeatureMap:
+            return 2 * self.weight.shape[2]
+        return cls().num_features(head_dim)
+
+    def op_weight(self) -> Optional[Tensor]:
+        return self.weight
+
+    def forward(self, x_BHND: Tensor, scale: float) -> Tensor:
+        return feature_map_class(self.name).features(x_BHND, scale, self.weight)
+
+    @staticmethod
+    def features(x_BHND: Tensor, scale: float, weight: Optional[Tensor]) -> Tensor:
+        raise NotImplementedError("call the module: it knows its map's name")
+
+
+def feature_map_of(name: str, weight: Optional[Tensor]) -> FeatureMap:
+    """The φ module an op's (feature_map, weight) arguments describe, for calling the map's functions."""
+    feature_map_class(name)
+    return _GivenWeightMap(name, weight)
 
 
 def feature_map_class(name: str) -> type[FeatureMap]:

@@ -1,10 +1,12 @@
 """Capture a model into an ATen-level FX graph that the detector reads and the rewrite edits.
 
 Two routes, one result type:
-- `capture_export`: non-strict `torch.export` (dynamic sequence length where the model allows),
-  then `ep.module()` -- the unlifted graph whose placeholders are the flat user inputs, so calling
-  it works like the original model. Never `run_decompositions()`: that would dissolve
-  `aten.scaled_dot_product_attention` before detection sees it.
+- `capture_export`: non-strict `torch.export` (dynamic batch and sequence length where the model
+  allows; a batch-1 example is exported at batch 2), then `ep.module()` -- the unlifted graph
+  whose placeholders are the flat user inputs, so calling it works like the original model, with
+  attnopt's `InputGuard` (passes/input_guard.py) checking every call against what was captured.
+  Never `run_decompositions()`: that would dissolve `aten.scaled_dot_product_attention` before
+  detection sees it.
 - `capture_dynamo`: a `torch.compile` backend that keeps every Dynamo graph (graph breaks give
   several) with its example inputs, each re-exported to ATen, because pattern matching on
   Dynamo-level graphs misses spellings that the ATen form unifies.
@@ -16,7 +18,6 @@ detector uses it for numeric checks and the verifier can reuse it.
 from __future__ import annotations
 
 import inspect
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
@@ -24,8 +25,10 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.export._tree_utils import reorder_kwargs
 
-from attnopt.ir.errors import CaptureError, SpecializedInputError
+from attnopt.ir.errors import CaptureError
+from attnopt.passes.input_guard import InputContract, contract_of, install_guard
 from attnopt.passes.record import ValueRecorder
 
 
@@ -47,16 +50,16 @@ class CapturedGraph:
         return [n for n in self.graph_module.graph.nodes if n.op == "placeholder"]
 
 
-def _auto_dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-    """Dim.AUTO on every dim of every tensor input, keyed like forward()'s parameters, so export
-    keeps symbolic whatever the model allows (usually batch and sequence length)."""
+def _auto_dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, batch_only: bool = False) -> Any:
+    """Dim.AUTO on every dim (or only dim 0) of every tensor input, keyed like forward()'s
+    parameters, so export keeps symbolic whatever the model allows (usually batch and length)."""
     import inspect as pyinspect
 
     from torch.export import Dim
 
     def spec_for(x):
         if isinstance(x, torch.Tensor) and x.dim() > 0:
-            return {i: Dim.AUTO for i in range(x.dim())}
+            return {i: Dim.AUTO for i in range(1 if batch_only else x.dim())}
         return None
 
     if not kwargs:
@@ -97,76 +100,234 @@ def capture_export(model: torch.nn.Module, args: tuple = (), kwargs: Optional[di
                    dynamic: bool = True, retry_hint: str = DEFAULT_RETRY_HINT) -> CapturedGraph:
     """Non-strict export of `model(*args, **kwargs)` to an unlifted ATen graph module.
 
-    `retry_hint` ends the error message when export fails: what the caller's user can try instead."""
+    With `dynamic`, every input dim the model allows stays symbolic: a batch-1 example is exported
+    at batch 2 (torch.export fixes every size-1 dim), checked against the model at batch 1. The
+    graph checks every call (`input_guard`): a dim capture fixed, or a non-tensor input, called
+    with another size or value raises one line naming it. `retry_hint` ends the error message when
+    export fails: what the caller's user can try instead."""
     kwargs = dict(kwargs or {})
     args = tuple(args)
-    notes: list[str] = []
+    check_runnable(model, args, kwargs)
     t0 = time.perf_counter()
-    ep = None
-    is_dynamic = False
-    if dynamic:
-        try:
-            ep = torch.export.export(model, args, kwargs, strict=False,
-                                     dynamic_shapes=_auto_dynamic_shapes(model, args, kwargs))
-            is_dynamic = True
-        except Exception as exc:  # fall back to static shapes, but say so
-            notes.append(f"dynamic export failed, captured static shapes instead: "
-                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-    if ep is None:
-        try:
-            ep = torch.export.export(model, args, kwargs, strict=False)
-        except Exception as exc:
-            raise CaptureError(_export_hint(exc, retry_hint)) from exc
-    gm = ep.module()
-    notes += _name_scalar_guards(gm)
+    exported = _export_with_fallbacks(model, args, kwargs, dynamic, retry_hint)
+    ep, gm, notes = exported.program, exported.module, list(exported.notes)
     flat_inputs = _flatten_like(ep, args, kwargs)
     n_ph = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
     if len(flat_inputs) != n_ph:
         # Non-tensor leaves (None, bools) may be dropped from the graph's inputs; keep the
         # placeholders' own example values instead where export recorded them.
         flat_inputs = _match_placeholders(gm, flat_inputs)
-    if is_dynamic:
-        is_dynamic = any(_has_symbolic_shape(n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder")
+    names = input_names(model, ep.call_spec.in_spec, args, kwargs, [n.target for n in gm.graph.nodes
+                                                                     if n.op == "placeholder"])
+    contract = contract_of(gm, names, type(model).__name__, dict(ep.range_constraints), exported.why)
+    install_guard(gm, contract)
+    notes += _input_notes(contract)
+    is_dynamic = any(_has_symbolic_shape(n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder")
     return CapturedGraph(gm, "export", is_dynamic, list(flat_inputs), in_spec=ep.call_spec.in_spec,
                          out_spec=ep.call_spec.out_spec, exported_program=ep, notes=notes,
                          seconds=time.perf_counter() - t0)
 
 
-class _NamedGuards(torch.nn.Module):
-    """Wraps export's `_guards_fn` so a failed guard on a Python-number input names the argument."""
-
-    def __init__(self, guards: torch.nn.Module, scalars: dict):
-        super().__init__()
-        self.guards = guards
-        self.scalars = scalars  # placeholder name -> the value it was captured with
-
-    def forward(self, *args):
-        try:
-            return self.guards(*args)
-        except AssertionError as exc:
-            text = str(exc)
-            named = [n for n in self.scalars if re.search(rf"\b{re.escape(n)}\b", text)]
-            if not named:  # a guard on something else (a tensor's shape): export's message stands
-                raise
-            which = ", ".join(f"{n}={self.scalars[n]!r}" for n in named)
-            raise SpecializedInputError(
-                f"the captured graph holds {which} as a constant: torch.export specialises Python numbers, "
-                f"so the graph is valid only for that value, and this call passed another ({text}). Pass "
-                f"{named[0]!r} as a 0-dim tensor to keep it a run-time input, or capture again with the new "
-                "value.") from exc
+@dataclass
+class _Exported:
+    program: Any = None  # None: this attempt failed, `error` says why
+    module: Optional[fx.GraphModule] = None  # program.module(): the unlifted graph, called like the model
+    notes: list = field(default_factory=list)
+    why: dict = field(default_factory=dict)  # (input name, dim) -> why capture fixed that dim
+    error: str = ""
 
 
-def _name_scalar_guards(gm: fx.GraphModule) -> list[str]:
-    """Python-number inputs become constants guarded by `_guards_fn`: make that guard's failure a clear
-    error naming the argument, and say at capture that the value was frozen."""
-    scalars = {n.target: n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"
-               and isinstance(n.meta.get("val"), (bool, int, float)) and not isinstance(n.meta.get("val"), torch.SymInt)}
-    guards = getattr(gm, "_guards_fn", None)
-    if not scalars or not isinstance(guards, torch.nn.Module):
-        return []
-    gm._guards_fn = _NamedGuards(guards, scalars)
-    return [f"input {name!r} is a Python {type(value).__name__}: captured as the constant {value!r} "
-            "(pass a 0-dim tensor to keep it a run-time input)" for name, value in scalars.items()]
+def _export_with_fallbacks(model, args: tuple, kwargs: dict, dynamic: bool, retry_hint: str) -> _Exported:
+    """Every dim dynamic, else only the batch (dim 0), else static shapes; the dynamic attempts at
+    batch 2 first when the example has batch 1."""
+    if dynamic:
+        every = _dynamic_export(model, args, kwargs, "all")
+        if every.program is not None:
+            return every
+        batch = _dynamic_export(model, args, kwargs, "batch")
+        if batch.program is not None:
+            batch.notes.insert(0, f"dynamic export of every dim failed ({every.error}): captured with only the "
+                                  "batch dynamic, every other dim fixed at the example's size")
+            return batch
+    try:
+        ep = _export(model, args, kwargs, dims="none")
+    except Exception as exc:
+        raise CaptureError(_export_hint(exc, retry_hint)) from exc
+    notes = [f"dynamic export failed, captured static shapes instead: {every.error}"] if dynamic else []
+    return _Exported(ep, ep.module(), notes)
+
+
+def _dynamic_export(model, args: tuple, kwargs: dict, dims: str) -> _Exported:
+    """Export with `dims` dynamic ("all" or "batch"): at batch 2 for a batch-1 example when the
+    graph then computes the model at batch 1, else at the example (its batch fixed at 1)."""
+    notes: list[str] = []
+    why: dict = {}
+    wide = batch_of_two(args, kwargs)
+    if wide is not None:
+        if any(m.training for m in model.modules()):  # the check below would update its state
+            reason = "the model is in training mode, so a graph captured at batch 2 cannot be checked at batch 1"
+        else:
+            try:
+                ep = _export(model, *wide, dims=dims)
+            except Exception as exc:
+                reason = f"the model does not trace at batch 2: {_first_line(exc)}"
+            else:
+                gm = ep.module()
+                reason = _disagreement(gm, model, args, kwargs)
+                if reason is None:
+                    return _Exported(ep, gm)
+        notes.append(f"the batch size stays fixed at 1, the example's ({reason}); calls with another batch "
+                     "raise: compile with a batch of 2 or more to keep it dynamic")
+        why = {(name, 0): reason for name in _batch_one_names(model, args, kwargs)}
+    try:
+        ep = _export(model, args, kwargs, dims=dims)
+    except Exception as exc:
+        return _Exported(error=_first_line(exc))
+    return _Exported(ep, ep.module(), notes, why)
+
+
+def _export(model, args: tuple, kwargs: dict, dims: str):
+    """Non-strict torch.export with Dim.AUTO on `dims` of every tensor input: "all", "batch", "none"."""
+    shapes = None if dims == "none" else _auto_dynamic_shapes(model, args, kwargs, batch_only=dims == "batch")
+    tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    before = [set(t.__dict__) for t in tensors]
+    try:
+        return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=shapes)
+    finally:
+        # A failed dynamic export leaves Dynamo's dim markings on the input tensors (torch 2.13): the
+        # caller's tensors would carry them, and the next attempt would trace them dynamic again.
+        for t, had in zip(tensors, before):
+            for key in [k for k in t.__dict__ if k not in had and "dynamo" in k]:
+                delattr(t, key)
+
+
+def _first_line(exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}"
+
+
+def batch_of_two(args: tuple, kwargs: dict) -> Optional[tuple]:
+    """(args, kwargs) with every tensor of batch 1 (dim 0) repeated to 2, when some input of 2+ dims
+    has batch 1; None otherwise. torch.export fixes a size-1 dim, so a batch-1 example would fix
+    the batch."""
+    leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    if not any(t.dim() >= 2 and t.shape[0] == 1 for t in leaves):
+        return None
+
+    def two(x):
+        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == 1:
+            return torch.cat([x, x], dim=0)
+        return x
+
+    return pytree.tree_map(two, (tuple(args), dict(kwargs)))
+
+
+def _batch_one_names(model, args: tuple, kwargs: dict) -> list:
+    """Names of the tensor inputs whose dim 0 is 1."""
+    names = _leaf_names(model, args, kwargs)
+    leaves = pytree.tree_leaves((args, kwargs))
+    return [n for n, x in zip(names, leaves) if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == 1]
+
+
+# How closely the graph captured at batch 2 must compute the model at the batch-1 example (the same
+# ATen ops run, so only reduction order may differ); a model that branches on the batch being 1
+# gives another answer there, and the batch is then captured fixed instead.
+_AGREEMENT = 1e-4
+
+
+def _disagreement(gm: fx.GraphModule, model, args: tuple, kwargs: dict) -> Optional[str]:
+    """None when the graph exported at batch 2 computes the model at the example; else why not."""
+    try:
+        with torch.no_grad():
+            got = gm(*args, **kwargs)
+            want = model(*args, **kwargs)
+    except Exception as exc:
+        return f"the graph captured at batch 2 does not run at batch 1: {_first_line(exc)}"
+    got_leaves, got_spec = pytree.tree_flatten(got)
+    want_leaves, want_spec = pytree.tree_flatten(want)
+    if got_spec != want_spec or len(got_leaves) != len(want_leaves):
+        return "the graph captured at batch 2 returns another structure at batch 1"
+    for g, w in zip(got_leaves, want_leaves):
+        if isinstance(w, torch.Tensor) != isinstance(g, torch.Tensor):
+            return "the graph captured at batch 2 returns another structure at batch 1"
+        if not isinstance(w, torch.Tensor):
+            continue
+        if g.shape != w.shape or g.dtype != w.dtype:
+            return "the graph captured at batch 2 returns other shapes at batch 1"
+        if w.is_floating_point() or w.is_complex():
+            finite = w[torch.isfinite(w)]
+            scale = float(finite.abs().max()) if finite.numel() else 0.0
+            ok = torch.allclose(g, w, rtol=0, atol=_AGREEMENT * scale, equal_nan=True)
+        else:
+            ok = torch.equal(g, w)
+        if not ok:
+            return "the graph captured at batch 2 computes something else at batch 1: the model's code depends on it"
+    return None
+
+
+def check_runnable(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """A model that cannot run on its example gets one line before capture (not export's traceback)."""
+    name = type(model).__name__
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    meta = [n for n, t in tensors if t.is_meta]
+    if meta:
+        raise CaptureError(
+            f"{name} has {len(meta)} of its {len(tensors)} parameters/buffers on the meta device (e.g. {meta[0]!r}): "
+            "they hold no values to run; load its weights first (from_pretrained without device='meta' / "
+            "init_empty_weights, or model.to_empty(device='cpu') then load_state_dict), then compile")
+    inputs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    if any(x.is_meta for x in inputs):
+        raise CaptureError("the example inputs are on the meta device: they hold no values to run the model on; "
+                           "pass real tensors (e.g. torch.randn(...) or a tokenizer's output)")
+    devices = {t.device for _, t in tensors}
+    if len(devices) == 1:
+        (device,) = devices
+        other = next((x.device for x in inputs if x.device != device), None)
+        if other is not None:
+            raise CaptureError(f"{name} is on {device} but an example input is on {other}: move the inputs to the "
+                               f"model's device (e.g. x.to('{device}')) before compiling")
+
+
+def input_names(model: torch.nn.Module, in_spec, args: tuple, kwargs: dict, placeholders: list) -> list:
+    """Each graph input as the user passed it ("x", "inputs['ids']"), in placeholder order (the
+    placeholders' own names where the example does not flatten to them)."""
+    try:
+        kwargs = reorder_kwargs(kwargs, in_spec) if kwargs else kwargs
+    except ValueError:
+        return list(placeholders)
+    names = _leaf_names(model, args, kwargs)
+    return names if len(names) == len(placeholders) else list(placeholders)
+
+
+def _leaf_names(model: torch.nn.Module, args: tuple, kwargs: dict) -> list:
+    try:
+        params = [p.name for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    names = []
+    for path, _ in pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]:
+        where, key, rest = path[0].idx, path[1], path[2:]
+        if where == 0:
+            base = params[key.idx] if key.idx < len(params) else f"args[{key.idx}]"
+        else:
+            base = str(key.key)
+        names.append(base + pytree.keystr(rest))
+    return names
+
+
+def _input_notes(contract: InputContract) -> list[str]:
+    """What the report says about the graph's inputs: constants frozen, dims fixed."""
+    notes = []
+    for r in contract.rules:
+        if r.kind == "constant" and r.value is not None:
+            keep = (" (pass a 0-dim tensor to keep it a run-time input)"
+                    if isinstance(r.value, (int, float)) and not isinstance(r.value, bool) else "")
+            notes.append(f"input {r.name!r} is a Python {type(r.value).__name__}: captured as the constant "
+                         f"{r.value!r}; a call with another value raises{keep}")
+    if contract.fixed_dims():
+        notes.append(contract.describe())
+    return notes
 
 
 def _flatten_like(ep, args: tuple, kwargs: dict) -> list:

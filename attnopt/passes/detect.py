@@ -4,7 +4,7 @@
 
 Every softmax / SDPA node is an anchor. A structural match (matchers.py) becomes a site only
 after the graph has been run once on the example inputs and the matched pieces, pushed through
-softmax(scale · q kᵀ + mask) v, reproduce the recorded output. Anything that fails is a NearMiss
+softmax(scale · q kᵀ + mask) v, reproduce the recorded output (numeric_check.py). Anything that fails is a NearMiss
 with a reason. Attention inside a higher-order op's submodule (export's no_grad / autocast /
 checkpoint regions) is matched too and reported as a near miss: the splice step cannot reach it.
 
@@ -15,41 +15,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import operator
 import time
 from collections import defaultdict
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.fx as fx
 
 from attnopt.ir.detection import Detection
-from attnopt.ir.masks import ADDITIVE_HIDE_BELOW
 from attnopt.ir.site import AttentionSite, Dim, MaskInfo, NearMiss, SiteNodes
 from attnopt.passes import canonicalize as cz
+from attnopt.passes.candidate import Candidate, candidate_miss
 from attnopt.passes.capture import CapturedGraph, record_values
-from attnopt.passes.mask_proof import (
-    KeepPattern,
-    StructureOracle,
-    as_arbitrary,
-    classify_bias,
-    classify_keep,
-)
-from attnopt.passes.matchers import (
-    Candidate,
-    ExplicitChainMatcher,
-    LogSoftmaxMatcher,
-    SdpaMatcher,
-)
+from attnopt.passes.mask_proof import StructureOracle
+from attnopt.passes.matchers import ExplicitChainMatcher, LogSoftmaxMatcher, SdpaMatcher
+from attnopt.passes.numeric_check import CheckResult, check
 from attnopt.passes.order import site_layers
-
-_TOLERANCE = {  # (rtol, atol relative to the output's magnitude) per dtype
-    torch.float32: (1e-4, 1e-4),
-    torch.float64: (1e-7, 1e-7),
-    torch.float16: (2e-2, 2e-2),
-    torch.bfloat16: (5e-2, 5e-2),
-}
 
 
 def detect(captured: CapturedGraph) -> Detection:
@@ -64,7 +46,7 @@ def detect(captured: CapturedGraph) -> Detection:
     candidates = [c for c in candidates if mutated[id(c)] is None]
     t_match = time.perf_counter()
 
-    checked: list[tuple[Candidate, dict]] = []
+    checked: list[tuple[Candidate, CheckResult]] = []
     if candidates:
         with _single_thread():
             checked, failed = _check_all(captured, candidates)
@@ -147,7 +129,7 @@ def _mutated_outside_chain(c: Candidate) -> Optional[NearMiss]:
             schema = getattr(user.target, "_schema", None)
             if (user.name not in chain and schema is not None and schema.is_mutable and user.args
                     and user.args[0] is node):
-                return _candidate_miss(c, f"{cz.op_name(user)} ({user.name}) writes in place into {node.name}, "
+                return candidate_miss(c, f"{cz.op_name(user)} ({user.name}) writes in place into {node.name}, "
                                           "which the attention reads, outside the matched chain",
                                        "mutated_in_place", node=node.name, writer=user.name)
     return None
@@ -201,7 +183,7 @@ def _inside_higher_order_ops(gm: fx.GraphModule, counts: dict, outer: str = "") 
     return misses
 
 
-# ---- numeric check ------------------------------------------------------------------------------
+# ---- numeric check: run the graph once, then `numeric_check.check` each candidate -------------
 
 @contextlib.contextmanager
 def _single_thread():
@@ -221,16 +203,16 @@ def _check_all(captured: CapturedGraph, candidates: list[Candidate]) -> tuple[li
         values = record_values(captured, _wanted(candidates))
     except Exception as exc:  # the numeric check is mandatory: no run, no site
         msg = f"could not run the captured graph on the example inputs to check it: {type(exc).__name__}: {exc}"
-        return [], [_candidate_miss(c, msg, "numeric") for c in candidates]
+        return [], [candidate_miss(c, msg, "numeric") for c in candidates]
     oracle = StructureOracle(captured.graph_module.graph)
     checked, misses = [], []
     for c in candidates:
         try:
-            got = _check(c, values, oracle)
+            got = check(c, values, oracle)
         except (RuntimeError, ValueError, IndexError, KeyError) as exc:
             # a chain whose pieces do not even combine (shapes that broadcast nowhere) is no site;
             # one odd candidate must not abort detection of the others
-            got = _candidate_miss(c, "replaying the matched chain on the example inputs failed "
+            got = candidate_miss(c, "replaying the matched chain on the example inputs failed "
                                      f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                                      "not rewriting it", "numeric")
         if isinstance(got, NearMiss):
@@ -241,6 +223,7 @@ def _check_all(captured: CapturedGraph, candidates: list[Candidate]) -> tuple[li
 
 
 def _wanted(candidates: list[Candidate]) -> set[str]:
+    """The names of every node whose value the numeric check reads."""
     names: set[str] = set()
     for c in candidates:
         names.update(n.name for n in (c.query, c.key, c.value, c.output))
@@ -257,279 +240,6 @@ def _wanted(candidates: list[Candidate]) -> set[str]:
             elif kind == "term":
                 names.add(x.node.name)
     return names
-
-
-def _candidate_miss(c: Candidate, reason: str, code: str, **details) -> NearMiss:
-    return NearMiss(node=c.anchor.name, module_path=c.module_path, reason=reason, code=code, details=details)
-
-
-def _check(c: Candidate, values: dict, oracle: StructureOracle) -> Union[NearMiss, dict]:
-    q, k, v, out = (values[n.name] for n in (c.query, c.key, c.value, c.output))
-    if c.key_is_transposed:
-        k = k.transpose(-2, -1)
-    shapes = _check_shapes(c, q, k, v, out)
-    if isinstance(shapes, str):
-        return _candidate_miss(c, shapes, "shape")
-    heads, kv_heads = shapes
-    try:
-        scale = _scale(c, values, q.shape[-1])
-    except (TypeError, ValueError, KeyError) as exc:
-        return _candidate_miss(c, f"the scale could not be read as a number: {exc}", "scale")
-    work = torch.promote_types(q.dtype, torch.float32)  # fp32 reference is exact enough for the tolerances
-    qf, kf, vf = q.to(work), k.to(work), v.to(work)
-    if c.rank == 4 and kv_heads != heads:
-        kf = kf.repeat_interleave(heads // kv_heads, dim=1)
-        vf = vf.repeat_interleave(heads // kv_heads, dim=1)
-    if _is_sdpa(c):
-        # Query rows are independent: a long sequence is checked on a sample of them (O(rows·N)).
-        rows = _sample_rows(qf.shape[-2])
-        ref = _replay_sdpa(c, values, qf, kf, vf, scale, rows)
-        out = out.index_select(-2, rows) if rows is not None else out
-    else:
-        ref = _replay_explicit(c, values, qf, kf, vf)
-    if c.dropout_p == 0.0:
-        bad = _mismatch(out, ref)
-        if bad is not None:
-            return _candidate_miss(c, "the matched chain does not compute softmax(scale·q·kᵀ + mask)·v on the "
-                                      f"example inputs ({bad}); not rewriting it", "numeric")
-    mask = _mask_info(c, values, oracle, qf.shape, kf.shape)
-    if isinstance(mask, NearMiss):
-        return mask
-    # heads and head dims are model constants: report the example's value even where export kept
-    # the dim symbolic (Dim.AUTO on an input tensor the model never reshapes)
-    folded = 1.0
-    for f in c.folded_factors:
-        folded *= f.resolve(values)
-    return {"scale": scale, "folded_scale": folded, "heads": heads, "kv_heads": kv_heads, "mask": mask,
-            "head_dim": int(q.shape[-1]), "v_head_dim": int(v.shape[-1])}
-
-
-def _is_sdpa(c: Candidate) -> bool:
-    return cz.op_name(c.anchor) in cz.SDPA_OPS
-
-
-def _check_shapes(c: Candidate, q, k, v, out) -> Union[str, tuple[int, int]]:
-    if c.rank == 4:
-        b, h, nq, d = q.shape
-        bk, hkv, nk, dk = k.shape
-        if bk != b or dk != d or tuple(v.shape[:3]) != (bk, hkv, nk):
-            return (f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not line up as "
-                    "[B, H, Nq, D], [B, Hkv, Nk, D], [B, Hkv, Nk, Dv]")
-        # one key/value head broadcast over all query heads is multi-query attention (Falcon-7B
-        # passes k, v as [B, 1, N, D]; matmul and SDPA broadcast the head axis)
-        broadcast_mqa = hkv == 1 and c.groups == 1
-        if h % hkv != 0 or (hkv != h and c.groups == 1 and not c.enable_gqa and not broadcast_mqa):
-            return f"{h} query heads cannot share {hkv} key/value heads"
-        if c.groups > 1 and hkv * c.groups != h:
-            return f"{hkv} key/value heads repeated {c.groups}x do not give {h} query heads"
-        if tuple(out.shape) != (b, h, nq, v.shape[-1]):
-            return f"output {list(out.shape)} is not [B, H, Nq, Dv] = {[b, h, nq, v.shape[-1]]}"
-        return h, hkv
-    g, nq, d = q.shape
-    if tuple(k.shape[:1]) != (g,) or k.shape[-1] != d or tuple(v.shape[:2]) != (g, k.shape[1]):
-        return f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not line up as [B*H, N, D]"
-    return 1, 1
-
-
-def _scale(c: Candidate, values: dict, head_dim: int) -> float:
-    if _is_sdpa(c):
-        s = c.sdpa_scale
-        if s is None:
-            return 1.0 / math.sqrt(head_dim)
-        if isinstance(s, fx.Node):
-            got = values[s.name]
-            return float(got.item() if isinstance(got, torch.Tensor) else got)
-        return float(s)
-    scale = 1.0
-    for f in c.factors():
-        scale *= f.resolve(values)
-    return scale
-
-
-def _replay_explicit(c: Candidate, values: dict, qf, kf, vf, zero_scores: bool = False):
-    s = qf @ kf.transpose(-2, -1)
-    for f in c.qk_factors:
-        s = s * f.resolve(values)
-    if zero_scores:
-        s = torch.zeros_like(s)
-    s = _apply_steps(c.score_steps, values, s)
-    if zero_scores:
-        return s
-    p = torch.softmax(s, dim=-1)
-    for _, node in c.prob_steps:
-        p = p.reshape(values[node.name].shape)
-    return p @ vf
-
-
-def _apply_steps(steps: list, values: dict, s):
-    for kind, x in steps:
-        if kind == "scale":
-            s = s * x.resolve(values)
-        elif kind == "reshape":
-            s = s.reshape(values[x.name].shape)
-        else:
-            t = values[x.node.name]
-            if x.kind == "additive":
-                s = s + (t.to(s.dtype) if t.dtype != torch.bool else t)
-            elif x.kind == "masked_fill":
-                s = s.masked_fill(t.bool(), x.fill)
-            elif x.kind == "where_keep":
-                s = torch.where(t.bool(), s, torch.tensor(x.fill, dtype=s.dtype))
-            else:
-                s = torch.where(t.bool(), torch.tensor(x.fill, dtype=s.dtype), s)
-    return s
-
-
-# Beyond this many queries the numeric replay of an SDPA site checks an evenly spaced sample.
-REPLAY_ROWS = 256
-
-
-def _sample_rows(nq: int) -> Optional[torch.Tensor]:
-    if nq <= REPLAY_ROWS:
-        return None
-    return torch.linspace(0, nq - 1, REPLAY_ROWS).round().long().unique()
-
-
-def _replay_sdpa(c: Candidate, values: dict, qf, kf, vf, scale: float, rows: Optional[torch.Tensor] = None):
-    nq, nk = qf.shape[-2], kf.shape[-2]
-    q_rows = qf if rows is None else qf.index_select(-2, rows)
-    s = (q_rows @ kf.transpose(-2, -1)) * scale
-    if c.sdpa_mask is not None:
-        m = values[c.sdpa_mask.name]
-        if rows is not None and m.dim() >= 2 and m.shape[-2] == nq:
-            m = m.index_select(-2, rows)
-        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.to(s.dtype)
-    if c.is_causal:  # SDPA's is_causal is top-left aligned
-        i = torch.arange(nq) if rows is None else rows
-        keep = torch.arange(nk)[None, :] <= i[:, None]
-        s = s.masked_fill(~keep, float("-inf"))
-    return torch.softmax(s, dim=-1) @ vf
-
-
-def _mismatch(out: torch.Tensor, ref: torch.Tensor) -> Optional[str]:
-    if tuple(out.shape) != tuple(ref.shape):
-        return f"shape {list(out.shape)} vs {list(ref.shape)}"
-    rtol, atol = _TOLERANCE.get(out.dtype, (1e-3, 1e-3))
-    o = out.to(ref.dtype)
-    # A query whose every key is masked (a left-padded row's pad positions) has no defined output:
-    # SDPA gives NaN there and the replay 0, or the other way round. Such rows say nothing either
-    # way; compare the rest.
-    blind = o.isnan().all(dim=-1, keepdim=True) | ref.isnan().all(dim=-1, keepdim=True)
-    if bool(blind.all()):
-        return "no query row sees a key on the example inputs"
-    if bool(blind.any()):
-        o, ref = o.masked_fill(blind, 0.0), ref.masked_fill(blind, 0.0)
-    mag = float(ref[ref.isfinite()].abs().max()) if bool(ref.isfinite().any()) else 1.0
-    if torch.allclose(o, ref, rtol=rtol, atol=atol * max(1.0, mag), equal_nan=True):
-        return None
-    diff = (o - ref).abs().nan_to_num(nan=float("inf"))
-    return f"max abs difference {float(diff.max()):.3g}"
-
-
-# ---- masks --------------------------------------------------------------------------------------
-
-def _dims_of(node: fx.Node) -> Optional[tuple]:
-    s = cz.shape(node)
-    return None if s is None else tuple(d if isinstance(d, int) else str(d) for d in s)
-
-
-def _mask_info(c: Candidate, values: dict, oracle: StructureOracle, q_shape, k_shape) -> Union[MaskInfo, NearMiss]:
-    if c.is_causal:
-        return MaskInfo(form="is_causal", causal=True)
-    if _is_sdpa(c):
-        if c.sdpa_mask is None:
-            return MaskInfo()
-        m = values[c.sdpa_mask.name]
-        frame = tuple(q_shape[:-1]) + (k_shape[-2],)
-        m_full = _unbroadcast(m.expand(frame)) if m.dim() <= len(frame) else m
-        if m.dtype == torch.bool:
-            pattern = classify_keep(_as_bhqk(m_full))
-            form, keep_when = "bool", "true"
-        else:
-            pattern = classify_bias(_as_bhqk(m_full))
-            form, keep_when = "additive", "zero"
-        return _finish_mask(pattern, [c.sdpa_mask], form, keep_when, oracle, c.sdpa_mask)
-    terms = c.mask_terms
-    if not terms:
-        return MaskInfo()
-    bias = _replay_explicit(c, values, torch.zeros(q_shape, dtype=torch.float64),
-                            torch.zeros(k_shape, dtype=torch.float64), None, zero_scores=True)
-    pattern = classify_bias(_as_bhqk(bias))
-    effective = [t for t in terms if not _no_effect(t, values)]
-    if len(effective) > 1:
-        # several terms (MPT: ALiBi added, then a causal masked_fill) have no single node a rewrite
-        # could apply: arbitrary, but which keys they hide is still read; a causal / window claim
-        # must then hold for every term that hides keys (an ALiBi bias built from positions must
-        # not vouch for an input mask that happens to look causal)
-        hiding = [t for t in effective if _hides_keys(t, values)] or effective
-        return _finish_mask(as_arbitrary(pattern), [t.node for t in hiding],
-                            "+".join(t.form for t in effective), "zero", oracle, None)
-    term = effective[0] if effective else terms[0]
-    return _finish_mask(pattern, [term.node], term.form, term.keep_when, oracle, term.node)
-
-
-def _unbroadcast(x: torch.Tensor) -> torch.Tensor:
-    """Keep one slice of every leading dim the mask only broadcasts over (stride 0): HF's
-    [B, 1, N, N] mask expanded over heads is classified once, not once per head."""
-    for dim in range(x.dim() - 2):
-        if x.stride(dim) == 0 and x.shape[dim] > 1:
-            x = x.narrow(dim, 0, 1)
-    return x
-
-
-def _as_bhqk(x: torch.Tensor) -> torch.Tensor:
-    """Softmax-frame tensors to [B, H, Nq, Nk] ([B*H, Nq, Nk] becomes [B*H, 1, Nq, Nk])."""
-    if x.dim() == 3:
-        return x.unsqueeze(1)
-    if x.dim() == 2:
-        return x[None, None]
-    return x
-
-
-def _no_effect(term, values: dict) -> bool:
-    t = values[term.node.name]
-    if term.kind == "additive":
-        return t.dtype != torch.bool and bool((t == 0).all())
-    if term.kind == "masked_fill" or term.kind == "where_drop":
-        return not bool(t.bool().any())
-    return bool(t.bool().all())
-
-
-def _hides_keys(term, values: dict) -> bool:
-    t = values[term.node.name]
-    if term.kind == "additive":
-        return t.dtype == torch.bool or bool((t.double() <= ADDITIVE_HIDE_BELOW).any())
-    return not _no_effect(term, values)
-
-
-def _finish_mask(pattern: KeepPattern, nodes: list, form: str, keep_when: str, oracle: StructureOracle,
-                 mask_node: Optional[fx.Node]) -> MaskInfo:
-    """MaskInfo from a numeric pattern, downgraded where the structure does not prove it.
-
-    `nodes` are all mask tensors that fed the scores; `mask_node` the one a rewrite can apply
-    (None when several terms combine and no single node holds the mask)."""
-    from_positions, from_inputs = True, False
-    for n in nodes:
-        p, i = oracle.sources(n.name)
-        from_positions &= p
-        from_inputs |= i
-    if (pattern.causal or pattern.window is not None) and not from_positions:
-        # causal-looking on this example only: an input could carry anything next call
-        pattern = KeepPattern(arbitrary=True)
-    padding = pattern.padding
-    if from_inputs and not pattern.arbitrary and not padding:
-        # an input-driven mask that keeps everything today may pad tomorrow
-        padding = True
-    return MaskInfo(
-        form=form,
-        causal=pattern.causal,
-        window=pattern.window,
-        padding=padding,
-        arbitrary=pattern.arbitrary,
-        node=mask_node.name if isinstance(mask_node, fx.Node) else None,
-        keep_when=keep_when,
-        shape=_dims_of(mask_node) if isinstance(mask_node, fx.Node) else None,
-    )
 
 
 # ---- sites --------------------------------------------------------------------------------------
@@ -637,11 +347,11 @@ def _runtime_inputs(c: Candidate) -> tuple[tuple, str]:
                         "only the example's value, so the site must stay exact")
 
 
-def _build_sites(gm: fx.GraphModule, checked: list[tuple[Candidate, dict]]) -> list[AttentionSite]:
+def _build_sites(gm: fx.GraphModule, checked: list[tuple[Candidate, CheckResult]]) -> list[AttentionSite]:
     if not checked:
         return []
     outputs = [c.output.name for c, _ in checked]
-    inputs = [[c.query.name, c.key.name, c.value.name] + ([info["mask"].node] if info["mask"].node else [])
+    inputs = [[c.query.name, c.key.name, c.value.name] + ([info.mask.node] if info.mask.node else [])
               for c, info in checked]
     layers = site_layers(gm.graph, outputs, inputs)
     per_module: dict[str, int] = defaultdict(int)
@@ -650,7 +360,7 @@ def _build_sites(gm: fx.GraphModule, checked: list[tuple[Candidate, dict]]) -> l
         qs, ks, vs = cz.shape(c.query), cz.shape(c.key), cz.shape(c.value)
         kd = (ks[-2], ks[-1]) if c.key_is_transposed else (ks[-1], ks[-2])  # (D, Nk)
         if c.rank == 4:
-            batch, heads, kv_heads = _dim(qs[0]), int(info["heads"]), int(info["kv_heads"])
+            batch, heads, kv_heads = _dim(qs[0]), int(info.heads), int(info.kv_heads)
             if c.kv_repeated > 1 and kv_heads == heads and heads % c.kv_repeated == 0:
                 kv_heads //= c.kv_repeated
         else:
@@ -659,7 +369,7 @@ def _build_sites(gm: fx.GraphModule, checked: list[tuple[Candidate, dict]]) -> l
         k = per_module[c.module_path]
         per_module[c.module_path] += 1
         site_id = f"{c.module_path or 'graph'}#{k}"
-        mask: MaskInfo = info["mask"]
+        mask: MaskInfo = info.mask
         members = tuple(n.name for n in c.members)
         runtime, runtime_reason = _runtime_inputs(c)
         sites.append(AttentionSite(
@@ -673,9 +383,9 @@ def _build_sites(gm: fx.GraphModule, checked: list[tuple[Candidate, dict]]) -> l
             kv_heads=kv_heads,
             q_len=_dim(qs[-2]),
             kv_len=_dim(kd[1]),
-            head_dim=info["head_dim"],
-            v_head_dim=info["v_head_dim"],
-            scale=float(info["scale"]),
+            head_dim=info.head_dim,
+            v_head_dim=info.v_head_dim,
+            scale=float(info.scale),
             causal=mask.causal,
             mask=mask,
             window=mask.window,
@@ -688,6 +398,6 @@ def _build_sites(gm: fx.GraphModule, checked: list[tuple[Candidate, dict]]) -> l
             spelling=tuple(c.spelling) + (("mask:" + mask.form,) if mask.form != "none" else ()),
             runtime_inputs=runtime,
             runtime_reason=runtime_reason,
-            folded_scale=float(info["folded_scale"]),
+            folded_scale=float(info.folded_scale),
         ))
     return sites

@@ -38,13 +38,16 @@ def check_method(method: str) -> str:
 
 
 def target_for(model: nn.Module, method: str, name: str) -> Target:
-    """The mechanism `model` is compiled by (on a copy of it): "hf" for transformers models that use
-    the attention interface, "graph" for everything else, unless `method` names one."""
+    """The mechanism `model` is compiled by (on a copy of it): "hf" for transformers models whose
+    attention attnopt can reach in place (attnopt.hf.routes), "graph" for everything else, unless
+    `method` names one."""
     method = check_method(method)
     if method == "auto":
         method = "hf" if is_hf_model(model) else "graph"
     if method == "hf" and not is_hf_model(model):
-        raise ValueError(f"method='hf' needs a transformers model that uses the attention interface; {name} is not one")
+        raise ValueError(f"method='hf' needs a transformers model whose attention modules call the attention interface "
+                         f"or that attnopt routes per module (Falcon, BLOOM, GPT-Neo); {name} is neither: use "
+                         "method='graph'")
     return MECHANISMS[method].for_compile(model, name)
 
 

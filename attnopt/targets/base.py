@@ -89,6 +89,10 @@ class Target(abc.ABC):
     def install(self, sites: list, modules: dict) -> Installed:
         """The model with `modules` (site id -> SiteModule) in place of those sites, every other exact."""
 
+    def installs(self, sites: list) -> dict:
+        """How each site's module is put in place (site id -> a short word, for the report)."""
+        return {s.id: self.mechanism for s in sites}
+
     def run(self, model: nn.Module, batches: list) -> list:
         """The outputs of `model` on every batch (no grad)."""
         with torch.no_grad():

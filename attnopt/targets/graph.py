@@ -19,8 +19,9 @@ from torch import nn
 from attnopt import forms
 from attnopt.ir.calls import Recording, SiteCall
 from attnopt.ir.detection import Detection
-from attnopt.ir.errors import CalibrationError, SaveError
+from attnopt.ir.errors import CalibrationError, SaveError, SpecializedInputError
 from attnopt.passes.capture import capture_export
+from attnopt.passes.input_guard import guard_of
 from attnopt.passes.detect import detect
 from attnopt.passes.record import record_graph
 from attnopt.passes.splice import splice_graph
@@ -43,6 +44,8 @@ class CompiledModule(nn.Module):
     def forward(self, *args, **kwargs):
         try:
             return self.graph_module(*args, **kwargs)
+        except SpecializedInputError:  # already one line naming the input
+            raise
         except (TypeError, ValueError) as exc:
             if "kwarg" in str(exc) or "argument" in str(exc) or "pytree" in str(exc).lower():
                 raise TypeError(
@@ -94,15 +97,16 @@ def picklable_graph_module(graph_module: nn.Module) -> nn.Module:
     """A copy of an exported graph module that pickles, computing the same outputs.
 
     GraphModule pickles as its generated code and re-traces it on load. Two things of torch.export's
-    unlifted module stop that: its `_guards_fn` submodule runs a function made by exec (input shape
-    assertions; they cannot be pickled, so the copy goes without them: a wrong input then fails in
-    the first op it breaks instead of a guard), and its tracer class needs a scope it is not given
-    on load (the plain fx tracer re-traces the code the same way).
+    unlifted module stop that: its `_guards_fn` submodule runs a function made by exec (it cannot be
+    pickled), and its tracer class needs a scope it is not given on load (the plain fx tracer
+    re-traces the code the same way). attnopt's capture puts its own `InputGuard` there, which
+    pickles with its checks (fixed dims, equal dims, ranges, constant inputs) and without the exec'd
+    function it also runs; a raw export guard (a graph not captured by attnopt) is dropped.
     """
     gm = copy.deepcopy(graph_module)
     if not isinstance(gm, torch.fx.GraphModule):
         return gm
-    if "_guards_fn" in gm._modules:
+    if "_guards_fn" in gm._modules and guard_of(gm) is None:
         for node in list(gm.graph.nodes):
             if node.op == "call_module" and node.target == "_guards_fn":
                 gm.graph.erase_node(node)

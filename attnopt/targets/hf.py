@@ -28,8 +28,9 @@ from torch import nn
 from attnopt import forms
 from attnopt.forms.common.base import BuildContext
 from attnopt.forms.reuse.form import ReuseSite, find_anchor
-from attnopt.hf.interface import IMPL_EAGER, implementation_for, is_hf_model, switch
+from attnopt.hf.interface import IMPL_EAGER, IMPL_SDPA, layer_index
 from attnopt.hf.recording import call_model, qk_projections, record_calls
+from attnopt.hf.routes import INTERFACE, MODULE, is_hf_model, reached, route, route_kind
 from attnopt.hf.sites import site_from_call
 from attnopt.ir.calls import Recording
 from attnopt.ir.detection import Detection
@@ -66,6 +67,10 @@ class HfTarget(Target):
         return is_hf_model(model) and getattr(model, "attnopt_report", None) is not None
 
     def detect(self, batches: list) -> Detection:
+        if route_kind(self.model) == MODULE:
+            # Routed per module, the calls show each site as the module computes it (its causal band
+            # folded into one mask, its own heads); a graph of the inline math proves less.
+            return Detection(capture="hf", notes=[])
         args, kwargs = batches[0]
         try:
             captured = capture_export(self.model, args, without_cache(self.model, kwargs), dynamic=False)
@@ -79,7 +84,7 @@ class HfTarget(Target):
 
     def record(self, found: Detection, batches: list) -> Recording:
         """Record every attention call on every batch; fills `found.sites` when export showed none."""
-        switch(self.model, implementation_for(self.model))
+        routed = route(self.model)
         try:
             recorded, outputs = record_calls(self.model, batches)
         except Exception as exc:
@@ -95,18 +100,12 @@ class HfTarget(Target):
                                    "sites are described from those calls")
             for i, path in enumerate(recorded):
                 call, info = recorded[path][0]
-                layer = getattr(modules[path], "layer_idx", None)
-                found.sites.append(site_from_call(path, modules[path], call, info, layer if isinstance(layer, int) else i))
-        rec = Recording(outputs=outputs)
+                layer = layer_index(modules[path])
+                found.sites.append(site_from_call(path, modules[path], call, info, i if layer is None else layer))
+        rec = Recording(outputs=outputs, notes=_route_notes(routed, found.sites, recorded))
         for j, site in enumerate(found.sites):
             calls = recorded.get(site.module_path, [])
-            softcap = next((info.softcap for _, info in calls if info.softcap is not None), None)
-            if softcap is not None:  # Gemma-2 caps logits inside the attention function: say so on the site
-                found.sites[j] = site = replace(site, softcap=float(softcap))
-            window = next((info.sliding_window for _, info in calls if info.sliding_window is not None), None)
-            if window is not None and site.window is None and site.causal:
-                # The model slides a window the example was too short to show in its mask.
-                found.sites[j] = site = replace(site, window=int(window), mask=replace(site.mask, window=int(window)))
+            found.sites[j] = site = _with_call_info(site, [info for _, info in calls])
             per_module = sum(1 for s in found.sites if s.module_path == site.module_path)
             if per_module == 1 and len(calls) == len(batches):
                 rec.calls[site.id] = [c for c, _ in calls]
@@ -128,6 +127,11 @@ class HfTarget(Target):
         from attnopt.hf.install import install  # needs transformers' cache classes
 
         return Installed(self.model, install(self.model, sites, modules))
+
+    def installs(self, sites: list) -> dict:
+        """How each site's module reaches attnopt: "attention-interface", or the module route taken."""
+        routed = reached(self.model)
+        return {s.id: routed.install_of(s.module_path) if routed is not None else INTERFACE for s in sites}
 
     def longer_batch(self, batch, length: int) -> LongerBatch:
         """A batch of `length` tokens built from the example, or why it cannot be built.
@@ -350,8 +354,10 @@ def _load_pretrained(path: Path, header: dict) -> nn.Module:
         raise SaveError(f"attnopt.load: {path / 'config.json'} cannot be read ({exc})") from None
     model_class = next((getattr(transformers, n) for n in getattr(config, "architectures", None) or ()
                         if getattr(transformers, n, None) is not None), transformers.AutoModel)
-    # "attnopt_eager" came from an eager model.
-    base = "eager" if header.get("attn_implementation") == IMPL_EAGER else "sdpa"
+    # The mask flavour the model was compiled under: attnopt's names stand for eager / sdpa; a model
+    # routed per module (Falcon, BLOOM, GPT-Neo) kept its own implementation name.
+    saved = header.get("attn_implementation")
+    base = {IMPL_EAGER: "eager", IMPL_SDPA: "sdpa"}.get(saved, saved if isinstance(saved, str) else "sdpa")
     try:
         model = model_class.from_pretrained(path, attn_implementation=base).eval()
     except Exception as exc:  # transformers' loaders raise many kinds (SafetensorError, OSError, ...) on damage
@@ -359,8 +365,44 @@ def _load_pretrained(path: Path, header: dict) -> nn.Module:
         raise SaveError(f"attnopt.load: the transformers model in {path} cannot be loaded ({first[:300]})") from None
     if hasattr(model.config, CONFIG_NOTE_KEY):
         delattr(model.config, CONFIG_NOTE_KEY)
-    switch(model, implementation_for(model))
+    route(model)
     return model
+
+
+def _with_call_info(site, infos: list):
+    """The site as its recorded calls show it: a softcap, the model's own window, a position bias."""
+    softcap = next((i.softcap for i in infos if i.softcap is not None), None)
+    if softcap is not None:  # Gemma-2 caps logits inside the attention function: say so on the site
+        site = replace(site, softcap=float(softcap))
+    window = next((i.sliding_window for i in infos if i.sliding_window is not None), None)
+    if window is not None and site.window is None and site.causal:
+        # The model slides a window the example was too short to show in its mask.
+        site = replace(site, window=int(window), mask=replace(site.mask, window=int(window)))
+    if any(i.position_bias == "nonzero" for i in infos) and "position_bias" not in site.runtime_inputs:
+        # T5's relative position bias, ALiBi: added to the scores on every call; only exact attention
+        # honours it. (T5's cross-attention passes an all-zero one, which changes nothing.)
+        site = replace(site, runtime_inputs=site.runtime_inputs + ("position_bias",),
+                       runtime_reason="a position bias the model adds to the scores: a relative position bias or ALiBi")
+    return site
+
+
+def _route_notes(routed, sites: list, recorded: dict) -> list:
+    """What the route did, and every attention module the record run did not see call attnopt."""
+    notes = []
+    if routed.kind != INTERFACE:
+        kinds = sorted(set(routed.modules.values()))
+        notes.append(f"the model computes attention inside its modules, not through the attention interface: attnopt "
+                     f"reached {len(routed.modules)} of them per module ({', '.join(kinds)}), leaving the model's "
+                     "attention implementation as it was")
+    if routed.positions:
+        notes.append("calls with an attention_mask and no position_ids get position_ids derived from the mask as "
+                     "generate() derives them, so a left-padded row gives what the row alone gives for every form")
+    silent = sorted({s.module_path for s in sites if s.module_path not in recorded}
+                    | {p for p in routed.modules if p not in recorded})
+    if silent:
+        notes.append(f"{len(silent)} attention modules never called attnopt's attention function on the example inputs "
+                     f"({', '.join(silent[:3])}{', ...' if len(silent) > 3 else ''}): their sites stay exact")
+    return notes
 
 
 def _build_site(site, entry: dict, sites: list) -> nn.Module:

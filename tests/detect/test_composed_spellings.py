@@ -401,11 +401,11 @@ def test_minus_500_masks_the_key_in_neither_spelling():
 
 
 def test_one_masking_constant():
-    from attnopt.passes import canonicalize, detect, mask_proof
+    from attnopt.passes import canonicalize, mask_proof, mask_reading
     from attnopt.ir import masks
 
     assert masks.ADDITIVE_HIDE_BELOW == -1e3
-    for module in (canonicalize, mask_proof, detect):
+    for module in (canonicalize, mask_proof, mask_reading):
         assert module.ADDITIVE_HIDE_BELOW is masks.ADDITIVE_HIDE_BELOW
         assert not hasattr(module, "MASKING_VALUE") and not hasattr(module, "HIDDEN_BELOW")
 
@@ -607,9 +607,9 @@ def test_a_chain_whose_replay_fails_is_a_near_miss_not_a_crash(monkeypatch):
     """Defence in depth: with the mixed-rank frame check switched off, the [B*H, N, N] mask no
     longer broadcasts in the 4-D replay; that must be a `numeric` near miss, never an exception
     that takes the other sites down with it, and never a site."""
-    from attnopt.passes import matchers
+    from attnopt.passes import operands
 
-    monkeypatch.setattr(matchers, "_frame_disagrees", lambda *args: "")
+    monkeypatch.setattr(operands, "_frame_disagrees", lambda *args: "")
     miss = one_miss(MaskOnFlatScores(), Q_BHND, K_BHND, V_BHND, padding_B11N())
     assert miss.code == "numeric" and "replaying the matched chain" in miss.reason
 

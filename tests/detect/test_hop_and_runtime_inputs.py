@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnopt.inspection import inspect
-from attnopt.ir.errors import CaptureError, SpecializedInputError
+from attnopt.ir.errors import CaptureError, SpecializedInputError, SpecializedShapeError
 from attnopt.passes.capture import capture_dynamo, capture_export
 from zoo_models import site_output_error
 
@@ -242,12 +242,15 @@ class FloatScaleFixedBatch(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, scale=sc).reshape(B, -1)  # pins the batch size
 
 
-def test_a_guard_on_a_tensor_shape_keeps_its_own_message():
-    captured = capture_export(FloatScaleFixedBatch(), (Q, K, V, 0.3), dynamic=False)
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_a_dim_the_model_fixes_is_named_with_its_size(dynamic):
+    captured = capture_export(FloatScaleFixedBatch(), (Q, K, V, 0.3), dynamic=dynamic)
     small = tuple(x[:2] for x in (Q, K, V))
-    with pytest.raises(AssertionError) as err:
+    with pytest.raises(SpecializedShapeError) as err:
         captured.graph_module(*small, 0.3)
-    assert not isinstance(err.value, SpecializedInputError)
+    assert str(err.value).startswith(f"this compiled FloatScaleFixedBatch was captured with input 'q' dim 0 fixed "
+                                     f"at {B}, and this call has 2 there")
+    assert "\n" not in str(err.value) and isinstance(err.value, ValueError)
 
 
 def test_the_table_lists_runtime_inputs_and_higher_order_misses():

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import attnopt
-from attnopt.passes.detect import REPLAY_ROWS
+from attnopt.passes.replay import REPLAY_ROWS
 
 B, H, N, D = 2, 3, REPLAY_ROWS + 45, 8
 

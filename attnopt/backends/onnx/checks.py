@@ -8,7 +8,7 @@ tiled along the sequence dim (real tokens, not noise: attention patterns stay li
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -115,15 +115,18 @@ def ort_rel_rms(proto, module, inputs: tuple) -> float:
 
 
 def ort_parity(proto, module, flat: tuple, lengths: Sequence[int], tolerance: float,
-               on_failure: Callable[[str], str]) -> list:
-    """ORT CPU against torch at each length (the first at the example batch, the others at batch 2
-    when the example had 1, so a dynamic batch is exercised too); raise ParityError naming the site."""
+               on_failure: Callable[[str], str], other_batch: Optional[int] = None) -> list:
+    """ORT CPU against torch at each length (the first at the example batch, the others at
+    `other_batch`: by default batch 2 when the example had 1, so a dynamic batch is exercised too);
+    raise ParityError naming the site."""
     sess = session(proto)
     names = [i.name for i in sess.get_inputs()]
     batch0 = int(flat[0].shape[0]) if flat and flat[0].dim() else 1
+    if other_batch is None:
+        other_batch = 2 if batch0 == 1 else batch0
     figures = []
     for i, length in enumerate(lengths):
-        batch = batch0 if i == 0 else (2 if batch0 == 1 else batch0)
+        batch = batch0 if i == 0 else other_batch
         inputs = at_length(flat, int(length), batch)
         with torch.no_grad():
             want = _outputs(module(*inputs))

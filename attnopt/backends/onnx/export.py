@@ -15,15 +15,12 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
 
-from attnopt import forms
 from attnopt.backends.export_inputs import (
     TensorForward,
     compiled_for_export,
@@ -31,40 +28,35 @@ from attnopt.backends.export_inputs import (
     example_args,
 )
 from attnopt.backends.onnx import checks
+from attnopt.backends.onnx import decode as decode_module
+from attnopt.backends.onnx.common import (  # noqa: F401  (check_target, histogram: part of this module's API)
+    PARITY_TOLERANCE,
+    SUPPORTED_OPSETS,
+    OnnxExport,
+    check_target,
+    dispatch_dropped,
+    histogram,
+    require_packages,
+    run_time_switches,
+    translation_table,
+)
+from attnopt.backends.onnx.graph_model import key_masks
 from attnopt.forms.common.base import SiteModule
-from attnopt.kernels.onnx.lowering import TARGETS, OpLowering
-
-# torch.onnx's dynamo exporter writes opset 18 and up (its default, 20 with torch 2.13, when
-# opset=None); other versions are a version conversion of that graph. ORT 1.32 runs them all on CPU.
-SUPPORTED_OPSETS = range(18, 24)
-PARITY_TOLERANCE = 1e-4  # relative RMS of every output, fp32
-PLUGIN_VERSION = "1"
+from attnopt.ir.errors import SpecializedInputError
 
 
-@dataclass
-class OnnxExport:
-    """What export_onnx wrote and measured: per-site lowerings, op histograms, parity figures."""
-
-    path: str
-    target: str
-    opset: int
-    sites: list = field(default_factory=list)  # {"site", "form", "lowering"} per lowered call, graph order
-    ops_before: dict = field(default_factory=dict)  # op histogram of the all-exact export
-    ops_after: dict = field(default_factory=dict)
-    parity: list = field(default_factory=list)  # {"batch", "length", "rel_rms", "runtime"} per check
-    seconds: float = 0.0
-    dispatch_dropped: dict = field(default_factory=dict)  # site id -> the measured min_seq_len the file omits
-
-    def to_dict(self) -> dict:
-        return {"path": self.path, "target": self.target, "opset": self.opset, "sites": list(self.sites),
-                "ops_before": dict(self.ops_before), "ops_after": dict(self.ops_after),
-                "parity": list(self.parity), "seconds": self.seconds, "dispatch_dropped": dict(self.dispatch_dropped)}
-
-
-def export_onnx(model: nn.Module, path, example_inputs: Any = None, *, target: str = "ort",
-                opset: Optional[int] = None, dynamic: bool = True, policy: Any = None,
-                check_lengths: Optional[Sequence[int]] = None, baseline: bool = True) -> OnnxExport:
+def export_onnx(model: nn.Module, path, example_inputs: Any = None, *, decode: Optional[bool] = None,
+                target: str = "ort", opset: Optional[int] = None, dynamic: bool = True, policy: Any = None,
+                check_lengths: Optional[Sequence[int]] = None, baseline: bool = True, tokenizer: Any = None):
     """Export a compiled model (HF or graph path; or an original one plus `policy=`) to `path`.
+
+    `decode=True` writes the folder `path/` a runtime generates from (backends/onnx/decode.py: one
+    graph for prefill and decoding with state inputs and outputs, genai_config.json, the tokenizer
+    files) and returns a DecodeExport; it needs a causal LM. `decode=None` (the default) does that
+    for a causal LM (`model.can_generate()`) given a folder path (an existing directory or a name
+    without the .onnx suffix), and otherwise writes today's one prefill file; `decode=False`
+    always writes the file. `tokenizer`: shipped in the folder (default `model.attnopt_tokenizer`
+    when the model has one). What follows is the prefill file.
 
     `target`: "ort" (ONNX Runtime contrib kernels where exact), "onnx-std" (standard ops only) or
     "custom" (each site one `attnopt`-domain node with a model-local function: a runtime with a
@@ -77,13 +69,16 @@ def export_onnx(model: nn.Module, path, example_inputs: Any = None, *, target: s
     the file (its sites run their form at every length; `dispatch_dropped` lists them); a
     min_seq_len the policy gave is refused.
     """
+    if decode or (decode is None and decode_module.wants_folder(model, path)):
+        return decode_module.export_decoder(model, path, example_inputs, target=target, opset=opset, policy=policy,
+                                            tokenizer=tokenizer)
     started = time.perf_counter()
     target, opset = check_target(target, opset)
-    _require_packages()
+    require_packages()
     out_path = writable_file(path)
     opt = compiled_for_export(model, policy, example_inputs)
-    dropped = _run_time_switches(opt.attnopt_report)
-    with _dispatch_dropped(opt, dropped):
+    dropped = run_time_switches(opt.attnopt_report)
+    with dispatch_dropped(opt, dropped):
         result = _export(opt, out_path, example_inputs, target, opset, dynamic, check_lengths, baseline)
     result.dispatch_dropped = dropped
     result.seconds = time.perf_counter() - started
@@ -95,7 +90,7 @@ def _export(opt, out_path, example_inputs, target, opset, dynamic, check_lengths
     args, kwargs = example_args(opt, example_inputs)
     wrapper = TensorForward(opt, kwargs)
     flat = tuple(args) + tuple(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-    export_args = tuple(_batch_of_two(t) for t in flat) if dynamic else flat
+    export_args = _export_args(wrapper, flat) if dynamic else flat
     shapes = dynamic_shapes(export_args) if dynamic else None
 
     before = None
@@ -103,8 +98,9 @@ def _export(opt, out_path, example_inputs, target, opset, dynamic, check_lengths
         with _all_sites_exact(opt):
             before = _to_onnx(wrapper, export_args, shapes, {}, opset)
     calls: list = []
-    table = _translation_table(target, calls)
-    after = _to_onnx(wrapper, export_args, shapes, table, opset)
+    table = translation_table(target, calls)
+    with key_masks(opt):  # a transformers model's sites get the padding mask, not a [B, 1, N, N] one
+        after = _to_onnx(wrapper, export_args, shapes, table, opset)
     _add_functions(after.model, [c.pop("function") for c in calls if "function" in c])
     result = OnnxExport(path=str(out_path), target=target, opset=after.model.opset_imports[""],
                         sites=_name_sites(calls, _site_calls(opt, wrapper, flat)),
@@ -112,42 +108,29 @@ def _export(opt, out_path, example_inputs, target, opset, dynamic, check_lengths
 
     proto = after.model_proto
     checks.check_model(proto)
-    # A static export runs at its own shapes only.
-    lengths = check_lengths or (checks.default_lengths(flat, opt) if dynamic else [checks.sequence_length(flat)])
+    # The other lengths run at the batch the file was exported at (2 for a batch-1 example, unless
+    # the compiled model fixes its batch).
+    other_batch = int(export_args[0].shape[0]) if export_args and export_args[0].dim() else 1
+    lengths = check_lengths or _default_lengths(opt, wrapper, flat, dynamic, other_batch)
     result.parity = checks.ort_parity(proto, wrapper, flat, lengths, PARITY_TOLERANCE,
-                                      on_failure=lambda msg: _localise(opt, wrapper, flat, table, msg, opset))
+                                      on_failure=lambda msg: _localise(opt, wrapper, flat, table, msg, opset),
+                                      other_batch=other_batch)
     if target in ("onnx-std", "custom"):
         result.parity.append(checks.reference_parity(proto, wrapper, flat, PARITY_TOLERANCE))
     after.save(str(out_path))
     return result
 
 
-def histogram(model) -> dict:
-    """Op counts of an onnx_ir model, "domain.op" for non-default domains, functions' bodies excluded."""
-    counts = Counter((f"{n.domain}.{n.op_type}" if n.domain else n.op_type) for n in model.graph)
-    return dict(sorted(counts.items()))
+def _default_lengths(opt, wrapper: nn.Module, flat: tuple, dynamic: bool, batch: int) -> list:
+    """The export length, and for a dynamic export one other that the compiled model itself runs at
+    (a static export, or a graph-path model captured at a fixed length, runs at its own only)."""
+    if not dynamic:
+        return [checks.sequence_length(flat)]
+    first, *others = checks.default_lengths(flat, opt)
+    return [first] + [n for n in others if _accepts(wrapper, checks.at_length(flat, int(n), batch))]
 
 
 # ---------------------------------------------------------------- argument checks
-
-
-def check_target(target: str, opset: Optional[int]) -> tuple[str, Optional[int]]:
-    if target not in TARGETS:
-        raise ValueError(f"unknown ONNX target {target!r}; choose one of: {', '.join(TARGETS)}")
-    if opset is not None and (isinstance(opset, bool) or not isinstance(opset, int) or opset not in SUPPORTED_OPSETS):
-        raise ValueError(f"opset {opset!r} is not supported; use {SUPPORTED_OPSETS.start}.."
-                         f"{SUPPORTED_OPSETS.stop - 1}, or None for torch.onnx's default")
-    return target, opset
-
-
-def _require_packages() -> None:
-    for module, why in (("onnx", "to write the file"), ("onnxscript", "for the lowerings"),
-                        ("onnxruntime", "to check every export against torch")):
-        try:
-            __import__(module)
-        except ImportError:
-            raise ImportError(f"attnopt.export_onnx needs {module} ({why}); install it with "
-                              f"pip install 'attnopt[onnx]'") from None
 
 
 def writable_file(path) -> Path:
@@ -163,41 +146,6 @@ def writable_file(path) -> Path:
     return p
 
 
-def _run_time_switches(report) -> dict:
-    """Site id -> min_seq_len of the thresholds the automatic dispatch measured: the file runs those
-    sites' forms at every length (a torch-side speed switch; ONNX Runtime's own crossover differs).
-    A min_seq_len the policy itself gave changes the model's results, so it is refused instead."""
-    dropped = {}
-    for record in report.sites:
-        params = record.outcome.params or {}
-        T = int(params.get("min_seq_len", 0) or 0)
-        if record.outcome.status.value != "rewritten" or T == 0:
-            continue
-        source = getattr(getattr(record, "threshold", None), "source", "given")
-        if source in ("measured", "cached"):
-            dropped[record.site.id] = T
-            continue
-        raise ValueError(
-            f"site {record.site.id} ({record.outcome.final_form}) switches to exact attention below "
-            f"min_seq_len={T} at run time, as its policy rule asks; ONNX export does not carry that switch: "
-            "drop min_seq_len from the rule to export")
-    return dropped
-
-
-@contextlib.contextmanager
-def _dispatch_dropped(model: nn.Module, dropped: dict):
-    """The sites in `dropped` run their form at every length while exporting and checking."""
-    sites = [m for m in model.modules() if isinstance(m, SiteModule) and m.geometry.site_id in dropped]
-    saved = [m.min_seq_len for m in sites]
-    for m in sites:
-        m.min_seq_len = 0
-    try:
-        yield
-    finally:
-        for m, s in zip(sites, saved):
-            m.min_seq_len = s
-
-
 # ---------------------------------------------------------------- the module exported
 
 
@@ -206,6 +154,26 @@ def _batch_of_two(t: torch.Tensor) -> torch.Tensor:
     if t.dim() >= 1 and t.shape[0] == 1:
         return torch.cat([t, t], dim=0)
     return t
+
+
+def _export_args(wrapper: nn.Module, flat: tuple) -> tuple:
+    """The tensors to export with: at batch 2 for a batch-1 example, unless the compiled model
+    itself fixes its batch at 1 (a graph-path model whose capture had to): then as given, and the
+    file's batch is fixed like the model's."""
+    wide = tuple(_batch_of_two(t) for t in flat)
+    if all(w is t for w, t in zip(wide, flat)) or _accepts(wrapper, wide):
+        return wide
+    return flat
+
+
+def _accepts(wrapper: nn.Module, inputs: tuple) -> bool:
+    """Whether the compiled model runs on `inputs` (False: it names a size it was captured for)."""
+    try:
+        with torch.no_grad():
+            wrapper(*inputs)
+    except SpecializedInputError:
+        return False
+    return True
 
 
 def _to_onnx(wrapper: nn.Module, args: tuple, dynamic_shapes, table: dict, opset: Optional[int]):
@@ -237,76 +205,6 @@ def _all_sites_exact(model: nn.Module):
     finally:
         for m, s in zip(sites, saved):
             m.min_seq_len = s
-
-
-# ---------------------------------------------------------------- translation table
-
-
-def _lowerings() -> list[tuple[str, OpLowering]]:
-    found = []
-    for name in forms.names():
-        lowering = forms.get(name).onnx_lowering()
-        if lowering is not None:
-            found.append((name, lowering))
-    return found
-
-
-def _translation_table(target: str, calls: list) -> dict:
-    """{torch op: onnxscript function}; each call appends {"form", "op", "lowering"} to `calls`."""
-    table = {}
-    for form, lowering in _lowerings():
-        table[lowering.torch_op()] = _recording(form, lowering, target, calls)
-    return table
-
-
-def _recording(form: str, lowering: OpLowering, target: str, calls: list):
-    schema = lowering.torch_op()._schema
-    arg_names = [a.name for a in schema.arguments]
-
-    def translate(*args, **kwargs):
-        bound = dict(zip(arg_names, args), **kwargs)
-        entry = {"form": form, "op": lowering.op}
-        calls.append(entry)
-        if target == "custom":
-            from attnopt.backends.onnx.custom import custom_domain_call
-
-            out, function = custom_domain_call(lowering, bound, PLUGIN_VERSION)
-            entry["lowering"] = f"attnopt.{lowering.name}"
-            entry["function"] = function
-            return out
-        from attnopt.kernels.onnx import functions
-
-        before = _recorded_ops()
-        out = lowering.by_target[target](**bound)
-        entry["lowering"] = _describe(before, functions.MS_DOMAIN)
-        return out
-
-    translate.__name__ = f"{lowering.name}_{target.replace('-', '_')}"
-    return translate
-
-
-def _recorded_ops() -> int:
-    import onnxscript
-
-    return len(getattr(onnxscript.evaluator.default(), "nodes", []))
-
-
-def _describe(start: int, contrib_domain: str) -> str:
-    """The contrib ops a lowering used, or "standard ops" (read from the nodes it just recorded); an If
-    that picks a contrib op at run time reads "If(<then> | <else>)"."""
-    import onnxscript
-
-    def contrib(nodes) -> str:
-        found = sorted({f"{n.domain}.{n.op_type}" for n in nodes if n.domain == contrib_domain})
-        return ", ".join(found) if found else "standard ops"
-
-    nodes = getattr(onnxscript.evaluator.default(), "nodes", [])[start:]
-    branches = [n for n in nodes if n.op_type == "If" and not n.domain]
-    if branches and contrib(nodes) == "standard ops":
-        then, other = (branches[0].attributes[a].value for a in ("then_branch", "else_branch"))
-        if contrib(then) != "standard ops" or contrib(other) != "standard ops":
-            return f"If({contrib(then)} | {contrib(other)})"
-    return contrib(nodes)
 
 
 def _add_functions(model, functions: list) -> None:

@@ -147,6 +147,9 @@ class SiteModule(nn.Module, abc.ABC):
     form: ClassVar[str] = ""
     uses_anchor_qk: ClassVar[bool] = False  # called with an earlier site's q and k (reuse)
     needs_layer_input: ClassVar[bool] = False  # called with x, the layer's input (reuse residual)
+    # `attend` reads the mask only as key padding (keep [B, Nk]) and applies causality itself, so a
+    # [B, 1, 1, Nk] keep mask serves it (exporters then build no [B, 1, Nq, Nk] mask for the site).
+    reads_padding_only: ClassVar[bool] = False
 
     def __init__(self, site: AttentionSite, params: Mapping[str, Any]):
         super().__init__()
@@ -238,7 +241,8 @@ class SiteModule(nn.Module, abc.ABC):
             exact_q = real_positions(real_before, keep_BN) < self.min_seq_len
         # A prompt inside min_seq_len runs exact: the form then only has to build its state, which
         # its prefill path does from the keys, bottom-right aligned, with just the last query.
-        state_only = state is None and exact_q is not None and bool(exact_q.all())
+        # (Shapes decide it when they can: a prompt no longer than min_seq_len; no graph break then.)
+        state_only = state is None and exact_q is not None and (k.shape[-2] <= self.min_seq_len or bool(exact_q.all()))
         out, form_state = self.decode_step(q[:, :, -1:] if state_only else q, k, v,
                                            None if keep is None and state is None else keep_BN,
                                            None if state is None else state.form_state)
@@ -248,7 +252,9 @@ class SiteModule(nn.Module, abc.ABC):
             if state is None or prefix is not None:
                 prefix = extend_prefix(prefix, k, v, keep_BN)
                 if state_only:
-                    out = exact_on_prefix(q, prefix, g.scale)
+                    out = exact_on_prefix(q, prefix, g.scale, all_kept=keep is None and state is None)
+                elif Nq == 1:  # one decoding step: blend per row, asking the data nothing (no graph break)
+                    out = torch.where(exact_q[:, None, :, None], exact_on_prefix(q, prefix, g.scale).to(out.dtype), out)
                 elif bool(exact_q.any()):  # only the rows up to the last exact one, over the keys they reach
                     rows = int(exact_q.any(0).nonzero().max()) + 1
                     nk = prefix.k_BHkvND.shape[2] - Nq + rows
@@ -257,10 +263,16 @@ class SiteModule(nn.Module, abc.ABC):
                     head = torch.where(exact_q[:, None, :rows, None], exact, out[:, :, :rows])
                     out = torch.cat([head, out[:, :, rows:]], dim=2)
         real_after = real_before + keep_BN.long().sum(-1)
-        if prefix is not None and bool((real_after >= self.min_seq_len).all()):
-            prefix = None  # every row is past min_seq_len: only the form's own state is needed now
-        columns = (0 if state is None else state.columns) + Nq
-        return out, DecodeState(self.form, form_state, real_after, columns, prefix)
+        state = DecodeState(self.form, form_state, real_after, (0 if state is None else state.columns) + Nq, prefix)
+        # Under torch.compile the question is left to settle(), which the caller asks outside the graph.
+        return out, state if torch.compiler.is_compiling() else self.settle(state)
+
+    def settle(self, state: Optional[DecodeState]) -> Optional[DecodeState]:
+        """`state` without its exact prefix once every row is past min_seq_len (then only the form's
+        own state is needed). `decode` does it itself, except inside a torch.compile graph."""
+        if state is not None and state.prefix is not None and bool((state.real_B >= self.min_seq_len).all()):
+            return DecodeState(state.form, state.form_state, state.real_B, state.columns, None)
+        return state
 
     def decode_step(self, q, k, v, keep, form_state):
         """The form's own decoding: (out, new form state). Forms with a fixed-size state override it."""
@@ -450,7 +462,19 @@ class Form(abc.ABC):
         """How this form's custom op leaves PyTorch: the `LOWERING` (an OpLowering: the op and one
         onnxscript function per ONNX target) of its folder's onnx.py, or None when it adds no op."""
         module = self.folder_module("onnx")
-        return None if module is None else module.LOWERING
+        return None if module is None else getattr(module, "LOWERING", None)
+
+    def graph_step(self):
+        """How a site of this form runs in an exported decode graph: the `STEP` (forms.common.graph.
+        GraphStep: its state tensors and the call of its step op) of its folder's step.py, or None when
+        the form has none (the decode export then refuses its sites)."""
+        module = self.folder_module("step")
+        return None if module is None else module.STEP
+
+    def onnx_decode_lowering(self):
+        """The ONNX lowering of this form's step op: `DECODE_LOWERING` of its folder's onnx.py, or None."""
+        module = self.folder_module("onnx")
+        return None if module is None else getattr(module, "DECODE_LOWERING", None)
 
 
 def no_arbitrary_mask(site: AttentionSite) -> Optional[str]:

@@ -87,12 +87,13 @@ def real_positions(real_before_B: Tensor, keep_BN: Tensor) -> Tensor:
     return real_before_B[:, None] + keep_BN.long().cumsum(-1) - 1
 
 
-def exact_on_prefix(q: Tensor, prefix: ExactPrefix, scale: float) -> Tensor:
+def exact_on_prefix(q: Tensor, prefix: ExactPrefix, scale: float, all_kept: bool = False) -> Tensor:
     """Causal softmax attention of the last Nq columns over every column of `prefix` (padding hidden);
-    a query that sees no key (a pad row) gets 0 rather than NaN, so nothing downstream turns NaN."""
+    a query that sees no key (a pad row) gets 0 rather than NaN, so nothing downstream turns NaN.
+    `all_kept`: the caller knows no column is padding (then the data is not asked)."""
     Nq, Nk = q.shape[2], prefix.k_BHkvND.shape[2]
     gqa = prefix.k_BHkvND.shape[1] != q.shape[1]
-    if Nq == Nk and bool(prefix.keep_BN.all()):  # a prefill without padding: SDPA's fused causal kernel
+    if Nq == Nk and (all_kept or bool(prefix.keep_BN.all())):  # a prefill without padding: SDPA's fused causal kernel
         return torch.nn.functional.scaled_dot_product_attention(
             q, prefix.k_BHkvND.to(q.dtype), prefix.v_BHkvND.to(q.dtype), is_causal=True, scale=scale, enable_gqa=gqa)
     col_q = (Nk - Nq) + torch.arange(Nq, device=q.device)

@@ -65,6 +65,7 @@ LINEAR_PARAMS = {
 
 class LinearSite(SiteModule):
     form = "linear"
+    reads_padding_only = True
 
     def __init__(self, site, params):
         super().__init__(site, params)

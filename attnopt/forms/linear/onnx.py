@@ -5,10 +5,16 @@ default is gated_delta) and scale 1, fed φ(q), φ(k) and [v, 1]; the ones colum
 output carry the normaliser φ(q)ᵀz, so the division is one standard op after it. φ is standard ops
 before it (the contrib op has no feature-map input). Non-causal (both targets): two MatMuls through
 the [M, Dv + 1] state. onnx-std, causal: the chunked decomposition of functions.causal_linear_chunks.
+
+Decode step (`attnopt::linear_step`, forms/linear/step.py): the same with the carried state
+[B, Hf, M, Dv + 1] (S ‖ z): ort feeds it to LinearAttention as past_state (present_state comes
+back); onnx-std adds φ(q)·state to the chunked in-call sums and φ(k)ᵀ[v, 1] to the state. A pad's
+φ(k) is 0, so it adds nothing.
 """
 
 from __future__ import annotations
 
+import numpy as np
 from onnxscript import opset18 as op
 
 from attnopt.kernels.onnx.functions import (
@@ -17,16 +23,19 @@ from attnopt.kernels.onnx.functions import (
     causal_linear_chunks,
     contrib_node,
     expand_heads,
+    f32,
     feature_count,
     i64,
     pack_heads,
     query_key_features,
     ratio_of_ones_column,
+    slice_axis,
     static_dim,
     unpack_heads,
     with_ones_column,
 )
 from attnopt.kernels.onnx.lowering import OpLowering
+from attnopt.kernels.onnx.steps import add_real_tokens, linear_attention, new_columns_keep
 
 
 def check_self_attention(q, k, form: str) -> None:
@@ -74,3 +83,50 @@ def linear_ort(q, k, v, feature_map, weight, causal, scale, eps, key_mask, chunk
 
 
 LOWERING = OpLowering("attnopt::linear_attention", {"ort": linear_ort, "onnx-std": linear_std})
+
+
+def _step_features(q, k, v, mask, state, feature_map, weight, scale):
+    """keep [B, T], φ(q), φ(k) (pads 0), v per state head, sizes, the state to read and, for FAVOR+, the
+    shared log-stabiliser the present must be scaled back by (else None).
+
+    FAVOR+ keeps its state in true feature units (as linear_attention does): the new keys' stabiliser
+    c_k and the state's own scale log max z meet at one shared constant that cancels in the ratio."""
+    keep = new_columns_keep(mask, q)
+    H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
+    phi_q, phi_k, log_scale_k = query_key_features(feature_map, q, k, scale, weight, keep, H, Hkv, D)
+    Hf = H if feature_map == "hedgehog" else Hkv
+    shared = None
+    if log_scale_k is not None:
+        z = slice_axis(state, 3, i64([Dv]), i64([Dv + 1]))
+        tiny = op.CastLike(f32(np.finfo(np.float32).tiny), z)
+        shared = op.Max(log_scale_k, op.Log(op.Max(op.ReduceMax(z, i64([2, 3]), keepdims=1), tiny)))
+        phi_k = op.Mul(phi_k, op.Exp(op.Sub(log_scale_k, shared)))
+        state = op.Mul(state, op.Exp(op.Neg(shared)))
+    sizes = (H, Hf, feature_count(feature_map, D, weight), Dv)
+    return keep, phi_q, phi_k, expand_heads(v, Hkv, Hf, Dv), sizes, state, shared
+
+
+def _true_units(present, shared):
+    return present if shared is None else op.Mul(present, op.Exp(shared))
+
+
+def linear_step_ort(q, k, v, mask, state, count, feature_map, weight, scale, eps):
+    keep, phi_q, phi_k, v_f, (H, Hf, M, Dv), state_in, shared = _step_features(q, k, v, mask, state, feature_map,
+                                                                              weight, scale)
+    out, present = linear_attention(phi_q, phi_k, with_ones_column(v_f), state_in, H, Hf, "linear", like=q)
+    return ratio_of_ones_column(out, Dv + 1, eps), _true_units(present, shared), add_real_tokens(count, keep)
+
+
+def linear_step_std(q, k, v, mask, state, count, feature_map, weight, scale, eps):
+    keep, phi_q, phi_k, v_f, (H, Hf, M, Dv), state_in, shared = _step_features(q, k, v, mask, state, feature_map,
+                                                                              weight, scale)
+    W = Dv + 1
+    v1 = with_ones_column(v_f)
+    carried = op.MatMul(phi_q, expand_heads(state_in, Hf, H, W))  # the earlier tokens' part
+    within = causal_linear_chunks(phi_q, expand_heads(phi_k, Hf, H, M), expand_heads(v1, Hf, H, W), M, W, CHUNK)
+    present = op.Add(state_in, op.MatMul(op.Transpose(phi_k, perm=[0, 1, 3, 2]), v1))
+    out = ratio_of_ones_column(op.Add(carried, within), W, eps)
+    return out, _true_units(present, shared), add_real_tokens(count, keep)
+
+
+DECODE_LOWERING = OpLowering("attnopt::linear_step", {"ort": linear_step_ort, "onnx-std": linear_step_std})

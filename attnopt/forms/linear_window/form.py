@@ -37,6 +37,7 @@ from attnopt.kernels.feature_maps import make_feature_map
 
 class LinearWindowSite(SiteModule):
     form = "linear+window"
+    reads_padding_only = True
 
     def __init__(self, site, params):
         super().__init__(site, params)

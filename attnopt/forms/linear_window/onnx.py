@@ -7,6 +7,11 @@ the right (a zero key adds nothing), and for bidirectional sites the same on the
 (keys j ≥ pᵢ + W). Sinks belong to the window, so their φ(k) is zeroed on the linear side. FAVOR+
 keeps the query row's stabiliser c_q here: it would not cancel against the softmax terms, so the
 linear sums are rescaled by e^{c_q + c_k − m}. O(N·(Bq + W + S)·D + N·C·(M + Dv) + N·M·Dv).
+
+Decode step (`attnopt::linear_window_step`, forms/linear_window/step.py): the window form's step
+sums (window/onnx.py) plus the linear sums: the carried S ‖ z of every key that has left the buffer,
+and, inside the call, the keys leaving it before each query (an exclusive causal scan over the
+first T columns of buffer ‖ new); the present adds those T columns (pads and sinks excluded).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import onnx_ir as ir
 from onnxscript import opset18 as op
 
 from attnopt.forms.linear.onnx import check_self_attention
-from attnopt.forms.window.onnx import banded_sums, ones_keep
+from attnopt.forms.window.onnx import arange, banded_sums, ones_keep, window_step_sums
 from attnopt.kernels.onnx.functions import (
     CHUNK,
     causal_linear_chunks,
@@ -35,6 +40,7 @@ from attnopt.kernels.onnx.functions import (
     with_ones_column,
 )
 from attnopt.kernels.onnx.lowering import OpLowering
+from attnopt.kernels.onnx.steps import branch, one_token
 
 
 def _shift_right(x_BHNX, n: int, X: int):
@@ -97,3 +103,47 @@ def linear_window_std(q, k, v, key_mask, window, causal, sinks, scale, feature_m
 
 
 LOWERING = OpLowering("attnopt::linear_window_attention", {"ort": linear_window_std, "onnx-std": linear_window_std})
+
+
+# ---------------------------------------------------------------- decode step (forms/linear_window/step.py)
+
+
+def _leaving_keys(s, q, T, window: int, sinks: int):
+    """The call's first T columns of buffer ‖ new, which leave the buffer: (k, v, keep), sinks and pads
+    dropped. Query i of the call sees those before it (index < i) as linear keys."""
+    k_out = slice_axis(s.k_all, 2, i64([0]), T)
+    v_out = slice_axis(s.v_all, 2, i64([0]), T)
+    keep = slice_axis(s.keep_all, 1, i64([0]), T)
+    if sinks:
+        cols1 = op.Add(arange(T), op.Add(s.past, i64([2 - window])))  # column + 1 of leaving index x: P − L + x
+        hit = op.Equal(op.Reshape(cols1, i64([1, -1, 1])), op.Unsqueeze(s.sink_pos1, i64([1])))  # [B, T, S]
+        is_sink = op.Greater(op.ReduceSum(op.Cast(hit, to=ir.DataType.INT64), i64([2]), keepdims=0), i64([0]))
+        keep = op.And(keep, op.Not(is_sink))
+    return k_out, v_out, keep
+
+
+def linear_window_step(q, k, v, mask, buffer, slots, linear, feature_map, weight, beta, window, sinks, scale):
+    if feature_map == "favor":
+        raise ValueError("ONNX decode lowering of linear+window: the favor map's stabiliser is not lowered")
+    H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
+    W = Dv + 1
+    s = window_step_sums(q, k, v, mask, buffer, slots, window, sinks, scale)
+    T = dim(q, 2)
+    k_out, v_out, keep_out = _leaving_keys(s, q, T, window, sinks)
+    phi_q, phi_out, _ = _linear_features(feature_map, q, expand_heads(k_out, Hkv, H, D), scale, weight, keep_out, H, D)
+    M = feature_count(feature_map, D, weight)
+    v1 = with_ones_column(expand_heads(v_out, Hkv, H, Dv))
+    carried = op.MatMul(phi_q, linear)
+    # One token: no key of the call has left before it, so only the carried sums (no chunk padded to C).
+    [lin] = branch(one_token(q), lambda: op.Identity(carried), lambda: op.Add(carried, causal_linear_chunks(
+        phi_q, _shift_right(phi_out, 1, M), _shift_right(v1, 1, W), M, W, CHUNK)), num_outputs=1, like=q,
+        name="linear_window_step")
+    present = op.Add(linear, op.MatMul(op.Transpose(phi_out, perm=[0, 1, 3, 2]), v1))
+    factor = op.Mul(op.Reshape(op.CastLike(beta, q), i64([1, H, 1, 1])), op.Exp(op.Neg(s.m)))
+    num = op.Add(s.num, op.Mul(factor, slice_axis(lin, 3, i64([0]), i64([Dv]))))
+    den = op.Add(s.den, op.Mul(factor, slice_axis(lin, 3, i64([Dv]), i64([W]))))
+    positive = op.Greater(den, op.CastLike(f32(0.0), den))
+    return op.Div(num, op.Where(positive, den, op.CastLike(f32(1.0), den))), s.buffer, s.slots, present
+
+
+DECODE_LOWERING = OpLowering("attnopt::linear_window_step", {"ort": linear_window_step, "onnx-std": linear_window_step})

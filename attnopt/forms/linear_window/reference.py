@@ -57,6 +57,7 @@ head dim of v, M feature count, W window, S sinks, Bq query block, L band length
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
@@ -65,9 +66,13 @@ from torch import Tensor
 
 from attnopt.forms.window.reference import (
     SCORES_PER_STEP,
+    BandBlocks,
+    BandStep,
+    band_blocks,
     default_window_block_size,
     first_real_keys,
     sink_key_mask,
+    sinks_outside_band,
     window_visibility_mask,
 )
 from attnopt.kernels.chunk_scan import causal_chunks, grouped_heads, state_times
@@ -90,6 +95,61 @@ _WHO = "linear_window_attention"
 # ---- window part: banded softmax numerator, denominator and row max ----
 
 
+@dataclass
+class _SinkKeys:
+    """Each row's sink keys, gathered once: positions [B, S], which exist [B, S], k [B, Hkv, D, S]
+    and v [B, Hkv, S, Dv]. One [n·Bq·G, D] @ [D, S] product per kv head then scores a whole step
+    (a broadcast over blocks would copy k_sink n times)."""
+
+    j_BS: Tensor
+    ok_BS: Tensor
+    k_BHkvDS: Tensor
+    v_BHkvSDv: Tensor
+
+
+def _gather_sink_keys(k_BHkvND: Tensor, v_BHkvND: Tensor, key_mask_BN: Optional[Tensor], S: int, device) -> _SinkKeys:
+    """The first S kept keys of each row, as `first_real_keys` finds them."""
+    B, _, Nk, _ = k_BHkvND.shape
+    j_BS, sink_ok_BS = first_real_keys(key_mask_BN, S, B, Nk, device)
+    k_BHkvDS = torch.take_along_dim(k_BHkvND, j_BS[:, None, :, None], dim=2).transpose(-1, -2)
+    v_BHkvSDv = torch.take_along_dim(v_BHkvND, j_BS[:, None, :, None], dim=2)
+    return _SinkKeys(j_BS, sink_ok_BS, k_BHkvDS, v_BHkvSDv)
+
+
+def _step_window_sums(
+    s_B_Hkv_n_Bq_G_L: Tensor, v_band: Tensor, ss_B_Hkv_n_Bq_G_S: Optional[Tensor], sink_keys: Optional[_SinkKeys]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One step's shifted sums from its masked band (and sink) scores: numerator [B, Hkv, n, Bq, G, Dv],
+    denominator and row max m [B, Hkv, n, Bq, G] (m = 0 where the window is empty, all its exps 0)."""
+    B, Hkv, n, Bq, G, L = s_B_Hkv_n_Bq_G_L.shape
+    with torch.no_grad():
+        m = s_B_Hkv_n_Bq_G_L.amax(dim=-1)
+        if ss_B_Hkv_n_Bq_G_S is not None:
+            m = torch.maximum(m, ss_B_Hkv_n_Bq_G_S.amax(dim=-1))
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    p = s_B_Hkv_n_Bq_G_L.sub_(m[..., None]).exp_()
+    num = torch.matmul(p.reshape(B, Hkv, n, Bq * G, L), v_band)
+    den = p.sum(dim=-1)
+    if ss_B_Hkv_n_Bq_G_S is not None:
+        ps = ss_B_Hkv_n_Bq_G_S.sub_(m[..., None]).exp_()
+        num = num + torch.matmul(ps.reshape(B, Hkv, n * Bq * G, ps.shape[-1]), sink_keys.v_BHkvSDv).reshape(num.shape)
+        den = den + ps.sum(dim=-1)
+    return num.reshape(B, Hkv, n, Bq, G, v_band.shape[-1]), den, m
+
+
+def _step_sink_scores(
+    blocks: BandBlocks, step: BandStep, q_blk: Tensor, sink_keys: _SinkKeys, causal: bool, G: int
+) -> Tensor:
+    """Sink scores [B, Hkv, n, Bq, G, S], -inf where a sink adds no column (counted once: not where
+    the band already holds it)."""
+    B, Hkv, _, _, D = q_blk.shape
+    ok_B_n_Bq_S = sinks_outside_band(blocks, step, sink_keys.j_BS, sink_keys.ok_BS, causal, q_blk.device)
+    ss = torch.matmul(q_blk.reshape(B, Hkv, step.n * blocks.Bq * G, D), sink_keys.k_BHkvDS)
+    ss = ss.reshape(B, Hkv, step.n, blocks.Bq, G, blocks.S)
+    ss.masked_fill_(~ok_B_n_Bq_S[:, None, :, :, None, :], float("-inf"))
+    return ss
+
+
 def _window_sums(
     q_BHND: Tensor,
     k_BHkvND: Tensor,
@@ -104,86 +164,44 @@ def _window_sums(
     """Σ_{W(i)} e^{s·q·k − m} v [B, H, Nq, Dv], Σ_{W(i)} e^{s·q·k − m} [B, H, Nq], m [B, H, Nq]
     (0 where the window is empty) and whether it is non-empty [B, H, Nq]. q is already scaled by s.
 
-    Same blocking as window.py: k, v and the key mask are padded once so every block's band is in
-    range (pads count as masked), a step views n bands with `unfold` and scores [B, Hkv, n, Bq, G, L].
+    Same blocking as window.py (`band_blocks`): k, v and the key mask are padded once so every
+    block's band is in range (pads count as masked), a step views n bands with `unfold` and scores
+    [B, Hkv, n, Bq, G, L].
     """
     B, H, Nq, D = q_BHND.shape
-    Hkv, Nk, Dv = k_BHkvND.shape[1], k_BHkvND.shape[2], v_BHkvND.shape[3]
-    G = H // Hkv
-    device = q_BHND.device
-    off = Nk - Nq
-    W = min(window, Nk + abs(off) + Nq + 1)  # a wider window sees nothing more
-    S = min(sinks, Nk)
-    lo, hi = W - 1, (0 if causal else W - 1)  # band keys left / right of self
-    Bq = max(1, min(block_size, Nq))
-    nb = -(-Nq // Bq)
-    L = Bq + lo + hi
-    n_step = max(1, min(nb, scores_per_step // max(1, B * H * Bq * (L + S))))
-
-    q = q_BHND.reshape(B, Hkv, G, Nq, D).transpose(2, 3)  # [B, Hkv, Nq, G, D]
-    if nb * Bq > Nq:
-        q = F.pad(q, (0, 0, 0, 0, 0, nb * Bq - Nq))
-    pad_left = max(0, lo - off)
-    start = off - lo + pad_left  # padded index of block 0's first band key
-    pad_right = max(0, start + (nb - 1) * Bq + L - (Nk + pad_left))
-    k = F.pad(k_BHkvND, (0, 0, pad_left, pad_right))
-    v = F.pad(v_BHkvND, (0, 0, pad_left, pad_right))
-    keep = torch.ones(B, Nk, dtype=torch.bool, device=device) if key_mask_BN is None else key_mask_BN
-    keep = F.pad(keep, (pad_left, pad_right), value=False)
-
-    r = torch.arange(Bq, device=device)
-    rel = torch.arange(L, device=device)[None, :] - r[:, None]
-    band_Bq_L = (rel >= 0) & (rel <= lo + hi)  # row r of a block sees band columns r .. r + lo + hi
-    if S > 0:
-        j_BS, sink_ok_BS = first_real_keys(key_mask_BN, S, B, Nk, device)
-        # One [n·Bq·G, D] @ [D, S] product per kv head (a broadcast over blocks would copy k_sink n times).
-        k_sink = torch.take_along_dim(k_BHkvND, j_BS[:, None, :, None], dim=2).transpose(-1, -2)  # [B, Hkv, D, S]
-        v_sink = torch.take_along_dim(v_BHkvND, j_BS[:, None, :, None], dim=2)  # [B, Hkv, S, Dv]
+    Hkv, Nk = k_BHkvND.shape[1], k_BHkvND.shape[2]
+    G, device = H // Hkv, q_BHND.device
+    blocks = band_blocks(Nq, Nk, window, causal, sinks, block_size)
+    q_BHkvNGD = q_BHND.reshape(B, Hkv, G, Nq, D).transpose(2, 3)
+    if blocks.nb * blocks.Bq > Nq:
+        q_BHkvNGD = F.pad(q_BHkvNGD, (0, 0, 0, 0, 0, blocks.nb * blocks.Bq - Nq))
+    k_pad, v_pad = blocks.pad_keys(k_BHkvND), blocks.pad_keys(v_BHkvND)
+    keep_BN = torch.ones(B, Nk, dtype=torch.bool, device=device) if key_mask_BN is None else key_mask_BN
+    keep_pad_BN = blocks.pad_key_mask(keep_BN)
+    band_Bq_L = blocks.band_mask(device)
+    sink_keys = _gather_sink_keys(k_BHkvND, v_BHkvND, key_mask_BN, blocks.S, device) if blocks.S > 0 else None
     nums, dens, maxs = [], [], []
-    for b0 in range(0, nb, n_step):
-        n = min(nb, b0 + n_step) - b0
-        a = start + b0 * Bq
-        e = a + (n - 1) * Bq + L
-        k_band = k[:, :, a:e].unfold(2, L, Bq).contiguous()  # [B, Hkv, n, D, L]
-        v_band = v[:, :, a:e].unfold(2, L, Bq).transpose(-1, -2).contiguous()  # [B, Hkv, n, L, Dv]
-        seen_B_n_Bq_L = band_Bq_L & keep[:, a:e].unfold(1, L, Bq)[:, :, None, :]
-        q_blk = q[:, :, b0 * Bq : (b0 + n) * Bq].reshape(B, Hkv, n, Bq * G, D)
-        s = torch.matmul(q_blk, k_band).reshape(B, Hkv, n, Bq, G, L)
+    for step in blocks.steps(blocks.blocks_per_step(B * H, blocks.L + blocks.S, scores_per_step)):
+        k_band, v_band = blocks.bands(k_pad, v_pad, step)
+        seen_B_n_Bq_L = band_Bq_L & blocks.band_key_mask(keep_pad_BN, step)[:, :, None, :]
+        q_blk = blocks.block_queries(q_BHkvNGD, step)
+        s = torch.matmul(q_blk, k_band).reshape(B, Hkv, step.n, blocks.Bq, G, blocks.L)
         # In place, as in window.py: neither matmul nor masked_fill reads these scores in backward.
         s.masked_fill_(~seen_B_n_Bq_L[:, None, :, :, None, :], float("-inf"))
-        with torch.no_grad():
-            m = s.amax(dim=-1)
-        if S > 0:
-            # A sink adds a column only where the band does not already hold it (counted once).
-            p_n_Bq = off + (b0 + torch.arange(n, device=device))[:, None] * Bq + r[None, :]
-            d = p_n_Bq[None, :, :, None] - j_BS[:, None, None, :]  # [B, n, Bq, S]
-            in_band = ((d >= 0) & (d < W)) if causal else (d.abs() < W)
-            ok = ~in_band & sink_ok_BS[:, None, None, :]
-            if causal:
-                ok = ok & (d >= 0)
-            ss = torch.matmul(q_blk.reshape(B, Hkv, n * Bq * G, D), k_sink).reshape(B, Hkv, n, Bq, G, S)
-            ss.masked_fill_(~ok[:, None, :, :, None, :], float("-inf"))
-            with torch.no_grad():
-                m = torch.maximum(m, ss.amax(dim=-1))
-        m = torch.where(torch.isfinite(m), m, 0.0)  # empty window: m = 0, all its exps are 0
-        p = s.sub_(m[..., None]).exp_()
-        num = torch.matmul(p.reshape(B, Hkv, n, Bq * G, L), v_band)
-        den = p.sum(dim=-1)
-        if S > 0:
-            ps = ss.sub_(m[..., None]).exp_()
-            num = num + torch.matmul(ps.reshape(B, Hkv, n * Bq * G, S), v_sink).reshape(num.shape)
-            den = den + ps.sum(dim=-1)
-        nums.append(num.reshape(B, Hkv, n, Bq, G, Dv))
+        ss = None if sink_keys is None else _step_sink_scores(blocks, step, q_blk, sink_keys, causal, G)
+        num, den, m = _step_window_sums(s, v_band, ss, sink_keys)
+        nums.append(num)
         dens.append(den)
         maxs.append(m)
-
-    def per_head(parts: list[Tensor]) -> Tensor:  # [B, Hkv, n·Bq, G, ...] -> [B, H, Nq, ...]
-        x = torch.cat(parts, dim=2).flatten(2, 3)[:, :, :Nq]
-        return x.transpose(2, 3).reshape(B, H, Nq, *x.shape[4:])
-
-    den = per_head(dens)
+    den_BHN = _per_query_head(dens, B, H, Nq)
     # den >= 1 exactly where the window holds a key (its max term is e^0); 0 where it is empty.
-    return per_head(nums), den, per_head(maxs), den > 0
+    return _per_query_head(nums, B, H, Nq), den_BHN, _per_query_head(maxs, B, H, Nq), den_BHN > 0
+
+
+def _per_query_head(parts: list[Tensor], B: int, H: int, Nq: int) -> Tensor:
+    """Concatenated step results [B, Hkv, nb, Bq, G, ...] as [B, H, Nq, ...] (padding rows dropped)."""
+    x = torch.cat(parts, dim=2).flatten(2, 3)[:, :, :Nq]
+    return x.transpose(2, 3).reshape(B, H, Nq, *x.shape[4:])
 
 
 # ---- linear part: chunked prefix (and suffix) scans with a shifted diagonal ----

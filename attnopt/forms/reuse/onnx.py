@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 from onnxscript import opset18 as op
 
+from attnopt.forms.exact.onnx import causal_visible, masked_softmax
 from attnopt.forms.window.onnx import arange
 from attnopt.kernels.onnx.functions import dim, expand_heads, f32, i64, static_dim
 from attnopt.kernels.onnx.lowering import OpLowering
@@ -48,3 +49,21 @@ def reuse_std(q_anchor, k_anchor, v, x, A, B_, scale, causal, key_mask):
 
 
 LOWERING = OpLowering("attnopt::reuse_attention", {"ort": reuse_std, "onnx-std": reuse_std})
+
+
+def reuse_step_lowering(q_anchor, k_anchor, v, mask, past_value, x, A, B, past_residual, scale):
+    """Decode step (forms/reuse/step.py): the softmax over [q_a, x̂A]·[k_a, x̂B]ᵀ of every column so far."""
+    H, Ha, D, Dv = (static_dim(q_anchor, 1, "H"), static_dim(k_anchor, 1, "Hkv"), static_dim(q_anchor, 3, "D"),
+                    static_dim(v, 3, "Dv"))
+    V = op.Concat(past_value, v, axis=2)
+    q, k = q_anchor, expand_heads(k_anchor, Ha, H, D)
+    residual = V  # rank 0 has no residual state: a placeholder output nothing reads
+    if A is not None:
+        C = static_dim(x, 2, "layer width")
+        residual = op.Concat(past_residual, _project(x, B, C), axis=2)
+        q, k = op.Concat(q, _project(x, A, C), axis=-1), op.Concat(k, residual, axis=-1)
+    out = masked_softmax(q, k, expand_heads(V, static_dim(v, 1, "Hkv"), H, Dv), causal_visible(mask, q), scale)
+    return out, V, residual
+
+
+DECODE_LOWERING = OpLowering("attnopt::reuse_step", {"ort": reuse_step_lowering, "onnx-std": reuse_step_lowering})

@@ -41,6 +41,7 @@ def decay_vector(decay, heads: int) -> torch.Tensor:
 
 class SsmSite(SiteModule):
     form = "ssm"
+    reads_padding_only = True
 
     def __init__(self, site, params):
         super().__init__(site, params)

@@ -10,6 +10,10 @@ onnx-std: chunks of C. In a chunk the decay matrix γ^(r−l) (l ≤ r) weights 
 chunks a Scan carries the [B, H, M, W] state, S_c = γ^C S_{c−1} + U_c, so the cost is O(N·C·(M+W)
 + N·M·W) and the memory one state per chunk, never one per position. Every decay factor is γ to
 a non-negative power (built in log space and masked before the exp), so nothing overflows.
+
+Decode step (`attnopt::decay_step`, forms/ssm/step.py): the carried state [B, H, D, W] is
+LinearAttention's past_state (ort), or the Scan's initial state plus γ^T·state + Σ γ^(T−1−j) φ(k_j)v_jᵀ
+for the present (onnx-std). A pad adds no key and still decays the state, as in torch.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from attnopt.kernels.onnx.functions import (
     with_ones_column,
 )
 from attnopt.kernels.onnx.lowering import OpLowering
+from attnopt.kernels.onnx.steps import add_real_tokens, arange, linear_attention, new_columns_keep
 
 
 def _inputs(q, k, v, key_mask, feature_map, normalize, scale):
@@ -68,9 +73,10 @@ def decay_ort(q, k, v, decay, key_mask, feature_map, normalize, scale, eps, chun
     return ratio_of_ones_column(out, W, eps) if normalize else out
 
 
-def _scan_prefix_states(U_BHcMW, gamma_C_1H11, like, M: int, W: int):
-    """The state entering each chunk, [B, H, nC, M, W], by a Scan over chunks (one state carried).
-    `like` is a graph input of the compute dtype (intermediate values carry no dtype while tracing)."""
+def _scan_prefix_states(U_BHcMW, gamma_C_1H11, like, M: int, W: int, initial=None):
+    """The state entering each chunk, [B, H, nC, M, W], by a Scan over chunks (one state carried,
+    from `initial` [B, H, M, W] or zeros). `like` is a graph input of the compute dtype
+    (intermediate values carry no dtype while tracing)."""
     dtype = like.dtype
     s_in = ir.Value(name="state_in", type=ir.TensorType(dtype))
     u = ir.Value(name="chunk_state", type=ir.TensorType(dtype))
@@ -82,8 +88,8 @@ def _scan_prefix_states(U_BHcMW, gamma_C_1H11, like, M: int, W: int):
         value.type = ir.TensorType(dtype)
     body = ir.Graph([s_in, u], [s_out.outputs[0], before.outputs[0]], nodes=[decayed, s_out, before],
                     name="decay_chunk_scan")
-    zeros = op.Expand(op.CastLike(f32(np.zeros((1, 1, 1, 1))), like),
-                      op.Concat(op.Shape(U_BHcMW, start=0, end=2), i64([M, W]), axis=0))
+    zeros = initial if initial is not None else op.Expand(
+        op.CastLike(f32(np.zeros((1, 1, 1, 1))), like), op.Concat(op.Shape(U_BHcMW, start=0, end=2), i64([M, W]), axis=0))
     # Chunks first: the scan runs over axis 0 (the reference evaluator implements no other axis).
     U_cBHMW = op.Transpose(U_BHcMW, perm=[2, 0, 1, 3, 4])
     _final, prefix_cBHMW = contrib_node("", "Scan", [zeros, U_cBHMW], {"body": body, "num_scan_inputs": 1},
@@ -93,6 +99,13 @@ def _scan_prefix_states(U_BHcMW, gamma_C_1H11, like, M: int, W: int):
 
 def decay_std(q, k, v, decay, key_mask, feature_map, normalize, scale, eps, chunk_size):
     phi_q, phi_k, v_H, (H, M, W) = _inputs(q, k, v, key_mask, feature_map, normalize, scale)
+    out = _chunked(phi_q, phi_k, v_H, decay, H, M, W, q)
+    return ratio_of_ones_column(out, W, eps) if normalize else out
+
+
+def _chunked(phi_q, phi_k, v_H, decay, H: int, M: int, W: int, q, initial=None):
+    """Σ over keys j ≤ i of γ^(i−j) (φ(q_i)·φ(k_j)) v_j, plus γ^(i+1) φ(q_i)·initial when a state is
+    carried in: [B, H, N, W]."""
     C = CHUNK
     N = dim(q, 2)
     log_g = op.Reshape(op.CastLike(op.Log(decay), phi_q), i64([1, H, 1, 1, 1]))  # [1, H, 1, 1, 1]
@@ -109,10 +122,39 @@ def decay_std(q, k, v, decay, key_mask, feature_map, normalize, scale, eps, chun
     vc = op.Reshape(pad_axis(v_H, 2, 4, C), i64([0, 0, -1, C, W]))
     intra = op.MatMul(op.Mul(op.MatMul(fq, op.Transpose(fk, perm=[0, 1, 2, 4, 3])), decay_CC), vc)
     U = op.MatMul(op.Transpose(op.Mul(fk, k_decay), perm=[0, 1, 2, 4, 3]), vc)  # [B, H, nC, M, W]
-    prefix = _scan_prefix_states(U, gamma_C, q, M, W)
+    prefix = _scan_prefix_states(U, gamma_C, q, M, W, initial)
     out = op.Add(op.MatMul(op.Mul(fq, q_decay), prefix), intra)
-    out = slice_axis(op.Reshape(out, i64([0, 0, -1, W])), 2, i64([0]), N)
-    return ratio_of_ones_column(out, W, eps) if normalize else out
+    return slice_axis(op.Reshape(out, i64([0, 0, -1, W])), 2, i64([0]), N)
 
 
 LOWERING = OpLowering("attnopt::decay_attention", {"ort": decay_ort, "onnx-std": decay_std})
+
+
+def decay_step_ort(q, k, v, mask, state, count, decay, feature_map, normalize, scale, eps):
+    keep = new_columns_keep(mask, q)
+    phi_q, phi_k, v_H, (H, D, W) = _inputs(q, k, v, keep, feature_map, normalize, scale)
+    log_gamma_11H = op.Reshape(op.CastLike(op.Log(decay), phi_q), i64([1, 1, H]))
+    B_T_H = op.Concat(op.Shape(q, start=0, end=1), dim(q, 2), i64([H]), axis=0)
+    out, present = linear_attention(phi_q, phi_k, v_H, state, H, H, "gated", like=q,
+                                    log_decay=op.Expand(log_gamma_11H, B_T_H))
+    out = ratio_of_ones_column(out, W, eps) if normalize else out
+    return out, present, add_real_tokens(count, keep)
+
+
+def decay_step_std(q, k, v, mask, state, count, decay, feature_map, normalize, scale, eps):
+    keep = new_columns_keep(mask, q)
+    phi_q, phi_k, v_H, (H, M, W) = _inputs(q, k, v, keep, feature_map, normalize, scale)
+    out = _chunked(phi_q, phi_k, v_H, decay, H, M, W, q, initial=state)
+    # The state after the call: γ^T S + Σ_j γ^(T−1−j) φ(k_j) v_jᵀ (a pad decays it too, as in torch).
+    log_g = op.Reshape(op.CastLike(op.Log(decay), phi_q), i64([1, H, 1, 1]))
+    T = dim(q, 2)
+    T_f = op.CastLike(T, phi_q)
+    lag = op.Sub(op.Sub(T_f, op.CastLike(f32(1.0), phi_q)), arange(T, ir.DataType.FLOAT))  # [T]
+    weights = op.Exp(op.Mul(log_g, op.Reshape(lag, i64([1, 1, -1, 1]))))  # [1, H, T, 1]
+    added = op.MatMul(op.Transpose(op.Mul(phi_k, weights), perm=[0, 1, 3, 2]), v_H)
+    present = op.Add(op.Mul(op.Exp(op.Mul(log_g, T_f)), state), added)
+    out = ratio_of_ones_column(out, W, eps) if normalize else out
+    return out, present, add_real_tokens(count, keep)
+
+
+DECODE_LOWERING = OpLowering("attnopt::decay_step", {"ort": decay_step_ort, "onnx-std": decay_step_std})

@@ -51,6 +51,7 @@ def window_cache_bytes(site, params, context: int, element_bytes: int) -> int:
 
 class WindowSite(SiteModule):
     form = "window"
+    reads_padding_only = True
 
     def attend(self, q, k, v, keep, mask, x):
         g, p = self.geometry, self.params

@@ -46,6 +46,7 @@ Bq query block size, L band length.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -63,6 +64,10 @@ __all__ = [
     "default_window_block_size",
     "first_real_keys",
     "sink_key_mask",
+    "BandBlocks",
+    "BandStep",
+    "band_blocks",
+    "sinks_outside_band",
 ]
 
 
@@ -117,6 +122,223 @@ def default_window_block_size(window: int, causal: bool) -> int:
 SCORES_PER_STEP = 1 << 23
 
 
+# ---- blocking shared with linear_window: query blocks, their key bands, the steps over them ----
+
+
+@dataclass(frozen=True)
+class BandStep:
+    """One step: query blocks b0 .. b0+n-1, whose bands are padded key columns a .. e."""
+
+    b0: int
+    n: int
+    a: int
+    e: int
+
+
+@dataclass(frozen=True)
+class BandBlocks:
+    """How one call is blocked: nb query blocks of Bq, block b against a band of L keys that starts
+    lo keys left of its first query; k/v are padded by pad_left / pad_right so every band is in range.
+    """
+
+    Nq: int
+    Nk: int
+    off: int  # Nk - Nq, bottom-right alignment: query i is at key position off + i
+    W: int  # the window, capped where a wider one sees nothing more
+    S: int  # sinks, at most Nk
+    lo: int  # band keys left of self
+    hi: int  # band keys right of self (0 causal)
+    Bq: int
+    nb: int
+    L: int
+    pad_left: int
+    pad_right: int
+    start: int  # padded index of block 0's first band key
+
+    def blocks_per_step(self, BH: int, columns: int, scores_per_step: int) -> int:
+        """Query blocks per step so that a step scores about `scores_per_step` elements (at least one)."""
+        return max(1, min(self.nb, scores_per_step // max(1, BH * self.Bq * columns)))
+
+    def steps(self, n_step: int) -> list[BandStep]:
+        """The steps in order, n_step blocks each (the last one may have fewer)."""
+        steps = []
+        for b0 in range(0, self.nb, n_step):
+            n = min(self.nb, b0 + n_step) - b0
+            a = self.start + b0 * self.Bq
+            steps.append(BandStep(b0, n, a, a + (n - 1) * self.Bq + self.L))
+        return steps
+
+    def pad_keys(self, x_BHkvND: Tensor) -> Tensor:
+        """k or v padded along N so that every band is in range (the pads are masked by the caller)."""
+        return F.pad(x_BHkvND, (0, 0, self.pad_left, self.pad_right))
+
+    def pad_key_mask(self, key_mask_BN: Tensor) -> Tensor:
+        """The key mask padded as `pad_keys` pads k: pads are never kept."""
+        return F.pad(key_mask_BN, (self.pad_left, self.pad_right), value=False)
+
+    def band_mask(self, device) -> Tensor:
+        """Bool [Bq, L]: row r of a block sees band columns r .. r + lo + hi."""
+        rel_Bq_L = torch.arange(self.L, device=device)[None, :] - torch.arange(self.Bq, device=device)[:, None]
+        return (rel_Bq_L >= 0) & (rel_Bq_L <= self.lo + self.hi)
+
+    def bands(self, k_pad: Tensor, v_pad: Tensor, step: BandStep) -> tuple[Tensor, Tensor]:
+        """The step's key bands [B, Hkv, n, D, L] and value bands [B, Hkv, n, L, Dv] of padded k, v.
+
+        Overlapping bands gathered into contiguous copies (the matmul would copy them anyway, and
+        traced backward graphs mis-handle views with overlapping strides)."""
+        k_B_Hkv_n_D_L = k_pad[:, :, step.a : step.e].unfold(2, self.L, self.Bq).contiguous()
+        v_B_Hkv_n_L_Dv = v_pad[:, :, step.a : step.e].unfold(2, self.L, self.Bq).transpose(-1, -2).contiguous()
+        return k_B_Hkv_n_D_L, v_B_Hkv_n_L_Dv
+
+    def band_key_mask(self, mask_pad_BN: Tensor, step: BandStep) -> Tensor:
+        """Bool [B, n, L]: the padded key mask over the step's bands."""
+        return mask_pad_BN[:, step.a : step.e].unfold(1, self.L, self.Bq)
+
+    def block_queries(self, q_BHkvNGD: Tensor, step: BandStep) -> Tensor:
+        """The step's queries [B, Hkv, n, Bq·G, D] of block-padded grouped queries [B, Hkv, nb·Bq, G, D]."""
+        B, Hkv, _, G, D = q_BHkvNGD.shape
+        return q_BHkvNGD[:, :, step.b0 * self.Bq : (step.b0 + step.n) * self.Bq].reshape(B, Hkv, step.n, self.Bq * G, D)
+
+    def block_positions(self, step: BandStep, device) -> Tensor:
+        """Long [n, Bq]: the key position of each query of the step's blocks (past Nq for padding rows)."""
+        blocks_n = step.b0 + torch.arange(step.n, device=device)
+        return blocks_n[:, None] * self.Bq + torch.arange(self.Bq, device=device)[None, :]
+
+
+def band_blocks(Nq: int, Nk: int, window: int, causal: bool, sinks: int, block_size: int) -> BandBlocks:
+    """The blocking of a call with Nq, Nk >= 1: band widths, block count and the padding of k / v."""
+    off = Nk - Nq
+    W = min(window, Nk + abs(off) + Nq + 1)  # a wider window sees nothing more
+    lo, hi = W - 1, (0 if causal else W - 1)
+    Bq = max(1, min(block_size, Nq))
+    nb = (Nq + Bq - 1) // Bq
+    L = Bq + lo + hi
+    # Band of block b starts at key off + b*Bq - lo; pad k/v (masked out) so all are in range.
+    pad_left = max(0, lo - off)
+    start = off - lo + pad_left
+    pad_right = max(0, start + (nb - 1) * Bq + L - (Nk + pad_left))
+    return BandBlocks(Nq, Nk, off, W, min(sinks, Nk), lo, hi, Bq, nb, L, pad_left, pad_right, start)
+
+
+def sinks_outside_band(
+    blocks: BandBlocks, step: BandStep, j_BS: Tensor, sink_ok_BS: Tensor, causal: bool, device
+) -> Tensor:
+    """Bool [B, n, Bq, S]: sink s adds a column for a query only where it exists, the band does not
+    already hold it (a sink is counted once) and, causal, it is not after the query."""
+    p_n_Bq = blocks.off + blocks.block_positions(step, device)
+    d_B_n_Bq_S = p_n_Bq[None, :, :, None] - j_BS[:, None, None, :]
+    in_band = ((d_B_n_Bq_S >= 0) & (d_B_n_Bq_S < blocks.W)) if causal else (d_B_n_Bq_S.abs() < blocks.W)
+    ok = ~in_band & sink_ok_BS[:, None, None, :]
+    if causal:
+        ok = ok & (d_B_n_Bq_S >= 0)
+    return ok
+
+
+# ---- window_attention's body: one masked softmax per step over the bands (+ the sinks) ----
+
+
+@dataclass
+class _Sinks:
+    """Each row's sink keys, gathered once: positions [B, S], which exist [B, S], and k / v as
+    [B, Hkv, 1, D, S] / [B, Hkv, 1, S, Dv] in the compute dtype (the 1 broadcasts over blocks)."""
+
+    j_BS: Tensor
+    ok_BS: Tensor
+    k_BHkv1DS: Tensor
+    v_BHkv1SDv: Tensor
+
+
+def _gather_sinks(k_BHkvND: Tensor, v_BHkvND: Tensor, key_mask_BN: Optional[Tensor], S: int, cdt, device) -> _Sinks:
+    """The first S kept keys of each row (under left padding keys 0..S-1 are pads)."""
+    B, _, Nk, _ = k_BHkvND.shape
+    j_BS, sink_ok_BS = first_real_keys(key_mask_BN, S, B, Nk, device)
+    if key_mask_BN is None:
+        k_BHkvSD, v_BHkvSDv = k_BHkvND[:, :, :S], v_BHkvND[:, :, :S]
+    else:
+        k_BHkvSD = torch.take_along_dim(k_BHkvND, j_BS[:, None, :, None], dim=2)
+        v_BHkvSDv = torch.take_along_dim(v_BHkvND, j_BS[:, None, :, None], dim=2)
+    return _Sinks(j_BS, sink_ok_BS, k_BHkvSD.to(cdt).transpose(-1, -2)[:, :, None], v_BHkvSDv.to(cdt)[:, :, None])
+
+
+def _grouped_queries(q_BHND: Tensor, Hkv: int, scale: float, cdt, blocks: BandBlocks) -> Tensor:
+    """Scaled queries as [B, Hkv, nb·Bq, G, D], zero-padded to whole blocks: a block of rows
+    (position, g) is one matrix, so the G query heads sharing a kv head share one matmul."""
+    B, H, Nq, D = q_BHND.shape
+    q_BHkvNGD = (q_BHND.to(cdt) * scale).reshape(B, Hkv, H // Hkv, Nq, D).transpose(2, 3).contiguous()
+    if blocks.nb * blocks.Bq > Nq:  # (a zero-width pad keeps the input's strides eagerly but not when traced)
+        q_BHkvNGD = F.pad(q_BHkvNGD, (0, 0, 0, 0, 0, blocks.nb * blocks.Bq - Nq))
+    return q_BHkvNGD
+
+
+def _hidden_band_scores(
+    blocks: BandBlocks, step: BandStep, band_Bq_L: Tensor, km_pad_BN: Optional[Tensor], device
+) -> Tensor:
+    """Bool, broadcastable to the scores [B, Hkv, n, Bq, G, L]: True where a band column is hidden.
+
+    Interior steps without a key mask share one [Bq, 1, L] mask; others also hide keys outside
+    0..Nk-1 and masked keys, but never a whole padding row (past Nq): its outputs are dropped, yet a
+    row of -inf scores would put NaN into the softmax backward (and from there into dk)."""
+    j_first = blocks.off - blocks.lo + step.b0 * blocks.Bq  # key index of band column 0 of the step's first block
+    if j_first >= 0 and j_first + (step.n - 1) * blocks.Bq + blocks.L <= blocks.Nk and km_pad_BN is None:
+        return ~band_Bq_L[:, None, :]
+    c_L = torch.arange(blocks.L, device=device)
+    j_n_L = j_first + torch.arange(step.n, device=device)[:, None] * blocks.Bq + c_L[None, :]
+    keep = ((j_n_L >= 0) & (j_n_L < blocks.Nk))[None]
+    if km_pad_BN is not None:
+        keep = keep & blocks.band_key_mask(km_pad_BN, step)
+    hidden = ~(band_Bq_L[None, None] & keep[:, :, None, :])[:, None, :, :, None, :]
+    real_n_Bq = blocks.block_positions(step, device) < blocks.Nq
+    return hidden & real_n_Bq[None, None, :, :, None, None]
+
+
+def _sink_scores(
+    blocks: BandBlocks, step: BandStep, q_blk: Tensor, sinks: _Sinks, causal: bool, G: int
+) -> Tensor:
+    """Sink scores [B, Hkv, n, Bq, G, S], -inf where the sink adds no column for that query."""
+    B, Hkv = q_blk.shape[:2]
+    ok_B_n_Bq_S = sinks_outside_band(blocks, step, sinks.j_BS, sinks.ok_BS, causal, q_blk.device)
+    ss = torch.matmul(q_blk, sinks.k_BHkv1DS).reshape(B, Hkv, step.n, blocks.Bq, G, blocks.S)
+    ss.masked_fill_(~ok_B_n_Bq_S[:, None, :, :, None, :], float("-inf"))
+    return ss
+
+
+def _softmax_block(s_B_Hkv_n_Bq_G_L: Tensor, v_band: Tensor, Dv: int) -> Tensor:
+    """Fused softmax of the scores times the value bands, [B, Hkv, n, Bq, G, Dv]: exact where every
+    row sees at least itself (no sinks, no key mask, no query before key 0)."""
+    B, Hkv, n, Bq, G, L = s_B_Hkv_n_Bq_G_L.shape
+    p = torch.softmax(s_B_Hkv_n_Bq_G_L, dim=-1)
+    return torch.matmul(p.reshape(B, Hkv, n, Bq * G, L), v_band).reshape(B, Hkv, n, Bq, G, Dv)
+
+
+def _shifted_block(
+    s_B_Hkv_n_Bq_G_L: Tensor,
+    ss_B_Hkv_n_Bq_G_S: Optional[Tensor],
+    v_band: Tensor,
+    v_sink: Optional[Tensor],
+    Dv: int,
+    cdt,
+) -> Tensor:
+    """Softmax over band (+ sink) columns with an explicit max shift, [B, Hkv, n, Bq, G, Dv]; a row
+    that sees nothing gets 0 (softmax would give NaN, and NaN gradients into every key)."""
+    B, Hkv, n, Bq, G, L = s_B_Hkv_n_Bq_G_L.shape
+    with torch.no_grad():
+        row_max = s_B_Hkv_n_Bq_G_L.amax(dim=-1)
+        if ss_B_Hkv_n_Bq_G_S is not None:
+            row_max = torch.maximum(row_max, ss_B_Hkv_n_Bq_G_S.amax(dim=-1))
+    # A row that sees nothing has max -inf; a finite shift keeps all its exps 0, its output 0.
+    row_max.clamp_(min=torch.finfo(cdt).min)
+    p = s_B_Hkv_n_Bq_G_L.sub_(row_max[..., None]).exp_()
+    denom = p.sum(dim=-1)
+    num = torch.matmul(p.reshape(B, Hkv, n, Bq * G, L), v_band)
+    if ss_B_Hkv_n_Bq_G_S is not None:
+        ps = ss_B_Hkv_n_Bq_G_S.sub_(row_max[..., None]).exp_()
+        denom = denom + ps.sum(dim=-1)
+        num = num + torch.matmul(ps.reshape(B, Hkv, n, Bq * G, ps.shape[-1]), v_sink)
+    # A row that sees a key has denom >= 1 (its max term is exp(0)); one that sees none has
+    # num = denom = 0, so clamping to 1 leaves seen rows exact and gives 0 for the rest.
+    return num.reshape(B, Hkv, n, Bq, G, Dv) / denom.clamp(min=1.0)[..., None]
+
+
 def _window_forward(
     q_BHND: Tensor,
     k_BHkvND: Tensor,
@@ -134,116 +356,35 @@ def _window_forward(
     k and v are padded once so every block's band is in range; a step takes n blocks, views their
     bands with `unfold` ([B, Hkv, n, D, L]) and runs one masked softmax over [B, Hkv, n, Bq, G, L].
     """
-    B, H, Nq, D = q_BHND.shape
+    B, H, Nq, _ = q_BHND.shape
     Hkv, Nk, Dv = k_BHkvND.shape[1], k_BHkvND.shape[2], v_BHkvND.shape[3]
-    G = H // Hkv
-    out_dtype = q_BHND.dtype
-    cdt = compute_dtype(out_dtype)
-    device = q_BHND.device
     if Nq == 0 or Nk == 0:
         return q_BHND.new_zeros(B, H, Nq, Dv)
-    off = Nk - Nq  # bottom-right alignment: query i is at position off + i
-    W = min(window, Nk + abs(off) + Nq + 1)  # a wider window sees nothing more
-    S = min(sinks, Nk)
-    lo = W - 1  # keys left of self in the band
-    hi = 0 if causal else W - 1  # keys right of self
-    Bq = max(1, min(block_size, Nq))
-    nb = (Nq + Bq - 1) // Bq
-    L = Bq + lo + hi
+    G, cdt, device = H // Hkv, compute_dtype(q_BHND.dtype), q_BHND.device
+    blocks = band_blocks(Nq, Nk, window, causal, sinks, block_size)
     per_step = SCORES_PER_STEP if scores_per_step is None else scores_per_step
-    n_step = max(1, min(nb, per_step // max(1, B * H * Bq * L)))  # query blocks per step
-
-    # Queries as [B, Hkv, N, G, D]: a block of rows (position, g) is one matrix, so the G query
-    # heads sharing a kv head share one matmul against its key band.
-    q = (q_BHND.to(cdt) * scale).reshape(B, Hkv, G, Nq, D).transpose(2, 3).contiguous()
-    if nb * Bq > Nq:  # (a zero-width pad keeps the input's strides eagerly but not when traced)
-        q = F.pad(q, (0, 0, 0, 0, 0, nb * Bq - Nq))  # [B, Hkv, nb*Bq, G, D]
-    # Band of block b starts at key off + b*Bq - lo; pad k/v (masked out below) so all are in range.
-    pad_left = max(0, lo - off)
-    start = off - lo + pad_left
-    need = start + (nb - 1) * Bq + L
-    pad_right = max(0, need - (Nk + pad_left))
-    k = F.pad(k_BHkvND.to(cdt), (0, 0, pad_left, pad_right))
-    v = F.pad(v_BHkvND.to(cdt), (0, 0, pad_left, pad_right))
-    km = None if key_mask_BN is None else F.pad(key_mask_BN, (pad_left, pad_right), value=False)
-
-    r = torch.arange(Bq, device=device)
-    c = torch.arange(L, device=device)
-    rel = c[None, :] - r[:, None]
-    band_Bq_L = (rel >= 0) & (rel <= lo + hi)  # row r of a block sees band columns r .. r+lo+hi
-    hidden_static = ~band_Bq_L[:, None, :]  # [Bq, 1, L]: interior steps without key_mask
-    if S > 0:
-        # Sinks are the first S kept keys of each row: under left padding keys 0..S-1 are pads.
-        j_BS, sink_ok_BS = first_real_keys(key_mask_BN, S, B, Nk, device)
-        if key_mask_BN is None:
-            k_sink, v_sink = k_BHkvND[:, :, :S], v_BHkvND[:, :, :S]
-        else:
-            k_sink = torch.take_along_dim(k_BHkvND, j_BS[:, None, :, None], dim=2)  # [B, Hkv, S, D]
-            v_sink = torch.take_along_dim(v_BHkvND, j_BS[:, None, :, None], dim=2)
-        k_sink = k_sink.to(cdt).transpose(-1, -2)[:, :, None]  # [B, Hkv, 1, D, S]
-        v_sink = v_sink.to(cdt)[:, :, None]
+    q_BHkvNGD = _grouped_queries(q_BHND, Hkv, scale, cdt, blocks)
+    k_pad, v_pad = blocks.pad_keys(k_BHkvND.to(cdt)), blocks.pad_keys(v_BHkvND.to(cdt))
+    km_pad_BN = None if key_mask_BN is None else blocks.pad_key_mask(key_mask_BN)
+    band_Bq_L = blocks.band_mask(device)
+    sink_keys = _gather_sinks(k_BHkvND, v_BHkvND, key_mask_BN, blocks.S, cdt, device) if blocks.S > 0 else None
     # Without sinks, padding or queries before key 0, every row sees at least itself: the fused
-    # softmax is exact there. Otherwise rows may see nothing and the explicit path gives them 0
-    # (softmax would give NaN, and NaN gradients into every key).
-    fast = S == 0 and key_mask_BN is None and off >= 0
+    # softmax is exact there. Otherwise rows may see nothing and the explicit path gives them 0.
+    fast = blocks.S == 0 and key_mask_BN is None and blocks.off >= 0
     outs = []
-    for b0 in range(0, nb, n_step):
-        n = min(nb, b0 + n_step) - b0
-        a = start + b0 * Bq
-        e = a + (n - 1) * Bq + L
-        # Overlapping bands gathered into contiguous copies (the matmul would copy them anyway,
-        # and traced backward graphs mis-handle views with overlapping strides).
-        k_band = k[:, :, a:e].unfold(2, L, Bq).contiguous()  # [B, Hkv, n, D, L]
-        v_band = v[:, :, a:e].unfold(2, L, Bq).transpose(-1, -2).contiguous()  # [B, Hkv, n, L, Dv]
-        q_blk = q[:, :, b0 * Bq : (b0 + n) * Bq].reshape(B, Hkv, n, Bq * G, D)
-        s = torch.matmul(q_blk, k_band).reshape(B, Hkv, n, Bq, G, L)
-        j_first = off - lo + b0 * Bq  # key index of band column 0 of the group's first block
-        interior = j_first >= 0 and j_first + (n - 1) * Bq + L <= Nk
-        if interior and km is None:
-            hidden = hidden_static
-        else:
-            j_n_L = j_first + torch.arange(n, device=device)[:, None] * Bq + c[None, :]
-            keep = ((j_n_L >= 0) & (j_n_L < Nk))[None]
-            if km is not None:
-                keep = keep & km[:, a:e].unfold(1, L, Bq)
-            hidden = ~(band_Bq_L[None, None] & keep[:, :, None, :])[:, None, :, :, None, :]
-            # Padding rows past Nq are discarded, but a row with every score -inf would put NaN
-            # into the softmax backward (and from there into dk): let them see their band.
-            real_n_Bq = (b0 + torch.arange(n, device=device))[:, None] * Bq + r[None, :] < Nq
-            hidden = hidden & real_n_Bq[None, None, :, :, None, None]
-        s.masked_fill_(hidden, float("-inf"))
+    for step in blocks.steps(blocks.blocks_per_step(B * H, blocks.L, per_step)):
+        k_band, v_band = blocks.bands(k_pad, v_pad, step)
+        q_blk = blocks.block_queries(q_BHkvNGD, step)
+        s_B_Hkv_n_Bq_G_L = torch.matmul(q_blk, k_band).reshape(B, Hkv, step.n, blocks.Bq, G, blocks.L)
+        s_B_Hkv_n_Bq_G_L.masked_fill_(_hidden_band_scores(blocks, step, band_Bq_L, km_pad_BN, device), float("-inf"))
         if fast:
-            p = torch.softmax(s, dim=-1)
-            outs.append(torch.matmul(p.reshape(B, Hkv, n, Bq * G, L), v_band).reshape(B, Hkv, n, Bq, G, Dv))
+            outs.append(_softmax_block(s_B_Hkv_n_Bq_G_L, v_band, Dv))
             continue
-        with torch.no_grad():
-            row_max = s.amax(dim=-1)
-        if S > 0:
-            # Sink j adds a column for position p only where the band does not already hold it.
-            p_n_Bq = off + (b0 + torch.arange(n, device=device))[:, None] * Bq + r[None, :]
-            d = p_n_Bq[None, :, :, None] - j_BS[:, None, None, :]  # [B, n, Bq, S]
-            ok = ~((d >= 0) & (d < W) if causal else (d.abs() < W))
-            if causal:
-                ok = ok & (d >= 0)
-            ok = ok & sink_ok_BS[:, None, None, :]
-            ss = torch.matmul(q_blk, k_sink).reshape(B, Hkv, n, Bq, G, S)
-            ss.masked_fill_(~ok[:, None, :, :, None, :], float("-inf"))
-            with torch.no_grad():
-                row_max = torch.maximum(row_max, ss.amax(dim=-1))
-        # A row that sees nothing has max -inf; a finite shift keeps all its exps 0, its output 0.
-        row_max.clamp_(min=torch.finfo(cdt).min)
-        p = s.sub_(row_max[..., None]).exp_()
-        denom = p.sum(dim=-1)
-        num = torch.matmul(p.reshape(B, Hkv, n, Bq * G, L), v_band)
-        if S > 0:
-            ps = ss.sub_(row_max[..., None]).exp_()
-            denom = denom + ps.sum(dim=-1)
-            num = num + torch.matmul(ps.reshape(B, Hkv, n, Bq * G, S), v_sink)
-        # A row that sees a key has denom >= 1 (its max term is exp(0)); one that sees none has
-        # num = denom = 0, so clamping to 1 leaves seen rows exact and gives 0 for the rest.
-        outs.append(num.reshape(B, Hkv, n, Bq, G, Dv) / denom.clamp(min=1.0)[..., None])
-    out = torch.cat(outs, dim=2).reshape(B, Hkv, nb * Bq, G, Dv)[:, :, :Nq]
-    return out.permute(0, 1, 3, 2, 4).reshape(B, H, Nq, Dv).to(out_dtype)
+        ss = None if sink_keys is None else _sink_scores(blocks, step, q_blk, sink_keys, causal, G)
+        v_sink = None if sink_keys is None else sink_keys.v_BHkv1SDv
+        outs.append(_shifted_block(s_B_Hkv_n_Bq_G_L, ss, v_band, v_sink, Dv, cdt))
+    out_BHkvNGDv = torch.cat(outs, dim=2).reshape(B, Hkv, blocks.nb * blocks.Bq, G, Dv)[:, :, :Nq]
+    return out_BHkvNGDv.permute(0, 1, 3, 2, 4).reshape(B, H, Nq, Dv).to(q_BHND.dtype)
 
 
 # ---- custom op: one opaque node in captured graphs, fake + autograd registered ----

@@ -73,7 +73,8 @@ def contrib_node(domain: str, op_type: str, inputs: Sequence, attributes: dict, 
 
 
 def traced_graph(name: str, build):
-    """The nodes `build()` records, as a subgraph (an If branch) returning its one output. Traced into
+    """The nodes `build()` records, as a subgraph (an If branch) returning its output (or the tuple of
+    outputs it returns). Traced into
     a fresh node list and constant cache, so nothing it makes is shared with the enclosing graph;
     values of the enclosing graph it reads stay outer-scope references, as ONNX subgraphs allow."""
     recorder = onnxscript.evaluator.default()
@@ -84,7 +85,7 @@ def traced_graph(name: str, build):
         nodes = recorder.nodes
     finally:
         recorder.nodes, recorder.constant_farm = saved
-    return ir.Graph([], [out], nodes=nodes, name=name)
+    return ir.Graph([], list(out) if isinstance(out, (tuple, list)) else [out], nodes=nodes, name=name)
 
 
 # ---------------------------------------------------------------- layout

@@ -1,0 +1,198 @@
+"""What both ONNX exporters share (export.py: one prefill file; decode.py: a decode folder): the
+export record, the target and opset checks, the optional packages, the dispatch thresholds a file
+drops, and the translation table that lowers every form's op for a target."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+from torch import nn
+
+from attnopt import forms
+from attnopt.forms.common.base import SiteModule
+from attnopt.kernels.onnx.lowering import TARGETS, OpLowering
+
+# torch.onnx's dynamo exporter writes opset 18 and up (its default, 20 with torch 2.13, when
+# opset=None); other versions are a version conversion of that graph. ORT 1.32 runs them all on CPU.
+SUPPORTED_OPSETS = range(18, 24)
+PARITY_TOLERANCE = 1e-4  # relative RMS of every output, fp32
+PLUGIN_VERSION = "1"
+
+
+@dataclass
+class OnnxExport:
+    """What export_onnx wrote and measured: per-site lowerings, op histograms, parity figures."""
+
+    path: str
+    target: str
+    opset: int
+    sites: list = field(default_factory=list)  # {"site", "form", "lowering"} per lowered call, graph order
+    ops_before: dict = field(default_factory=dict)  # op histogram of the all-exact export
+    ops_after: dict = field(default_factory=dict)
+    parity: list = field(default_factory=list)  # {"batch", "length", "rel_rms", "runtime"} per check
+    seconds: float = 0.0
+    dispatch_dropped: dict = field(default_factory=dict)  # site id -> the measured min_seq_len the file omits
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "target": self.target, "opset": self.opset, "sites": list(self.sites),
+                "ops_before": dict(self.ops_before), "ops_after": dict(self.ops_after),
+                "parity": list(self.parity), "seconds": self.seconds, "dispatch_dropped": dict(self.dispatch_dropped)}
+
+
+def histogram(model) -> dict:
+    """Op counts of an onnx_ir model, "domain.op" for non-default domains, functions' bodies excluded."""
+    counts = Counter((f"{n.domain}.{n.op_type}" if n.domain else n.op_type) for n in model.graph)
+    return dict(sorted(counts.items()))
+
+
+
+# ---------------------------------------------------------------- argument checks
+
+
+def check_target(target: str, opset: Optional[int]) -> tuple[str, Optional[int]]:
+    if target not in TARGETS:
+        raise ValueError(f"unknown ONNX target {target!r}; choose one of: {', '.join(TARGETS)}")
+    if opset is not None and (isinstance(opset, bool) or not isinstance(opset, int) or opset not in SUPPORTED_OPSETS):
+        raise ValueError(f"opset {opset!r} is not supported; use {SUPPORTED_OPSETS.start}.."
+                         f"{SUPPORTED_OPSETS.stop - 1}, or None for torch.onnx's default")
+    return target, opset
+
+
+def require_packages() -> None:
+    for module, why in (("onnx", "to write the file"), ("onnxscript", "for the lowerings"),
+                        ("onnxruntime", "to check every export against torch")):
+        try:
+            __import__(module)
+        except ImportError:
+            raise ImportError(f"attnopt.export_onnx needs {module} ({why}); install it with "
+                              f"pip install 'attnopt[onnx]'") from None
+
+
+def run_time_switches(report) -> dict:
+    """Site id -> min_seq_len of the thresholds the automatic dispatch measured: the file runs those
+    sites' forms at every length (a torch-side speed switch; ONNX Runtime's own crossover differs).
+    A min_seq_len the policy itself gave changes the model's results, so it is refused instead."""
+    dropped = {}
+    for record in report.sites:
+        params = record.outcome.params or {}
+        T = int(params.get("min_seq_len", 0) or 0)
+        if record.outcome.status.value != "rewritten" or T == 0:
+            continue
+        source = getattr(getattr(record, "threshold", None), "source", "given")
+        if source in ("measured", "cached"):
+            dropped[record.site.id] = T
+            continue
+        raise ValueError(
+            f"site {record.site.id} ({record.outcome.final_form}) switches to exact attention below "
+            f"min_seq_len={T} at run time, as its policy rule asks; ONNX export does not carry that switch: "
+            "drop min_seq_len from the rule to export")
+    return dropped
+
+
+@contextlib.contextmanager
+def dispatch_dropped(model: nn.Module, dropped: dict):
+    """The sites in `dropped` run their form at every length while exporting and checking."""
+    sites = [m for m in model.modules() if isinstance(m, SiteModule) and m.geometry.site_id in dropped]
+    saved = [m.min_seq_len for m in sites]
+    for m in sites:
+        m.min_seq_len = 0
+    try:
+        yield
+    finally:
+        for m, s in zip(sites, saved):
+            m.min_seq_len = s
+
+
+# ---------------------------------------------------------------- translation table
+
+
+def _lowerings() -> list[tuple[str, OpLowering]]:
+    found = []
+    for name in forms.names():
+        lowering = forms.get(name).onnx_lowering()
+        if lowering is not None:
+            found.append((name, lowering))
+    return found
+
+
+def translation_table(target: str, calls: list, lowerings: Optional[list] = None) -> dict:
+    """{torch op: onnxscript function}; each call appends {"form", "op", "lowering"} to `calls`.
+    `lowerings`: (form, OpLowering) pairs, default every form's prefill op."""
+    table = {}
+    for form, lowering in (_lowerings() if lowerings is None else lowerings):
+        table[lowering.torch_op()] = _recording(form, lowering, target, calls)
+    return table
+
+
+def _recording(form: str, lowering: OpLowering, target: str, calls: list):
+    schema = lowering.torch_op()._schema
+    arg_names = [a.name for a in schema.arguments]
+
+    def translate(*args, **kwargs):
+        bound = dict(zip(arg_names, args), **kwargs)
+        entry = {"form": form, "op": lowering.op}
+        calls.append(entry)
+        if target == "custom":
+            from attnopt.backends.onnx.custom import custom_domain_call
+
+            out, function = custom_domain_call(lowering, bound, PLUGIN_VERSION)
+            entry["lowering"] = f"attnopt.{lowering.name}"
+            entry["function"] = function
+            return out
+        from attnopt.kernels.onnx import functions
+
+        before = _recorded_ops()
+        out = lowering.by_target[target](**bound)
+        entry["lowering"] = _describe(before, functions.MS_DOMAIN)
+        return out
+
+    translate.__name__ = f"{lowering.name}_{target.replace('-', '_')}"
+    return translate
+
+
+def _recorded_ops() -> int:
+    import onnxscript
+
+    return len(getattr(onnxscript.evaluator.default(), "nodes", []))
+
+
+def _describe(start: int, contrib_domain: str) -> str:
+    """The contrib ops a lowering used, or "standard ops" (read from the nodes it just recorded); an If
+    that picks a contrib op at run time reads "If(<then> | <else>)"."""
+    import onnxscript
+
+    def contrib(nodes) -> str:
+        found = sorted({f"{n.domain}.{n.op_type}" for n in nodes if n.domain == contrib_domain})
+        return ", ".join(found) if found else "standard ops"
+
+    nodes = getattr(onnxscript.evaluator.default(), "nodes", [])[start:]
+    branches = [n for n in nodes if n.op_type == "If" and not n.domain]
+    if branches and contrib(nodes) == "standard ops":
+        then, other = (branches[0].attributes[a].value for a in ("then_branch", "else_branch"))
+        if contrib(then) == contrib(other):  # the same op either way (e.g. GQA with or without a pad bias)
+            return contrib(then)
+        if contrib(then) != "standard ops" or contrib(other) != "standard ops":
+            return f"If({contrib(then)} | {contrib(other)})"
+    return contrib(nodes)
+
+
+@contextlib.contextmanager
+def quiet_export():
+    """torch.onnx's loggers and warnings ("torchvision is not installed" and friends) off while exporting."""
+    import logging
+    import warnings
+
+    import torch
+
+    log = logging.getLogger("torch.onnx")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        log.setLevel(level)
