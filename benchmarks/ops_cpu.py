@@ -283,6 +283,36 @@ def print_table(report: dict) -> None:
         print(f"skipped {s['op']}: {s['note']}")
 
 
+def plot(report: dict, path: Path) -> Optional[str]:
+    """Seconds per call against N (log-log), one line per (op, mask), as a PNG; matplotlib is optional:
+    without it no file is written and the reason is returned."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        return f"no plot: matplotlib is not installed ({exc})"
+    lines: dict = {}
+    for r in report["results"]:
+        if r["status"] == "measured" and r.get("seconds"):
+            lines.setdefault(f"{r['op']} ({'causal' if r['causal'] else 'full'})", []).append((r["N"], r["seconds"]))
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, pts in sorted(lines.items()):
+        pts.sort()
+        ax.plot([n for n, _ in pts], [t * 1e3 for _, t in pts], marker="o",
+                linestyle="--" if label.startswith("sdpa") else "-", label=label)
+    hw = report["hardware"]
+    ax.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="ms per call (median)",
+           title=f"attnopt ops vs SDPA, CPU ({hw['torch_threads']} threads), B=1 H={H} D={D} fp32")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
 def _parse_sizes(text: str) -> list[int]:
     try:
         sizes = [int(s) for s in text.split(",") if s.strip()]
@@ -305,6 +335,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=3600.0, help="kill a worker after this many seconds")
     p.add_argument("--ops", default="",
                    help="comma-separated subset of: sdpa,linear,window,decay,reuse,gla,gla_head,delta,gla_window")
+    p.add_argument("--plot", default=None, help="also write a PNG of ms per call against N here (needs matplotlib)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -327,6 +358,9 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)
     print(f"\nwrote {out}")
+    if args.plot:
+        why = plot(report, Path(args.plot))
+        print(why or f"wrote {args.plot}")
     return 0
 
 

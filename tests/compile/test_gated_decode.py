@@ -3,11 +3,19 @@ left-padded row equals the same row generated alone; each site decodes from its 
 
 import pytest
 import torch
+from test_decode_consistency import (
+    NEW,
+    PAD,
+    PROMPT,
+    _full_logits,
+    _model,
+    _prompt,
+    _step_logits,
+)
 
 import attnopt
 from attnopt.forms import SiteModule
 from attnopt.hf.cache import SiteCacheLayer
-from test_decode_consistency import NEW, PAD, PROMPT, _full_logits, _model, _prompt, _step_logits
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,6 +7,9 @@ Letters: B batch, H query heads, Hkv kv heads, N length, D head dim, Dv value di
 import pytest
 import torch
 import torch.nn.functional as F
+from gated_oracles import delta_oracle
+from kernel_testing import MaxNumel, assert_exports_as_one_node
+from kernel_testing import sdpa_inputs as _inputs
 
 import attnopt.forms.delta.reference as gd
 from attnopt.forms.delta.reference import (
@@ -14,9 +17,6 @@ from attnopt.forms.delta.reference import (
     gated_delta_attention_step,
     init_gated_delta_state,
 )
-from gated_oracles import delta_oracle
-from kernel_testing import MaxNumel, assert_exports_as_one_node
-from kernel_testing import sdpa_inputs as _inputs
 
 F64 = torch.float64
 

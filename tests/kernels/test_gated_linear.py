@@ -7,18 +7,18 @@ Letters: B batch, H query heads, Hkv kv heads, N length, D head dim, Dv value di
 import pytest
 import torch
 import torch.nn.functional as F
+from gated_oracles import gla_oracle, ungated_causal_linear
+from kernel_testing import MaxNumel, assert_exports_as_one_node
+from kernel_testing import sdpa_inputs as _inputs
 
 import attnopt.forms.gla.reference as gl
-from attnopt.forms.ssm.reference import decay_attention
 from attnopt.forms.gla.reference import (
     gated_linear_attention,
     gated_linear_attention_step,
     init_gated_linear_state,
 )
 from attnopt.forms.linear.reference import linear_attention
-from gated_oracles import gla_oracle, ungated_causal_linear
-from kernel_testing import MaxNumel, assert_exports_as_one_node
-from kernel_testing import sdpa_inputs as _inputs
+from attnopt.forms.ssm.reference import decay_attention
 
 F64 = torch.float64
 MAPS = [("identity", False), ("elu", False), ("relu", False), ("elu", True), ("relu", True)]

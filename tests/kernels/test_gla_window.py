@@ -7,11 +7,11 @@ Letters: B batch, H query heads, Hkv kv heads, N length, D head dim, Dv value di
 import pytest
 import torch
 import torch.nn.functional as F
+from gated_oracles import gla_window_oracle
+from kernel_testing import assert_exports_as_one_node
 
 from attnopt.forms.gla_window.decode import gla_window_decode
 from attnopt.forms.gla_window.reference import gla_window_attention, window_gate_sums
-from gated_oracles import gla_window_oracle
-from kernel_testing import assert_exports_as_one_node
 
 F64 = torch.float64
 

@@ -22,7 +22,6 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
 from gated_oracles import delta_oracle, gla_oracle, gla_window_oracle  # noqa: E402
 
 torch.set_num_threads(1)

@@ -27,7 +27,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnopt.forms.common.base import CostAt, Form, Param, SiteModule, io_elements
-from attnopt.forms.delta.reference import gated_delta_attention, gated_delta_attention_step, init_gated_delta_state
+from attnopt.forms.delta.reference import (
+    gated_delta_attention,
+    gated_delta_attention_step,
+    init_gated_delta_state,
+)
 from attnopt.forms.gla.form import (
     GLA_FEATURE_MAPS,
     KeyGates,

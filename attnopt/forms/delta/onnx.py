@@ -29,6 +29,7 @@ from attnopt.kernels.onnx.functions import (
     unpack_heads,
 )
 from attnopt.kernels.onnx.lowering import OpLowering
+from attnopt.kernels.onnx.steps import add_real_tokens, new_columns_keep
 
 
 def _inputs(q, k, v, g, beta, key_mask, scale):
@@ -57,6 +58,13 @@ def delta_ort(q, k, v, g, beta, key_mask, scale, chunk_size):
 
 def delta_std(q, k, v, g, beta, key_mask, scale, chunk_size):
     qs, k, g, beta, (H, Hkv, D, Dv) = _inputs(q, k, v, g, beta, key_mask, scale)
+    return _delta_scan(qs, k, v, g, beta, H, Hkv, D, Dv, q)
+
+
+def _delta_scan(qs, k, v, g, beta, H: int, Hkv: int, D: int, Dv: int, like, initial=None):
+    """The delta rule over the tokens by a Scan, from zeros or from `initial` [B, Hkv, D, Dv] (then
+    (out, final state))."""
+    q = like
     G = H // Hkv
     q_t = op.Transpose(op.Reshape(qs, i64([0, Hkv, G, -1, D])), perm=[3, 0, 1, 2, 4])  # [N, B, Hkv, G, D]
     k_row = op.Transpose(op.Unsqueeze(k, i64([3])), perm=[2, 0, 1, 3, 4])  # [N, B, Hkv, 1, D]
@@ -71,8 +79,36 @@ def delta_std(q, k, v, g, beta, key_mask, scale, chunk_size):
         S = body("Add", S, body("MatMul", kc, written))
         return S, body("MatMul", qt, S)
 
-    ys = token_scan("delta_scan", zero_state(k, D, Dv, q), [q_t, k_row, k_col, v_t, a_t, b_t], step, q)
-    return op.Reshape(op.Transpose(ys, perm=[1, 2, 3, 0, 4]), i64([0, H, -1, Dv]))
+    state0 = zero_state(k, D, Dv, q) if initial is None else initial
+    final, ys = token_scan("delta_scan", state0, [q_t, k_row, k_col, v_t, a_t, b_t], step, q, with_final=True)
+    out = op.Reshape(op.Transpose(ys, perm=[1, 2, 3, 0, 4]), i64([0, H, -1, Dv]))
+    return out if initial is None else (out, final)
 
 
 LOWERING = OpLowering("attnopt::gated_delta_attention", {"ort": delta_ort, "onnx-std": delta_std})
+
+
+# Decode step (`attnopt::delta_step`, forms/delta/step.py): q̂ (scale on it), k̂, g and β arrive
+# computed; the carried S [B, Hkv, M, Dv] is LinearAttention's past_state (ort) or the Scan's initial
+# state (onnx-std). A pad has k̂ = 0, g = 0, β = 0: an exact no-op.
+
+
+def delta_step_ort(q, k, v, g, beta, mask, state, count):
+    keep = new_columns_keep(mask, q)
+    qs, k, g, beta, (H, Hkv, D, Dv) = _inputs(q, k, v, g, beta, keep, 1.0)
+    out, present = contrib_node(
+        MS_DOMAIN, "LinearAttention",
+        [pack_heads(qs), pack_heads(k), pack_heads(v), op.CastLike(state, q), op.Transpose(g, perm=[0, 2, 1]),
+         op.Transpose(beta, perm=[0, 2, 1])],
+        {"q_num_heads": H, "kv_num_heads": Hkv, "update_rule": "gated_delta", "scale": 1.0}, num_outputs=2, like=q)
+    return unpack_heads(out, H), op.CastLike(present, state), add_real_tokens(count, keep)
+
+
+def delta_step_std(q, k, v, g, beta, mask, state, count):
+    keep = new_columns_keep(mask, q)
+    qs, k, g, beta, (H, Hkv, D, Dv) = _inputs(q, k, v, g, beta, keep, 1.0)
+    out, present = _delta_scan(qs, k, v, g, beta, H, Hkv, D, Dv, q, initial=op.CastLike(state, q))
+    return out, op.CastLike(present, state), add_real_tokens(count, keep)
+
+
+DECODE_LOWERING = OpLowering("attnopt::delta_step", {"ort": delta_step_ort, "onnx-std": delta_step_std})

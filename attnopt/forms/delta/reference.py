@@ -49,8 +49,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnopt.forms.gla.reference import (
+    check_log_gate,
+    own,
+    rev_cumsum_exclusive,
+    segsum,
+    values_known,
+)
 from attnopt.kernels.dispatch import cuda_kernels
-from attnopt.forms.gla.reference import check_log_gate, own, rev_cumsum_exclusive, segsum, values_known
 from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
 from attnopt.kernels.registration import register_recompute_autograd
 

@@ -29,9 +29,9 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op
 
+from attnopt.forms.gla.triton import check_gate
 from attnopt.kernels.layout import check_sdpa_inputs
 from attnopt.kernels.triton.chunk_scan import dot
-from attnopt.forms.gla.triton import check_gate
 from attnopt.kernels.triton.runtime import (
     call_unsupported,
     interpreting,

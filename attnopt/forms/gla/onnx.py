@@ -35,6 +35,11 @@ from attnopt.kernels.onnx.functions import (
     with_ones_column,
 )
 from attnopt.kernels.onnx.lowering import OpLowering
+from attnopt.kernels.onnx.steps import (
+    add_real_tokens,
+    linear_attention,
+    new_columns_keep,
+)
 
 
 class ScanBody:
@@ -53,10 +58,11 @@ class ScanBody:
         return node.outputs[0]
 
 
-def token_scan(name: str, state0, scanned: list, step, like):
+def token_scan(name: str, state0, scanned: list, step, like, with_final: bool = False):
     """Scan over axis 0 of every value in `scanned` ([N, ...], the reference evaluator's only axis),
     carrying one state from `state0`; `step(body, state, *x_t)` returns (new state, output of step t).
-    Returns the outputs stacked, [N, ...]. `like` is a graph input of the compute dtype."""
+    Returns the outputs stacked, [N, ...] (and first the final state, with_final: a decode step's
+    present). `like` is a graph input of the compute dtype."""
     body = ScanBody(like.dtype)
     s_in = body.value(f"{name}_state_in")
     xs = [body.value(f"{name}_x{i}") for i in range(len(scanned))]
@@ -65,9 +71,9 @@ def token_scan(name: str, state0, scanned: list, step, like):
     y = body("Identity", y)
     s_out.name, y.name = f"{name}_state_out", f"{name}_out"
     graph = ir.Graph([s_in, *xs], [s_out, y], nodes=body.nodes, name=name)
-    _final, ys = contrib_node("", "Scan", [state0, *scanned], {"body": graph, "num_scan_inputs": len(scanned)},
-                              num_outputs=2, like=like)
-    return ys
+    final, ys = contrib_node("", "Scan", [state0, *scanned], {"body": graph, "num_scan_inputs": len(scanned)},
+                             num_outputs=2, like=like)
+    return (final, ys) if with_final else ys
 
 
 def zero_state(k_BHkvNX, rows: int, cols: int, like):
@@ -76,8 +82,9 @@ def zero_state(k_BHkvNX, rows: int, cols: int, like):
     return op.Expand(op.CastLike(f32(np.zeros((1, 1, 1, 1))), like), shape)
 
 
-def gated_scan(phi_q_BHNM, phi_k_BHkvNM, v_BHkvNW, g_BHkvNG, H: int, Hkv: int, M: int, W: int, like):
-    """o_t = φ(q_t)ᵀ S_t with S_t = diag(exp g_t) S_{t−1} + φ(k_t) v_tᵀ, [B, H, N, W] (heads h = hk·G + i);
+def gated_scan(phi_q_BHNM, phi_k_BHkvNM, v_BHkvNW, g_BHkvNG, H: int, Hkv: int, M: int, W: int, like, initial=None):
+    """o_t = φ(q_t)ᵀ S_t with S_t = diag(exp g_t) S_{t−1} + φ(k_t) v_tᵀ, [B, H, N, W] (heads h = hk·G + i),
+    from S_0 = 0, or from `initial` [B, Hkv, M, W] (a decode step: then (out, final state));
     `like` a graph input of the compute dtype."""
     G = H // Hkv
     q_t = op.Transpose(op.Reshape(phi_q_BHNM, i64([0, Hkv, G, -1, M])), perm=[3, 0, 1, 2, 4])  # [N, B, Hkv, G, M]
@@ -89,8 +96,10 @@ def gated_scan(phi_q_BHNM, phi_k_BHkvNM, v_BHkvNW, g_BHkvNG, H: int, Hkv: int, M
         S = body("Add", body("Mul", a, S), body("MatMul", k, v))
         return S, body("MatMul", q, S)
 
-    ys = token_scan("gated_scan", zero_state(phi_k_BHkvNM, M, W, like), [q_t, k_t, v_t, a_t], step, like)
-    return op.Reshape(op.Transpose(ys, perm=[1, 2, 3, 0, 4]), i64([0, H, -1, W]))  # [B, H, N, W]
+    state0 = zero_state(phi_k_BHkvNM, M, W, like) if initial is None else initial
+    final, ys = token_scan("gated_scan", state0, [q_t, k_t, v_t, a_t], step, like, with_final=True)
+    out = op.Reshape(op.Transpose(ys, perm=[1, 2, 3, 0, 4]), i64([0, H, -1, W]))  # [B, H, N, W]
+    return out if initial is None else (out, final)
 
 
 def gates_4d(g, like):
@@ -141,3 +150,34 @@ def gla_std(q, k, v, g, key_mask, feature_map, normalize, scale, eps, chunk_size
 
 
 LOWERING = OpLowering("attnopt::gated_linear_attention", {"ort": gla_ort, "onnx-std": gla_std})
+
+
+# Decode step (`attnopt::gla_step`, forms/gla/step.py): φ and the gates arrive computed; the carried
+# state [B, Hkv, M, W] is LinearAttention's past_state (ort) or the Scan's initial state (onnx-std),
+# and the present is the op's / the Scan's final state. A pad has φ(k) = 0 and g = 0: a no-op.
+
+
+def _step_inputs(phi_q, phi_k, v, g, mask, state, normalize):
+    keep = new_columns_keep(mask, phi_q)
+    phi_q, phi_k, v_in, g4, per_channel, sizes = _inputs(phi_q, phi_k, v, g, keep, "identity", normalize, 1.0)
+    return keep, phi_q, phi_k, v_in, g4, per_channel, sizes, op.CastLike(state, phi_q)
+
+
+def gla_step_ort(phi_q, phi_k, v, g, mask, state, count, normalize, eps):
+    keep, phi_q, phi_k, v_in, g4, per_channel, (H, Hkv, M, W), past = _step_inputs(phi_q, phi_k, v, g, mask, state,
+                                                                                  normalize)
+    out, present = linear_attention(phi_q, phi_k, v_in, past, H, Hkv, "gated", like=phi_q,
+                                    log_decay=packed_decay(g4, per_channel))
+    out = ratio_of_ones_column(out, W, eps) if normalize else out
+    return out, op.CastLike(present, state), add_real_tokens(count, keep)
+
+
+def gla_step_std(phi_q, phi_k, v, g, mask, state, count, normalize, eps):
+    keep, phi_q, phi_k, v_in, g4, _per_channel, (H, Hkv, M, W), past = _step_inputs(phi_q, phi_k, v, g, mask, state,
+                                                                                   normalize)
+    out, present = gated_scan(phi_q, phi_k, v_in, g4, H, Hkv, M, W, phi_q, initial=past)
+    out = ratio_of_ones_column(out, W, eps) if normalize else out
+    return out, op.CastLike(present, state), add_real_tokens(count, keep)
+
+
+DECODE_LOWERING = OpLowering("attnopt::gla_step", {"ort": gla_step_ort, "onnx-std": gla_step_std})

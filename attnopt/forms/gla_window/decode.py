@@ -27,7 +27,12 @@ import torch
 from torch import Tensor
 
 from attnopt.forms.gla.reference import rev_cumsum_exclusive
-from attnopt.forms.gla_window.reference import beta_tensor, check_inputs, combine, gla_window_attention
+from attnopt.forms.gla_window.reference import (
+    beta_tensor,
+    check_inputs,
+    combine,
+    gla_window_attention,
+)
 from attnopt.forms.window.decode import (
     WindowCache,
     advance_window_cache,

@@ -26,7 +26,12 @@ from attnopt.forms.gla.form import (
 from attnopt.forms.gla_window.decode import gla_window_decode
 from attnopt.forms.gla_window.reference import gla_window_attention
 from attnopt.forms.linear.form import feature_count
-from attnopt.forms.window.form import WINDOW_PARAMS, effective_window, visible_keys, window_cache_bytes
+from attnopt.forms.window.form import (
+    WINDOW_PARAMS,
+    effective_window,
+    visible_keys,
+    window_cache_bytes,
+)
 
 
 class GlaWindowSite(SiteModule):

@@ -22,11 +22,20 @@ from torch import Tensor
 
 from attnopt.forms.gla.triton import MAX_FEATURES
 from attnopt.forms.gla.triton import gated_linear_attention as gla_kernel
-from attnopt.forms.gla_window.reference import beta_tensor, check_inputs, combine, window_gate_sums
+from attnopt.forms.gla_window.reference import (
+    beta_tensor,
+    check_inputs,
+    combine,
+    window_gate_sums,
+)
 from attnopt.forms.window.reference import sink_key_mask
 from attnopt.forms.window.triton import window_forward, window_unsupported
 from attnopt.kernels.triton.band import sink_range
-from attnopt.kernels.triton.runtime import call_unsupported, interpreting, require_runtime
+from attnopt.kernels.triton.runtime import (
+    call_unsupported,
+    interpreting,
+    require_runtime,
+)
 
 __all__ = ["gla_window_attention", "unsupported", "gla_window_unsupported"]
 
