@@ -75,3 +75,17 @@ def test_gated_decode_rows_are_the_rows_alone(exported):
     seq, logits, _ = driver.greedy(ids, mask, 12, stop=False)
     alone, alone_logits, _ = driver.greedy(ids[1:, 6:], mask[1:, 6:], 12, stop=False)
     assert np.array_equal(alone[0, -12:], seq[1, -12:]) and _rel(alone_logits[0], logits[1]) <= 1e-4
+
+
+def test_gla_window_is_refused_by_the_decode_export_in_one_line(tmp_path):
+    """gla+window has no exported decode step yet: the export says so, names the site and writes nothing."""
+    opt = attnopt.compile(decoder("llama", 1), "gla+window:8+fit_steps:0", example_inputs={"input_ids": EXAMPLE},
+                          tolerance=10.0, e2e_tolerance=None)
+    assert opt.attnopt_report.count("rewritten") == 1
+    from attnopt.backends.onnx.graph_model import CannotGenerate
+
+    with pytest.raises(CannotGenerate) as err:
+        attnopt.export_onnx(opt, tmp_path / "out", {"input_ids": EXAMPLE}, decode=True)
+    msg = str(err.value)
+    assert "model.layers.0.self_attn#0" in msg and "'gla+window' has no decode step" in msg and "\n" not in msg
+    assert not (tmp_path / "out" / "model.onnx").exists()

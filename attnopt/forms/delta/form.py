@@ -52,7 +52,7 @@ class DeltaSite(SiteModule):
         p = params
         # φ per kv head and the per-head log-gate g = logsigmoid(k·w + b)/16 (w: the mean of the key channels)
         self.gates = KeyGates(site.head_dim, site.kv_heads, p["feature_map"], p["num_features"], p["seed"], "head")
-        M = _width(site, p)
+        M = state_width(site, p)
         beta = min(max(float(p["beta"]), 1e-4), 1 - 1e-4)
         self.beta_proj_HkvM = nn.Parameter(torch.zeros(site.kv_heads, M), requires_grad=False)
         self.beta_bias_Hkv = nn.Parameter(torch.full((site.kv_heads,), math.log(beta / (1 - beta))), requires_grad=False)
@@ -98,7 +98,7 @@ def init_from_calls(module: DeltaSite, calls: list) -> None:
     module.log_scale_H.copy_(torch.log(scale).float())
 
 
-def _width(site, params) -> int:
+def state_width(site, params) -> int:
     """M, the width of k̂: D for the identity, the feature map's width otherwise."""
     if params["feature_map"] == "identity":
         return site.head_dim
@@ -131,7 +131,7 @@ class DeltaForm(Form):
 
     def cost(self, site, params, B, Nq, Nk):
         H, Hkv, D, Dv = site.heads, site.kv_heads, site.head_dim, site.v_head_dim
-        M = _width(site, params)
+        M = state_width(site, params)
         C = min(CHUNK, max(Nk, 1))
         flops = 2 * B * Hkv * Nk * (3 * M * Dv + C * (M + Dv))  # state updates, the WY transform per chunk
         flops += 2 * B * H * Nq * (M * Dv + C * (M + Dv)) + 6 * B * Hkv * Nk * M  # reads, norms and gates
@@ -143,7 +143,7 @@ class DeltaForm(Form):
         return DeltaSite(site, params)
 
     def decode_state_bytes(self, site, params, context, element_bytes):
-        own = site.kv_heads * _width(site, params) * site.v_head_dim * max(element_bytes, 4)  # fp32 state
+        own = site.kv_heads * state_width(site, params) * site.v_head_dim * max(element_bytes, 4)  # fp32 state
         return self.state_bytes_with_prefix(site, params, context, element_bytes, own)
 
     def fit(self, module, calls, *, lr: float = 3e-2, seed: int = 0):

@@ -22,7 +22,7 @@ from attnopt.forms.common.graph import (
     count_spec,
     new_keep,
 )
-from attnopt.forms.delta.form import _width
+from attnopt.forms.delta.form import state_width
 from attnopt.forms.delta.reference import gated_delta_attention
 
 
@@ -43,7 +43,7 @@ def _(q, k, v, g, beta, mask, state, count):
 
 def states(site: StepSite) -> list:
     g = site.geometry
-    M = _width(site.module.geometry, site.module.params)
+    M = state_width(site.module.geometry, site.module.params)
     return [StateSpec("recurrent_state", torch.float32, (BATCH, g.kv_heads, M, g.v_head_dim)), count_spec()]
 
 

@@ -199,7 +199,8 @@ class GlaSite(SiteModule):
         p = params
         self.gates = KeyGates(site.head_dim, site.kv_heads, p["feature_map"], p["num_features"], p["seed"], p["gate"])
 
-    def _inputs(self, q, k):
+    def inputs(self, q, k):
+        """The op's featurised inputs: φ(q) [B, H, N, M], φ(k) [B, Hkv, N, M] and the log-gates g."""
         phi_q, phi_k = self.gates.features(q, k, self.geometry.scale)
         return phi_q, phi_k, self.gates.log_gates(k)
 
@@ -208,12 +209,12 @@ class GlaSite(SiteModule):
                 "eps": self.params["eps"]}
 
     def attend(self, q, k, v, keep, mask, x):
-        phi_q, phi_k, g = self._inputs(q, k)
+        phi_q, phi_k, g = self.inputs(q, k)
         return gated_linear_attention(phi_q, phi_k, v, g, key_mask=keep, **self._options())
 
     def decode_step(self, q, k, v, keep, form_state):
         """The gated state (S [B, Hkv, M, Dv], z [B, Hkv, M]): O(M·Dv) per token and kv head."""
-        phi_q, phi_k, g = self._inputs(q, k)
+        phi_q, phi_k, g = self.inputs(q, k)
         if form_state is None:
             form_state = init_gated_linear_state(q.shape[0], k.shape[1], phi_k.shape[-1], v.shape[-1],
                                                  normalize=self.params["normalize"], dtype=q.dtype, device=q.device)

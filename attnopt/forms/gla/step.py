@@ -60,7 +60,7 @@ def states(site: StepSite) -> list:
 
 def call(site: StepSite, q, k, v, mask, pasts):
     m = site.module
-    phi_q, phi_k, g = m._inputs(q, k)
+    phi_q, phi_k, g = m.inputs(q, k)
     out, state, count = torch.ops.attnopt.gla_step(phi_q, phi_k, v, g, mask, pasts[0], pasts[1],
                                                    bool(m.params["normalize"]), float(m.params["eps"]))
     return out.to(q.dtype), [state, count]
