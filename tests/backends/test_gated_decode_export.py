@@ -25,8 +25,10 @@ from test_onnx_decode import (  # noqa: E402
 
 # fit_steps 3: the fitted tensors (φ, gate projection and bias, β, output scale) move off their init,
 # so the export carries trained values, not the closed-form start.
-LAYERS = {"llama": [("gla", {}), ("delta", {}), ("gla", {"gate": "head", "feature_map": "elu"})],
-          "qwen2": [("delta", {"feature_map": "identity"}), ("gla", {"feature_map": "relu"})]}
+# Llama: the defaults (hedgehog φ, per-channel gates; delta on hedgehog φ). Qwen2: delta on q, k
+# themselves and gla with one gate per head and elu φ (LinearAttention's per-head decay layout).
+LAYERS = {"llama": [("gla", {}), ("delta", {})],
+          "qwen2": [("delta", {"feature_map": "identity"}), ("gla", {"gate": "head", "feature_map": "elu"})]}
 
 
 def _policy(kind):
