@@ -10,12 +10,15 @@ Two trained models:
            calibrated on 256-byte windows of its training text, measured on its held-out topics:
            perplexity, and relative RMS of the logits against the original.
 
-Every site is rewritten (tolerance 10, no end-to-end budget): this measures the forms, not the
-budget. Calibration wall time is measured in the same run (the machine may be shared; the JSON
-says how many threads). Writes benchmarks/results/fidelity.json and fidelity.svg.
+Every site is rewritten (tolerance 10, no end-to-end budget, dispatch off so no site falls back
+to exact attention at these lengths): this measures the forms, not the budget. Calibration wall
+time is measured in the same run (the machine may be shared; the JSON says how many threads and
+the load average). Writes benchmarks/results/fidelity.json and fidelity.svg.
 
     python benchmarks/fidelity.py                     # both models, every form
     python benchmarks/fidelity.py --models tiny_lm --steps 100
+    python benchmarks/fidelity.py --models tiny_lm --params forms+lora --policies gla,delta --out A.json
+    python benchmarks/fidelity.py --combine A.json,B.json --out benchmarks/results/fidelity_gated.json
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ MINILM_POLICIES = [
 ]
 TINY_POLICIES = [
     "exact", "window:64+sinks:4", "linear", "linear:favor", "linear:hedgehog", "linear:taylor", "linear:relu",
-    "hybrid", "linear+window:64", "linear+window:64+sinks:4",
+    "hybrid", "linear+window:64", "linear+window:64+sinks:4", "ssm", "gla", "gla+window:64", "delta",
 ]
 SEQ_LEN = 256
 BATCH = 4
@@ -133,7 +136,7 @@ def decoder_scores(ref_logits, logits, batches) -> dict:
     return {"perplexity": math.exp(total / count), "logits_rel_rms": math.sqrt(num / den)}
 
 
-def run_model(name: str, policies, steps: int, n_cal: int, n_held: int, lr) -> dict:
+def run_model(name: str, policies, steps: int, n_cal: int, n_held: int, lr, params: str = "forms") -> dict:
     import attnopt
     import torch
 
@@ -147,24 +150,44 @@ def run_model(name: str, policies, steps: int, n_cal: int, n_held: int, lr) -> d
     for policy in policies:
         torch.manual_seed(0)
         t0 = time.perf_counter()
-        opt = attnopt.compile(model, policy, example_inputs=cal[0], tolerance=10.0, e2e_tolerance=None)
+        opt = attnopt.compile(model, policy, example_inputs=cal[0], tolerance=10.0, e2e_tolerance=None, dispatch="off")
         row = {"policy": policy, "rewritten": opt.attnopt_report.count("rewritten"),
                "sites": len(opt.attnopt_report.sites), "compile_seconds": round(time.perf_counter() - t0, 1),
                "before": score(opt)}
         try:
             t0 = time.perf_counter()
-            attnopt.calibrate(opt, cal, held_out=held[:1], steps=steps, lr=lr, progress=False)
+            attnopt.calibrate(opt, cal, held_out=held[:1], steps=steps, lr=lr, params=params, progress=False)
             row["calibration_seconds"] = round(time.perf_counter() - t0, 1)
             row["after"] = score(opt)
             cal_info = opt.attnopt_report.calibration
             row["site_rms_after_train"] = [s["rms_after"] for s in cal_info["sites"]]
+            if cal_info.get("lora"):
+                row["lora"] = {k: cal_info["lora"][k] for k in ("status", "reason", "rms_before", "rms_after")}
         except attnopt.calibration.CalibrationError as exc:
             row["after"] = None
             row["not_calibrated"] = str(exc)
         rows.append(row)
         print(name, json.dumps(row), flush=True)
     return {"model": name, "calibration_batches": len(cal), "held_out_batches": len(held), "batch": BATCH,
-            "seq_len": SEQ_LEN, "rows": rows}
+            "seq_len": SEQ_LEN, "params": params, "rows": rows}
+
+
+def combine(paths: list, out: Path) -> dict:
+    """One result from several runs of this script (e.g. policies run in parallel processes): the
+    rows of the same model merged (the original's row once), the settings of the first run kept."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    merged = {**runs[0], "models": [], "combined_from": [str(p) for p in paths]}
+    by_model: dict = {}
+    for run in runs:
+        for res in run["models"]:
+            have = by_model.setdefault(res["model"], {**res, "rows": []})
+            seen = {r["policy"] for r in have["rows"]}
+            have["rows"] += [r for r in res["rows"] if r["policy"] not in seen]
+    merged["models"] = list(by_model.values())
+    merged["load_average"] = [r.get("load_average") for r in runs]
+    out.write_text(json.dumps(merged, indent=1))
+    plot(merged, out.with_suffix(".svg"))
+    return merged
 
 
 def plot(results: dict, path: Path) -> None:
@@ -211,11 +234,18 @@ def main(argv=None) -> None:
     ap.add_argument("--policies", default=None, help="comma-separated; default: every form")
     ap.add_argument("--steps", type=int, default=200, help="calibration steps per site")
     ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--params", default="forms", choices=("forms", "forms+lora"),
+                    help="what calibrate trains: the forms' own tensors, or those then LoRA on q/k/v/o")
+    ap.add_argument("--combine", default=None, help="comma-separated result JSONs to merge into --out (no run)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--calibration-texts", type=int, default=40)
     ap.add_argument("--held-out-texts", type=int, default=40)
     ap.add_argument("--out", default=str(ROOT / "results" / "fidelity.json"))
     args = ap.parse_args(argv)
+    if args.combine:
+        combine(args.combine.split(","), Path(args.out))
+        print(f"wrote {args.out}")
+        return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
@@ -223,11 +253,13 @@ def main(argv=None) -> None:
     results = {"hardware": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                             "threads": args.threads, "torch": torch.__version__,
                             "note": "shared machine (other jobs running): wall times are upper bounds"},
-               "steps": args.steps, "lr": args.lr, "models": []}
+               "load_average": list(os.getloadavg()), "steps": args.steps, "lr": args.lr, "params": args.params,
+               "models": []}
     for name in args.models.split(","):
         policies = args.policies.split(",") if args.policies else (MINILM_POLICIES if name == "minilm" else TINY_POLICIES)
         results["models"].append(run_model(name, policies, args.steps, args.calibration_texts, args.held_out_texts,
-                                           args.lr))
+                                           args.lr, args.params))
+    results["load_average_end"] = list(os.getloadavg())
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

@@ -21,6 +21,10 @@ Sections, each in its own try/except (a failing section records its error and th
                with a sliding-window block mask. Implementations are interleaved (round-robin,
                best of the rounds of `triton.testing.do_bench` medians); ms, TFLOP/s (counted
                FLOPs, see `_flops`), GB/s of the q/k/v/o traffic, and fractions of the ceilings
+  gated        the gated forms' Triton forwards (gla per channel / per head, gated delta, gla+window
+               64) against their PyTorch reference ops on the GPU (fp32, bf16), then forward times
+               at T = 4k / 16k (D = 128, bf16) next to fla-core's chunk_gla and
+               chunk_gated_delta_rule when fla imports (a note says so when it does not)
   e2e          prefill of a small random-weight Llama-style transformers model from a config:
                original SDPA vs attnopt.compile with "linear", "window:256+sinks:4" and
                "linear+window:64" (policies that may not exist yet: errors are recorded)
@@ -467,6 +471,131 @@ def kernels(quick: bool):
     return {"rows": rows, "flops_note": _flops.__doc__}
 
 
+def _gated_inputs(B, H, Hkv, T, D, dtype, per_channel=True):
+    """q, k, v, log-gates of the forms' size (logsigmoid/16), β, and a left-padded key mask."""
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    q = torch.randn(B, H, T, D, device=DEV, generator=gen).to(dtype)
+    k = torch.randn(B, Hkv, T, D, device=DEV, generator=gen).to(dtype)
+    v = torch.randn(B, Hkv, T, D, device=DEV, generator=gen).to(dtype)
+    g = F.logsigmoid(torch.randn((B, Hkv, T, D) if per_channel else (B, Hkv, T), device=DEV, generator=gen)) / 16
+    beta = torch.sigmoid(torch.randn(B, Hkv, T, device=DEV, generator=gen))
+    keep = torch.ones(B, T, dtype=torch.bool, device=DEV)
+    keep[-1, : T // 7] = False
+    return q, k, v, g, beta, keep
+
+
+def _gated_correctness() -> dict:
+    import attnopt.forms.delta.reference  # noqa: F401  (registers torch.ops.attnopt.gated_delta_attention)
+    import attnopt.forms.delta.triton as tdelta
+    import attnopt.forms.gla.reference  # noqa: F401
+    import attnopt.forms.gla.triton as tgla
+    import attnopt.forms.gla_window.reference  # noqa: F401
+    import attnopt.forms.gla_window.triton as tglaw
+
+    T, D = (40, 16) if SMOKE else (1500, 64)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        tol = TOL[dtype][0]
+        dn = str(dtype).replace("torch.", "")
+        for per_channel in (True, False):
+            q, k, v, g, beta, keep = _gated_inputs(2, 4, 2, T, D, dtype, per_channel)
+            ref = torch.ops.attnopt.gated_linear_attention(q.float(), k.float(), v.float(), g, keep, "elu", True,
+                                                           D ** -0.5, 1e-6, 64)  # the PyTorch op itself
+            got = tgla.gated_linear_attention(q, k, v, g, feature_map="elu", normalize=True, key_mask=keep)
+            out[f"gla_{'channel' if per_channel else 'head'}/{dn}"] = {"rel": _rel(got, ref), "ok": _rel(got, ref) <= tol}
+        q, k, v, g, beta, keep = _gated_inputs(2, 4, 2, T, D, dtype, per_channel=False)
+        kn = F.normalize(k.float(), dim=-1).to(dtype)
+        ref = torch.ops.attnopt.gated_delta_attention(q.float(), kn.float(), v.float(), g, beta, keep, D ** -0.5, 64)
+        got = tdelta.gated_delta_attention(q, kn, v, g, beta, key_mask=keep)
+        out[f"delta/{dn}"] = {"rel": _rel(got, ref), "ok": _rel(got, ref) <= tol}
+        q, k, v, g, beta, keep = _gated_inputs(2, 4, 2, T, D, dtype)
+        fq, fk = F.elu(q.float()) + 1, F.elu(k.float()) + 1
+        w = torch.linspace(0.5, 2.0, 4, device=DEV)
+        ref = torch.ops.attnopt.gla_window_attention(q.float(), k.float(), v.float(), fq, fk, g, w, keep, 64, 4,
+                                                     D ** -0.5, 64)
+        got = tglaw.gla_window_attention(q, k, v, fq.to(dtype), fk.to(dtype), g, window=64, sinks=4, linear_weight=w,
+                                         key_mask=keep)
+        real = keep[:, None, :, None]
+        out[f"gla_window_64_sinks4/{dn}"] = {"rel": _rel(got * real, ref * real), "ok": _rel(got * real, ref * real) <= tol}
+    return out
+
+
+def _fla_gated(B, H, T, D, q, k, v, g_channel, g_head, beta) -> tuple[dict, list]:
+    """fla-core's chunk_gla / chunk_gated_delta_rule on the same inputs ([B, T, H, D] layout)."""
+    import inspect as _inspect
+
+    impls, notes = {}, []
+    try:
+        import fla  # noqa: F401
+    except Exception as e:
+        return impls, [f"fla-core not importable ({type(e).__name__}): its rows are skipped"]
+    qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    gct, ght, bt = g_channel.transpose(1, 2).contiguous(), g_head.transpose(1, 2).contiguous(), beta.transpose(1, 2).contiguous()
+    try:
+        from fla.ops.gla import chunk_gla
+
+        impls["fla_chunk_gla"] = lambda: chunk_gla(qt, kt, vt, gct, scale=D ** -0.5)
+    except Exception as e:
+        notes.append(f"fla chunk_gla: {type(e).__name__}: {e}"[:200])
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        kn = F.normalize(kt.float(), dim=-1).to(kt.dtype)
+        kw = {"scale": D ** -0.5}
+        if "use_qk_l2norm_in_kernel" in _inspect.signature(chunk_gated_delta_rule).parameters:
+            kw["use_qk_l2norm_in_kernel"] = False
+        impls["fla_chunk_gated_delta_rule"] = lambda: chunk_gated_delta_rule(qt, kn, vt, ght, bt, **kw)
+    except Exception as e:
+        notes.append(f"fla chunk_gated_delta_rule: {type(e).__name__}: {e}"[:200])
+    return impls, notes
+
+
+@section("gated")
+def gated(quick: bool):
+    import attnopt.forms.delta.triton as tdelta
+    import attnopt.forms.gla.triton as tgla
+    import attnopt.forms.gla_window.triton as tglaw
+
+    res = {"correctness": guarded(_gated_correctness), "rows": [], "notes": []}
+    save()
+    lengths = [40] if SMOKE else ([8192] if quick else [4096, 16384])
+    D = 16 if SMOKE else 128
+    for T in lengths:
+        if time_left() < 75:  # e2e keeps its share
+            res["rows"].append({"T": T, "skipped": "time budget"})
+            continue
+        B, H = (1, 2) if SMOKE else (2, 16)
+        q, k, v, gc, beta, _ = _gated_inputs(B, H, H, T, D, torch.bfloat16)
+        gh = gc[..., 0].contiguous()
+        kn = F.normalize(k.float(), dim=-1).to(k.dtype)
+        fq, fk = F.elu(q) + 1, F.elu(k) + 1
+        impls = {
+            "sdpa_flash_causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            "triton_gla_channel": lambda: tgla.gated_linear_attention(q, k, v, gc, scale=D ** -0.5),
+            "triton_gla_head": lambda: tgla.gated_linear_attention(q, k, v, gh, scale=D ** -0.5),
+            "triton_gated_delta": lambda: tdelta.gated_delta_attention(q, kn, v, gh, beta, scale=D ** -0.5),
+            "triton_gla_window_64": lambda: tglaw.gla_window_attention(q, k, v, fq, fk, gc, window=64),
+        }
+        fla_impls, notes = _fla_gated(B, H, T, D, q, k, v, gc, gh, beta)
+        impls.update(fla_impls)
+        res["notes"] = sorted(set(res["notes"]) | set(notes))
+        row = {"T": T, "B": B, "H": H, "D": D, "dtype": "bfloat16", "fwd_ms": {}, "errors": {}}
+        for name, f in impls.items():
+            if time_left() < 45:
+                row["errors"][name] = "skipped: time budget"
+                continue
+            try:
+                with torch.no_grad():
+                    f()
+                    row["fwd_ms"][name] = round(bench(f), 4)
+            except Exception as e:
+                row["errors"][name] = f"{type(e).__name__}: {e}"[:300]
+        res["rows"].append(row)
+        save()
+        print(f"[gpu.py] gated T={T}: {row['fwd_ms']}", flush=True)
+    return res
+
+
 @section("e2e")
 def e2e(quick: bool):
     import transformers
@@ -531,6 +660,7 @@ def main(argv=None):
         DEV, SMOKE = "cpu", True
         correctness()
         kernels(True)
+        gated(True)
         print(f"[gpu.py] smoke done in {time.time() - T0:.0f} s -> {OUT_PATH}")
         return 0
     if not torch.cuda.is_available():
@@ -543,6 +673,7 @@ def main(argv=None):
     correctness()
     graph()
     kernels(args.quick)
+    gated(args.quick)
     e2e(args.quick)
     print(f"[gpu.py] done in {time.time() - T0:.0f} s -> {OUT_PATH}")
     return 0

@@ -57,6 +57,11 @@ CASES = (
     OpCase("decay", True, "attnopt.forms.ssm.reference", 1, {"decay": None}),  # None: RetNet γ_h = 1 − 2^(−5−h)
     OpCase("reuse", False, "attnopt.forms.reuse.reference", 2, {"rank": REUSE_RANK}),
     OpCase("reuse", True, "attnopt.forms.reuse.reference", 2, {"rank": REUSE_RANK}),
+    # The gated ops (causal by construction), gates as the forms make them: logsigmoid(·)/16-sized.
+    OpCase("gla", True, "attnopt.forms.gla.reference", 1, {"gate": "channel", "feature_map": "elu"}),
+    OpCase("gla_head", True, "attnopt.forms.gla.reference", 1, {"gate": "head", "feature_map": "elu"}),
+    OpCase("delta", True, "attnopt.forms.delta.reference", 1, {}),
+    OpCase("gla_window", True, "attnopt.forms.gla_window.reference", 1, {"window": 64, "gate": "channel"}),
 )
 
 
@@ -85,6 +90,8 @@ def _build_call(case: OpCase, N: int):
     if case.name == "decay":
         fn = mod.decay_attention  # causal by construction: no causal flag
         return lambda: fn(q, k, v, decay=case.params["decay"], scale=scale)
+    if case.name in ("gla", "gla_head", "delta", "gla_window"):
+        return _gated_call(mod, case, q, k, v, g)
     if case.name == "reuse":
         C, r = H * D, case.params["rank"]
         x = torch.randn(B, N, C, generator=g)
@@ -92,6 +99,23 @@ def _build_call(case: OpCase, N: int):
         B_ = torch.randn(H, C + 1, r, generator=g) * C**-0.5
         return lambda: mod.reuse_attention(q, k, v, x, A, B_, scale=scale, causal=case.causal)
     raise ValueError(f"unknown op case {case.name!r}")
+
+
+def _gated_call(mod, case: OpCase, q, k, v, g):
+    """A gated op with gates of the size the forms build (logsigmoid(x)/16 <= 0), elu features."""
+    import torch
+    import torch.nn.functional as F
+
+    per_channel = case.params.get("gate", "head") == "channel"
+    gates = F.logsigmoid(torch.randn(k.shape if per_channel else k.shape[:3], generator=g)) / 16
+    if case.name == "delta":
+        beta = torch.sigmoid(torch.randn(k.shape[:3], generator=g))
+        kn = F.normalize(k, dim=-1)
+        return lambda: mod.gated_delta_attention(q, kn, v, gates, beta)
+    if case.name == "gla_window":
+        return lambda: mod.gla_window_attention(q, k, v, F.elu(q) + 1, F.elu(k) + 1, gates,
+                                                window=case.params["window"])
+    return lambda: mod.gated_linear_attention(q, k, v, gates, feature_map=case.params["feature_map"], normalize=True)
 
 
 def _maxrss_mb() -> float:
@@ -259,6 +283,36 @@ def print_table(report: dict) -> None:
         print(f"skipped {s['op']}: {s['note']}")
 
 
+def plot(report: dict, path: Path) -> Optional[str]:
+    """Seconds per call against N (log-log), one line per (op, mask), as a PNG; matplotlib is optional:
+    without it no file is written and the reason is returned."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        return f"no plot: matplotlib is not installed ({exc})"
+    lines: dict = {}
+    for r in report["results"]:
+        if r["status"] == "measured" and r.get("seconds"):
+            lines.setdefault(f"{r['op']} ({'causal' if r['causal'] else 'full'})", []).append((r["N"], r["seconds"]))
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, pts in sorted(lines.items()):
+        pts.sort()
+        ax.plot([n for n, _ in pts], [t * 1e3 for _, t in pts], marker="o",
+                linestyle="--" if label.startswith("sdpa") else "-", label=label)
+    hw = report["hardware"]
+    ax.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="ms per call (median)",
+           title=f"attnopt ops vs SDPA, CPU ({hw['torch_threads']} threads), B=1 H={H} D={D} fp32")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
 def _parse_sizes(text: str) -> list[int]:
     try:
         sizes = [int(s) for s in text.split(",") if s.strip()]
@@ -279,7 +333,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-seconds", type=float, default=120.0,
                    help="skip (and estimate) a row whose extrapolated seconds per call exceed this (default %(default)s)")
     p.add_argument("--timeout", type=float, default=3600.0, help="kill a worker after this many seconds")
-    p.add_argument("--ops", default="", help="comma-separated subset of: sdpa,linear,window,decay,reuse")
+    p.add_argument("--ops", default="",
+                   help="comma-separated subset of: sdpa,linear,window,decay,reuse,gla,gla_head,delta,gla_window")
+    p.add_argument("--plot", default=None, help="also write a PNG of ms per call against N here (needs matplotlib)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -291,7 +347,7 @@ def main(argv=None) -> int:
     only = {s.strip() for s in args.ops.split(",") if s.strip()}
     unknown = only - {c.name for c in CASES}
     if unknown:
-        raise SystemExit(f"--ops: unknown {sorted(unknown)}; choose from sdpa,linear,window,decay,reuse")
+        raise SystemExit(f"--ops: unknown {sorted(unknown)}; choose from {','.join(sorted({c.name for c in CASES}))}")
     sizes = [1024, 2048] if args.quick else _parse_sizes(args.sizes)
     repeats = 1 if args.quick else args.repeats
     report = run(sizes, repeats, args.threads, args.max_seconds, args.timeout, only)
@@ -302,6 +358,9 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)
     print(f"\nwrote {out}")
+    if args.plot:
+        why = plot(report, Path(args.plot))
+        print(why or f"wrote {args.plot}")
     return 0
 
 

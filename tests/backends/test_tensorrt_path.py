@@ -12,7 +12,8 @@ import torch
 from attnopt.backends import tensorrt as trt_path
 
 OPS = ["attnopt::linear_attention", "attnopt::linear_window_attention", "attnopt::reuse_attention",
-       "attnopt::decay_attention", "attnopt::window_attention"]
+       "attnopt::decay_attention", "attnopt::window_attention", "attnopt::gated_linear_attention",
+       "attnopt::gla_window_attention", "attnopt::gated_delta_attention"]
 
 
 def _fake(monkeypatch, version="10.8.0"):

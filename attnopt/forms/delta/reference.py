@@ -1,0 +1,274 @@
+"""Gated delta-rule attention (Gated DeltaNet), chunked (WY / UT form), causal.
+
+The recurrence, per key/value head, with a log-gate g_t <= 0 and a write strength β_t per head:
+
+    S_t = exp(g_t) (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ          state [D, Dv]
+    o_t = s · S_tᵀ q_t                                                 s = scale, default 1/sqrt(D)
+
+Keys are used as given (the form normalises them if it wants to; the op does not). g and β are
+[B, Hkv, N].
+
+Chunk algorithm. Write the update as S_t = exp(g_t) S_{t-1} + k_t δ_tᵀ with the pseudo-value
+δ_t = β_t (v_t - exp(g_t) S_{t-1}ᵀ k_t). Inside a chunk (b_i = Σ_{s<=i} g_s within the chunk, Γ_ij =
+exp(Σ_{j<s<=i} g_s) for j <= i, S0 the state entering the chunk):
+
+    S_i = exp(b_i) S0 + Σ_{j<=i} Γ_ij k_j δ_jᵀ
+    (I + L) Δ = diag(β) V - diag(β ⊙ exp b) K S0,     L = strictly_lower(diag(β) K Kᵀ ⊙ Γ)
+
+so with the unit-lower-triangular solve (I + L)⁻¹ applied once per chunk to [βV, diag(β exp b) K]
+(the WY / UT transform: U and W), Δ = U - W S0. Everything but the S0 products is batched over all
+chunks; a Python loop over chunks then carries the state, S <- A_c S + B_c with A_c = exp(b_C) I −
+K̃_cᵀW_c and B_c = K̃_cᵀU_c (K̃ = K ⊙ exp(b_C − b), both batched beforehand: one fused multiply-add
+per chunk), and Δ_c = U_c − W_c S_c follows batched. Outputs, batched again: O = s[(Q ⊙ exp b) S0 + (Q Kᵀ ⊙ Γ ⊙ tril) Δ].
+Γ and the exponents are range sums of log-gates formed by masked cumsums (never differences of a
+long prefix), masked to -inf before the exp: every factor is exp(<= 0).
+Memory O(N·(C·G + D + Dv) + (N/C)·D·Dv) per kv head: chunk-local C×C only, a state per chunk.
+
+Masks and padding: a masked key (`key_mask` False) leaves the state unchanged (g and β zeroed: no
+decay, no write), so a left-padded row equals the row alone; the tail chunk is padded the same way.
+Alignment: Nq <= Nk, queries are the last Nq positions. GQA: query head h reads kv head
+h // (H // Hkv); k, v, g, β and the state are per kv head, never repeated.
+dtypes: fp16/bf16 compute in fp32 with fp32 states; fp32/fp64 keep their own. Output in q's dtype.
+
+The stateless prefill is the custom op `torch.ops.attnopt.gated_delta_attention` (one node under
+torch.export; fake and recompute-autograd registered; gradients for q, k, v, g and β). Stateful use
+(`state=`, `gated_delta_attention_step`) is plain differentiable PyTorch.
+On CUDA, a stateless call that needs no gradient runs the Triton forward kernel instead
+(`attnopt.forms.delta.triton`, when Triton imports and its `unsupported` returns None).
+
+Letters: B batch, H query heads, Hkv kv heads, G = H // Hkv, N length, D head dim of q/k, Dv head
+dim of v, C chunk, nc chunks, X = B·Hkv.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnopt.forms.gla.reference import (
+    check_log_gate,
+    own,
+    rev_cumsum_exclusive,
+    segsum,
+    values_known,
+)
+from attnopt.kernels.dispatch import cuda_kernels
+from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
+from attnopt.kernels.registration import register_recompute_autograd
+
+__all__ = ["gated_delta_attention", "gated_delta_attention_step", "init_gated_delta_state"]
+
+_WHO = "gated_delta_attention"
+
+
+def _check_beta(who, beta, B, Hkv, N) -> None:
+    if not isinstance(beta, Tensor):
+        raise TypeError(f"{who}: beta must be a tensor of shape [B, Hkv, N] = {[B, Hkv, N]}, got {type(beta).__name__}")
+    if not beta.is_floating_point():
+        raise TypeError(f"{who}: beta must be floating point, got {beta.dtype}")
+    if tuple(beta.shape) != (B, Hkv, N):
+        raise ValueError(f"{who}: beta must have shape [B, Hkv, N] = {[B, Hkv, N]} (one write strength per kv head and key), got {list(beta.shape)}")
+    if values_known(beta) and not bool(torch.isfinite(beta).all()):
+        raise ValueError(f"{who}: beta must be finite")
+
+
+def _check_inputs(q, k, v, g, beta, key_mask, who=_WHO) -> None:
+    check_sdpa_inputs(who, q, k, v, key_mask)
+    B, Hkv, Nk, _ = k.shape
+    if q.shape[2] > Nk:
+        raise ValueError(
+            f"{who}: {q.shape[2]} queries but only {Nk} keys; gated delta attention is causal and needs Nq <= Nk "
+            "(queries are the last Nq positions)"
+        )
+    check_log_gate(who, g, B, Hkv, Nk, None, per_channel_ok=False)
+    _check_beta(who, beta, B, Hkv, Nk)
+
+
+def _check_options(scale, chunk_size, who=_WHO) -> None:
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+        raise ValueError(f"{who}: scale must be a finite float or None (1/sqrt(D)), got {scale!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"{who}: chunk_size must be an int >= 1, got {chunk_size!r}")
+
+
+def _check_state(S, B, Hkv, D, Dv, who=_WHO) -> Tensor:
+    if not isinstance(S, Tensor) or tuple(S.shape) != (B, Hkv, D, Dv):
+        got = list(S.shape) if isinstance(S, Tensor) else type(S).__name__
+        raise ValueError(f"{who}: state must be a tensor S of shape [B, Hkv, D, Dv] = {[B, Hkv, D, Dv]}, got {got}; see init_gated_delta_state")
+    return S
+
+
+def _delta_chunks(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S0: Tensor, C: int):
+    """q [X, G, L, D] (scale applied), k [X, L, D], v [X, L, Dv], g/beta [X, L] (L a multiple of C),
+    S0 [X, D, Dv] -> (out [X, G, L, Dv], final state [X, D, Dv])."""
+    X, G, L, D = q.shape
+    Dv = v.shape[-1]
+    nc = L // C
+    qc = q.reshape(X, G, nc, C, D).transpose(1, 2).reshape(X, nc, G * C, D)  # the G heads share each product
+    kc, vc = k.reshape(X, nc, C, D), v.reshape(X, nc, C, Dv)
+    gc, bc = g.reshape(X, nc, C, 1), beta.reshape(X, nc, C)
+
+    b_in = torch.cumsum(gc, dim=2)[..., 0]  # Σ_{s<=i} g_s within the chunk         [X, nc, C]
+    to_end = rev_cumsum_exclusive(gc, dim=2)[..., 0]  # Σ_{i<s<C} g_s
+    Gam = torch.exp(segsum(gc)[..., 0])  # Γ_ij = exp Σ_{j<s<=i} g_s, 0 above      [X, nc, C, C]
+    idx = torch.arange(C, device=q.device)
+    strict = idx[:, None] > idx[None, :]
+
+    # WY / UT transform: (I + L)⁻¹ [βV, diag(β exp b) K] by one unit-lower-triangular solve per chunk.
+    Lmat = torch.where(strict, (kc @ kc.transpose(-1, -2)) * Gam * bc[..., :, None], torch.zeros_like(Gam))
+    rhs = torch.cat([vc * bc[..., None], kc * (bc * torch.exp(b_in))[..., None]], dim=-1)
+    sol = torch.linalg.solve_triangular(Lmat, rhs, upper=False, unitriangular=True)  # diagonal read as 1
+    U, Wm = sol[..., :Dv], sol[..., Dv:]
+
+    # Across chunks S' = e^{b_C} S + K̃ᵀ(U − W S) = A S + Bᵀ with A = e^{b_C} I − K̃ᵀW [D, D] and
+    # B = K̃ᵀU, both batched over every chunk first; the loop then carries S by one fused
+    # multiply-add per chunk, and Δ = U − W S_before is one batched product after it.
+    k_out = kc * torch.exp(to_end)[..., None]  # each key decayed to its chunk's end
+    decay = torch.exp(b_in[..., -1])[..., None, None]  # [X, nc, 1, 1]
+    k_out_T = k_out.transpose(-1, -2)
+    A_t = (torch.eye(D, dtype=q.dtype, device=q.device) * decay - k_out_T @ Wm).transpose(0, 1).contiguous()
+    B_t = (k_out_T @ U).transpose(0, 1).contiguous()  # [nc, X, D, Dv], A_t [nc, X, D, D]
+    S = S0
+    befores = []
+    for i in range(nc):
+        befores.append(S)
+        S = torch.baddbmm(B_t[i], A_t[i], S)
+    S_before = torch.stack(befores, dim=1)  # [X, nc, D, Dv]
+    Delta = U - Wm @ S_before  # [X, nc, C, Dv]
+
+    A = (qc @ kc.transpose(-1, -2)).view(X, nc, G, C, C) * Gam[:, :, None]
+    q_in = (qc.view(X, nc, G, C, D) * torch.exp(b_in)[:, :, None, :, None]).view(X, nc, G * C, D)
+    out = A.view(X, nc, G * C, C) @ Delta + q_in @ S_before
+    return out.view(X, nc, G, C, Dv).transpose(1, 2).reshape(X, G, L, Dv), S
+
+
+def _delta_forward(q, k, v, g, beta, key_mask, scale: float, chunk_size: int, S0: Optional[Tensor] = None):
+    """Chunked prefill, differentiable plain PyTorch. Returns (out, S)."""
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = H // Hkv
+    out_dtype = q.dtype
+    cdt = compute_dtype(out_dtype)
+    qq = q.to(cdt) * scale
+    kk, vv, gg, bb = k.to(cdt), v.to(cdt), g.to(cdt), beta.to(cdt)
+    if key_mask is not None:  # a masked key neither decays nor writes: the state passes it unchanged
+        keep = key_mask[:, None, :]
+        gg = torch.where(keep, gg, torch.zeros_like(gg))
+        bb = torch.where(keep, bb, torch.zeros_like(bb))
+        kk = torch.where(keep[..., None], kk, torch.zeros_like(kk))
+        vv = torch.where(keep[..., None], vv, torch.zeros_like(vv))
+    S = S0.to(cdt) if S0 is not None else kk.new_zeros(B, Hkv, D, Dv)
+    if Nk == 0:
+        return qq.new_zeros(B, H, 0, Dv).to(out_dtype), S
+    C = max(1, min(chunk_size, Nk))
+    L = -(-Nk // C) * C
+    qq = F.pad(qq, (0, 0, Nk - Nq, L - Nk))  # queries are the last Nq positions
+    kk, vv = (F.pad(t, (0, 0, 0, L - Nk)) for t in (kk, vv))
+    gg, bb = (F.pad(t, (0, L - Nk)) for t in (gg, bb))  # tail: g = 0, β = 0 changes nothing
+    out, S = _delta_chunks(
+        qq.reshape(B * Hkv, G, L, D), kk.reshape(B * Hkv, L, D), vv.reshape(B * Hkv, L, Dv),
+        gg.reshape(B * Hkv, L), bb.reshape(B * Hkv, L), S.reshape(B * Hkv, D, Dv), C,
+    )
+    out = out.reshape(B, H, L, Dv)[:, :, Nk - Nq : Nk]
+    return out.to(out_dtype), S.reshape(B, Hkv, D, Dv)
+
+
+# ---- custom op ----
+
+
+@torch.library.custom_op("attnopt::gated_delta_attention", mutates_args=())
+def _gated_delta_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, key_mask: Optional[Tensor], scale: float, chunk_size: int
+) -> Tensor:
+    return own(_delta_forward(q, k, v, g, beta, key_mask, scale, chunk_size)[0])
+
+
+@_gated_delta_op.register_fake
+def _(q, k, v, g, beta, key_mask, scale, chunk_size):
+    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
+
+
+register_recompute_autograd(_gated_delta_op, lambda *a: _delta_forward(*a)[0], differentiable=(0, 1, 2, 3, 4))
+
+
+# ---- public API ----
+
+
+def init_gated_delta_state(B: int, Hkv: int, D: int, Dv: int, *, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
+    """Zero state S [B, Hkv, D, Dv] in the compute dtype of `dtype` (fp32 for fp16/bf16)."""
+    return torch.zeros(B, Hkv, D, Dv, dtype=compute_dtype(dtype), device=device)
+
+
+def gated_delta_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: Optional[float] = None,
+    key_mask: Optional[Tensor] = None,
+    state: Optional[Tensor] = None,
+    chunk_size: int = 64,
+):
+    """Causal gated delta rule over q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv] with
+    log-gates g <= 0 and write strengths β, both [B, Hkv, Nk].
+
+    S_t = exp(g_t)(I - β_t k_t k_tᵀ)S_{t-1} + β_t k_t v_tᵀ, o_t = s·S_tᵀq_t (s = scale, default
+    1/sqrt(D)). key_mask [B, Nk] (True = keep): a masked key leaves the state unchanged.
+    Returns [B, H, Nq, Dv] in q's dtype; with `state` S [B, Hkv, D, Dv] it continues from it and
+    returns (out, new_state). Stateless calls run as `torch.ops.attnopt.gated_delta_attention`.
+    """
+    _check_inputs(q, k, v, g, beta, key_mask)
+    _check_options(scale, chunk_size)
+    B, H, _, D = q.shape
+    Hkv, Dv = k.shape[1], v.shape[3]
+    s = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    tk = None if state is not None else cuda_kernels(q, __package__)
+    if tk is not None and tk.unsupported(q, k=k, v=v, g=g, beta=beta) is None:
+        return tk.gated_delta_attention(q, k, v, g, beta, scale=s, key_mask=key_mask)
+    if state is None:
+        return torch.ops.attnopt.gated_delta_attention(q, k, v, g, beta, key_mask, s, chunk_size)
+    S0 = _check_state(state, B, Hkv, D, Dv)
+    return _delta_forward(q, k, v, g, beta, key_mask, s, chunk_size, S0)
+
+
+def gated_delta_attention_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Optional[Tensor],
+    *,
+    scale: Optional[float] = None,
+    key_mask: Optional[Tensor] = None,
+):
+    """One decoding step: q [B, H, 1, D], k [B, Hkv, 1, D], v [B, Hkv, 1, Dv], g/β [B, Hkv, 1];
+    state None means zeros; key_mask [B, 1] (False: state unchanged). Returns (o [B, H, 1, Dv], S)."""
+    who = "gated_delta_attention_step"
+    _check_inputs(q, k, v, g, beta, key_mask, who)
+    if q.shape[2] != 1 or k.shape[2] != 1:
+        raise ValueError(f"{who}: expects one token (N = 1); got q N={q.shape[2]}, k N={k.shape[2]}. Use gated_delta_attention for prefill")
+    _check_options(scale, None, who)
+    B, H, _, D = q.shape
+    Hkv, Dv = k.shape[1], v.shape[3]
+    G = H // Hkv
+    cdt = compute_dtype(q.dtype)
+    S = init_gated_delta_state(B, Hkv, D, Dv, dtype=q.dtype, device=q.device) if state is None else state
+    S = _check_state(S, B, Hkv, D, Dv, who).to(cdt)
+    kt, vt = k.to(cdt)[:, :, 0], v.to(cdt)[:, :, 0]  # [B, Hkv, D], [B, Hkv, Dv]
+    a, bt = torch.exp(g.to(cdt)[:, :, 0]), beta.to(cdt)[:, :, 0]  # [B, Hkv]
+    if key_mask is not None:
+        keep = key_mask[:, :1].to(cdt)  # [B, 1]
+        a, bt = a * keep + (1 - keep), bt * keep
+    decayed = a[..., None, None] * S
+    pred = (kt[..., :, None] * decayed).sum(-2)  # (exp(g) S)ᵀ k   [B, Hkv, Dv]
+    S = decayed + (bt[..., None] * kt)[..., :, None] * (vt - pred)[..., None, :]
+    s = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    out = s * (q.to(cdt).reshape(B, Hkv, G, D) @ S)  # [B, Hkv, G, Dv]
+    return out.reshape(B, H, 1, Dv).to(q.dtype), S

@@ -1,0 +1,128 @@
+"""gla+window: softmax in a sliding window (plus sinks), gated linear attention beyond it, one normaliser.
+
+Liger's hybrid (Lan et al., ICML 2025) pairs a window of softmax attention with GLA whose gates
+are pooled from the keys. The two are combined here under ONE normaliser, as linear+window
+(LoLCATs) combines its parts: oᵢ = (Σ_W e^{s·q·k} v + β_h Σ_L aᵢⱼ v) / (Σ_W e^{s·q·k} + β_h Σ_L aᵢⱼ),
+with aᵢⱼ the gated kernel of the keys that left the window (`reference.py`). Measured on the tiny
+LM held out (benchmarks/gla_window_mixing.py), this beat Liger's fixed ½·window + ½·GLA, training-free
+and calibrated (the README has the numbers). φ and the gates are those of `gla` (KeyGates); the
+gate bias starts from the site's measured look-back *beyond the window*, β_h from `beta`, and the
+fit step trains φ, the gates and β on the recorded calls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnopt.forms.common.base import CostAt, Form, Param, SiteModule, io_elements
+from attnopt.forms.gla.form import (
+    GLA_PARAMS,
+    KeyGates,
+    causal_self_attention_reason,
+    fit_with_init,
+    gla_flops,
+    init_gates_from_calls,
+)
+from attnopt.forms.gla_window.decode import gla_window_decode
+from attnopt.forms.gla_window.reference import gla_window_attention
+from attnopt.forms.linear.form import feature_count
+from attnopt.forms.window.form import (
+    WINDOW_PARAMS,
+    effective_window,
+    visible_keys,
+    window_cache_bytes,
+)
+
+
+class GlaWindowSite(SiteModule):
+    form = "gla+window"
+
+    def __init__(self, site, params):
+        super().__init__(site, params)
+        p = params
+        self.gates = KeyGates(site.head_dim, site.kv_heads, p["feature_map"], p["num_features"], p["seed"], p["gate"])
+        # β_h = exp(log_beta_h) > 0 per query head: learnable without a constraint.
+        beta = torch.full((site.heads,), float(p["beta"]), dtype=torch.float64)
+        self.log_beta = torch.nn.Parameter(torch.log(beta.clamp_min(1e-30)).float(), requires_grad=False)
+
+    def beta(self):
+        return torch.exp(self.log_beta) if self.params["beta"] > 0 else 0.0
+
+    def options(self) -> dict:
+        g, p = self.geometry, self.params
+        return {"window": effective_window(p, g.model_window), "sinks": p["sinks"], "scale": g.scale,
+                "linear_weight": self.beta()}
+
+    def attend(self, q, k, v, keep, mask, x):
+        phi_q, phi_k = self.gates.features(q, k, self.geometry.scale)
+        return gla_window_attention(q, k, v, phi_q, phi_k, self.gates.log_gates(k), key_mask=keep, **self.options())
+
+    def decode_step(self, q, k, v, keep, form_state):
+        """The window cache, the gated state of the keys that left it and their decayed features:
+        O(S + W + M·Dv) per token and kv head."""
+        phi_q, phi_k = self.gates.features(q, k, self.geometry.scale)
+        return gla_window_decode(q, k, v, phi_q, phi_k, self.gates.log_gates(k), form_state, key_mask=keep,
+                                 **self.options())
+
+
+class GlaWindowForm(Form):
+    name = "gla+window"
+    aliases = ("gla_window", "liger")
+    summary = "softmax in a window (plus sinks), key-gated linear attention beyond it, one normaliser"
+    presets = ("gla+window:64", "gla+window:64+sinks:4")
+    params = {
+        **{k: Param(p.type, 64 if k == "window" else p.default, p.choices, p.minimum, p.maximum, p.doc)
+           for k, p in WINDOW_PARAMS.items()},
+        **GLA_PARAMS,
+        "beta": Param(float, 1.0, minimum=0.0, doc="initial per-head weight β of the gated part (0: window only)"),
+    }
+    preset_arg = "window"
+    preset_keys = {"map": "feature_map"}
+    default_tolerance = 0.6
+    cost_rank = 1
+    auto_params = None  # its fit is a compile-time cost "auto" should not pay per site and form
+
+    def check_site(self, site, params, sites):
+        return causal_self_attention_reason("gla+window", site)
+
+    def acts_at(self, site, params, q_len, kv_len):
+        return super().acts_at(site, params, q_len, kv_len) and kv_len > params["window"] + params["sinks"]
+
+    def acting_length(self, site, params):
+        return max(super().acting_length(site, params), 4 * (params["window"] + params["sinks"]))
+
+    def cost(self, site, params, B, Nq, Nk):
+        H, Hkv, D, Dv = site.heads, site.kv_heads, site.head_dim, site.v_head_dim
+        keys = visible_keys(params, True, Nk)
+        M = feature_count(params["feature_map"], params["num_features"], D)
+        flops = 2 * B * H * Nq * keys * (D + Dv) + gla_flops(site, params, B, Nq, Nk)
+        elements = B * H * Nq * keys + B * Hkv * M * (Dv + 1) + B * Hkv * Nk * M
+        return CostAt(flops, elements + io_elements(B, H, Nq, Nk, D, Dv))
+
+    def build(self, site, params, context):
+        return GlaWindowSite(site, params)
+
+    def decode_state_bytes(self, site, params, context, element_bytes):
+        M = feature_count(params["feature_map"], params["num_features"], site.head_dim)
+        own = window_cache_bytes(site, params, context, element_bytes)
+        buffered = min(context, effective_window(params, site.window) - 1)
+        own += site.kv_heads * M * (site.v_head_dim + 1 + buffered) * max(element_bytes, 4)
+        return self.state_bytes_with_prefix(site, params, context, element_bytes, own)
+
+    def fit(self, module, calls, *, lr: float = 3e-2, seed: int = 0):
+        """Gate bias from the look-back beyond the window, then φ, the gates and β by Adam on the calls."""
+        steps = module.params["fit_steps"]
+        if not calls or steps == 0:
+            return None
+        gates = module.gates
+        weights = list(gates.parameters()) + ([module.log_beta] if module.params["beta"] > 0 else [])
+        window = module.options()["window"]
+        return fit_with_init(f"{module.params['feature_map']} map, key gates and β", module, calls,
+                             lambda: init_gates_from_calls(module, gates, calls, offset=window), weights,
+                             steps=steps, lr=lr, seed=seed)
+
+    def public_ops(self):
+        return {"gla_window_attention": gla_window_attention, "gla_window_decode": gla_window_decode}
+
+
+FORM = GlaWindowForm()

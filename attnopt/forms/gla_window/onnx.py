@@ -1,0 +1,107 @@
+"""ONNX lowerings of `attnopt::gla_window_attention`: window softmax + gated state beyond it, one normaliser.
+
+The window part is window.onnx's banded decomposition (queries in blocks against a gathered band
+of Bq + W − 1 keys, plus the sinks; sums shifted by each row's window max m), on both targets. The
+gated part is the reference op's construction in standard ops -- gates zeroed where a key is
+dropped, each key pre-decayed by the W gates it crosses inside the band (block-local cumsums, as
+the torch op: sums of at most W gates), sinks and dropped keys zeroed, keys and [v, 1] shifted W
+places to the right -- then, on `ort`, com.microsoft.LinearAttention(update_rule="gated", log-space
+decay per channel or per head, scale 1; FINDINGS.md §1), on `onnx-std` gla.onnx's token Scan.
+Combined as linear+window's lowering does: num_W + β e^{−m} num_L over den_W + β e^{−m} den_L (a
+row with an empty window uses factor 1: it is common to both sums). O(N·(Bq + W + S)·D + N·M·Dv).
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnxscript import opset18 as op
+
+from attnopt.forms.gla.onnx import gated_scan, gates_4d, packed_decay
+from attnopt.forms.linear.onnx import check_self_attention
+from attnopt.forms.window.onnx import banded_sums, ones_keep
+from attnopt.forms.window.reference import default_window_block_size
+from attnopt.kernels.onnx.functions import (
+    MS_DOMAIN,
+    contrib_node,
+    dim,
+    expand_heads,
+    f32,
+    i64,
+    keep_BN1,
+    pack_heads,
+    pad_axis,
+    slice_axis,
+    static_dim,
+    unpack_heads,
+    with_ones_column,
+)
+from attnopt.kernels.onnx.lowering import OpLowering
+
+
+def window_gate_sums(g_BHkvNG, window: int, Mg: int):
+    """Σ_{j<t<=j+W} g_t per key (gates past the end count 0), from cumsums inside blocks of W."""
+    W = window
+    N = dim(g_BHkvNG, 2)
+    g = op.Pad(pad_axis(g_BHkvNG, 2, 4, W), i64([0, 0, 0, 0, 0, 0, W, 0]))  # one extra block of zeros
+    blocks = op.Reshape(g, i64([0, 0, -1, W, Mg]))  # [B, Hkv, nb, W, Mg]
+    cs = op.CumSum(blocks, op.Constant(value_int=3))
+    last = slice_axis(cs, 3, i64([W - 1]), i64([W]))
+    nxt = op.Pad(slice_axis(cs, 2, i64([1]), i64([2 ** 62])), i64([0, 0, 0, 0, 0, 0, 0, 1, 0, 0]))
+    sums = op.Add(op.Sub(last, cs), nxt)
+    return slice_axis(op.Reshape(sums, i64([0, 0, -1, Mg])), 2, i64([0]), N)
+
+
+def shift_right(x_BHNX, n: int):
+    """Keys moved n places later (zeros in front, the last n dropped)."""
+    return slice_axis(op.Pad(x_BHNX, i64([0, 0, n, 0, 0, 0, 0, 0])), 2, i64([0]), dim(x_BHNX, 2))
+
+
+def _gated_inputs(q, phi_k, v, g, keep, sinks: int, window: int, M: int):
+    """φ(k) pre-decayed, zeroed at sinks and dropped keys, and [v, 1], both shifted W to the right;
+    the gates (0 at dropped keys) [B, Hkv, N, Mg] and whether they are per channel."""
+    g4, per_channel = gates_4d(g, q)
+    keep1 = keep_BN1(keep, q)
+    g4 = op.Mul(g4, keep1)
+    lin_keep = keep
+    if sinks:  # each row's first S kept keys are sinks: window keys, never gated ones
+        kept_BN = op.CumSum(op.Cast(keep, to=ir.DataType.INT64), op.Constant(value_int=1))
+        lin_keep = op.And(keep, op.Greater(kept_BN, i64([sinks])))
+    lin1 = keep_BN1(lin_keep, q)
+    pre = op.Exp(window_gate_sums(g4, window, M if per_channel else 1))
+    fk = op.Mul(op.Mul(op.CastLike(phi_k, q), lin1), pre)
+    v1 = op.Mul(with_ones_column(v), lin1)
+    return shift_right(fk, window), shift_right(v1, window), g4, per_channel
+
+
+def _lowering(contrib: bool):
+    def lower(q, k, v, phi_q, phi_k, g, beta, key_mask, window, sinks, scale, chunk_size):
+        check_self_attention(q, k, "gla+window")
+        H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
+        M = static_dim(phi_k, 3, "feature count")
+        keep = ones_keep(q) if key_mask is None else key_mask
+        num, den, m, seen = banded_sums(q, expand_heads(k, Hkv, H, D), expand_heads(v, Hkv, H, Dv), keep, window,
+                                        True, sinks, scale, default_window_block_size(window, True), D, Dv)
+        fk, v1, g4, per_channel = _gated_inputs(q, phi_k, v, g, keep, sinks, window, M)
+        phi_q = op.CastLike(phi_q, q)
+        if contrib:
+            lin, _state = contrib_node(
+                MS_DOMAIN, "LinearAttention", [pack_heads(phi_q), pack_heads(fk), pack_heads(v1), None,
+                                               packed_decay(g4, per_channel)],
+                {"q_num_heads": H, "kv_num_heads": Hkv, "update_rule": "gated", "scale": 1.0}, num_outputs=2, like=q)
+            lin = unpack_heads(lin, H)
+        else:
+            lin = gated_scan(phi_q, fk, v1, g4, H, Hkv, M, Dv + 1, q)
+        log_factor = op.Where(seen, op.Neg(m), op.CastLike(f32(0.0), m))  # empty window: a common factor, use 1
+        factor = op.Mul(op.Reshape(op.CastLike(beta, q), i64([1, H, 1, 1])), op.Exp(log_factor))
+        num = op.Add(num, op.Mul(factor, slice_axis(lin, 3, i64([0]), i64([Dv]))))
+        den = op.Add(den, op.Mul(factor, slice_axis(lin, 3, i64([Dv]), i64([Dv + 1]))))
+        positive = op.Greater(den, op.CastLike(f32(0.0), den))
+        return op.Div(num, op.Where(positive, den, op.CastLike(f32(1.0), den)))
+
+    return lower
+
+
+gla_window_ort = _lowering(contrib=True)
+gla_window_std = _lowering(contrib=False)
+
+LOWERING = OpLowering("attnopt::gla_window_attention", {"ort": gla_window_ort, "onnx-std": gla_window_std})
