@@ -325,6 +325,39 @@ def _one_token(q, k, v, feature_map, weight, scale, eps, key_mask, state) -> tup
     return out, (S.reshape(B, H, M, Dv), z.reshape(B, H, M))
 
 
+def packed_state(state: State, cdt: torch.dtype) -> Tensor:
+    """The [B, H, M, Dv + 1] buffer whose views `state` = (S, z) are, made once when they are not:
+    the in-place step (`linear_step_`) updates both and reads numerator and denominator together
+    from it, with one product each."""
+    S, z = state
+    base = S._base
+    if (base is not None and base is z._base and base.dtype == cdt and base.dim() == 4 and base.is_contiguous()
+            and base.shape[-1] == S.shape[-1] + 1 and S.data_ptr() == base.data_ptr()
+            and z.data_ptr() == base.data_ptr() + S.shape[-1] * base.element_size()):
+        return base
+    return torch.cat([S.to(cdt), z.to(cdt)[..., None]], dim=-1)
+
+
+def linear_step_(q: Tensor, k: Tensor, v: Tensor, T_BHMW: Tensor, *, feature_map: str, weight: Optional[Tensor],
+                 scale: float, eps: float) -> tuple[Tensor, State]:
+    """One decoding step of a row batch without padding, advancing the packed state IN PLACE:
+    q [B, H, 1, D], k/v [B, Hkv, 1, ·], T = [S ‖ z] [B, H, M, Dv + 1] (`packed_state`). Returns out
+    [B, H, 1, Dv] and (S, z) as views of T. The sums of `_one_token` (FAVOR+ excluded: its
+    stabiliser is per call), with no allocation beyond φ(q), φ(k) and the output."""
+    cdt = T_BHMW.dtype
+    B, H, _, D = q.shape
+    phi_q, phi_k, _ = query_key_features(feature_map, q.to(cdt), k.to(cdt), scale, weight)
+    Hf, M, Dv = phi_k.shape[1], phi_k.shape[-1], v.shape[-1]
+    G = H // Hf
+    v_f = v.to(cdt) if v.shape[1] == Hf else v.to(cdt).repeat_interleave(Hf // v.shape[1], 1)
+    T5 = T_BHMW.view(B, Hf, G, M, Dv + 1)
+    T5[..., :Dv].addcmul_(phi_k[:, :, None, 0, :, None], v_f[:, :, None, 0, None, :])
+    T5[..., Dv].add_(phi_k[:, :, None, 0])
+    nd = phi_q.view(B, Hf, G, 1, M) @ T5  # [B, Hf, G, 1, Dv + 1]: numerator and denominator at once
+    out = _safe_ratio(nd[..., :Dv], nd[..., Dv], eps).view(B, H, 1, Dv).to(q.dtype)
+    return out, (T_BHMW[..., :Dv], T_BHMW[..., Dv])
+
+
 def linear_attention_reference(
     q: Tensor,
     k: Tensor,

@@ -408,6 +408,44 @@ def decay_attention_step(
     return out.to(q_t.dtype), (S, z)
 
 
+def packed_decay_state(state: DecayState, cdt: torch.dtype) -> Tensor:
+    """The buffer the in-place step (`decay_step_`) works on: [S ‖ z] [B, H, Dk, Dv + 1] when
+    normalising (S and z its views, made once when they are not), else S itself in `cdt`."""
+    S, z = state
+    if z is None:
+        return S if S.dtype == cdt and S.is_contiguous() else S.to(cdt).contiguous()
+    base = S._base
+    if (base is not None and base is z._base and base.dtype == cdt and base.dim() == 4 and base.is_contiguous()
+            and base.shape[-1] == S.shape[-1] + 1 and S.data_ptr() == base.data_ptr()
+            and z.data_ptr() == base.data_ptr() + S.shape[-1] * base.element_size()):
+        return base
+    return torch.cat([S.to(cdt), z.to(cdt)[..., None]], dim=-1)
+
+
+def decay_step_(q_t: Tensor, k_t: Tensor, v_t: Tensor, packed: Tensor, gamma_H: Tensor, *, feature_map: str,
+                normalize: bool, scale: Optional[float], eps: float = 1e-6) -> tuple[Tensor, DecayState]:
+    """`decay_attention_step` advancing the state IN PLACE (`packed_decay_state`): q_t [B, H, 1, D],
+    k_t/v_t [B, Hkv, 1, ·], γ [H] in the compute dtype. Returns (o_t, (S, z-or-None) as views of
+    `packed`); the same sums, with no allocation beyond φ(q), φ(k) and the output."""
+    cdt = packed.dtype
+    B, H, _, D = q_t.shape
+    Dv = v_t.shape[3]
+    phi_q = _feature(q_t.to(cdt), feature_map)  # [B, H, 1, Dk]
+    phi_k = _feature(k_t.to(cdt), feature_map)  # [B, Hkv, 1, Dk]: each kv head serves G query heads
+    Hkv = phi_k.shape[1]
+    P5 = packed.view(B, Hkv, H // Hkv, D, packed.shape[-1])
+    packed.mul_(gamma_H.view(1, H, 1, 1))
+    P5[..., :Dv].addcmul_(phi_k[:, :, None, 0, :, None], v_t.to(cdt)[:, :, None, 0, None, :])
+    if normalize:
+        P5[..., Dv].add_(phi_k[:, :, None, 0])
+    nd = phi_q @ packed  # [B, H, 1, Dv (+ 1)]
+    if normalize:
+        out = _ratio(nd[..., :Dv], nd[..., Dv:], eps)
+        return out.to(q_t.dtype), (packed[..., :Dv], packed[..., Dv])
+    s = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    return (s * nd).to(q_t.dtype), (packed, None)
+
+
 def decay_attention_reference(
     q: Tensor,
     k: Tensor,
