@@ -42,6 +42,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
+from attnopt import forms
 from attnopt.ir.outcomes import Status
 
 DISPATCH_MODES = ("auto", "off")
@@ -384,8 +385,6 @@ def measure_entry(module, geometry: Geometry, site, params: Mapping, lengths: Se
                   timer: TimerFactory, dtimer: TimerFactory, step: Callable[[str], None], form: str) -> dict:
     """A cache entry: the prefill crossover (timed again once when it contradicts the cost model),
     the decoding crossover for sites that decode from a state, and the load they were taken under."""
-    from attnopt import forms
-
     load = load_average()
     value, detail, timings = measure(timer(module, geometry), lengths)
     if contradicts_model(forms.get(form), site, params, timings):
