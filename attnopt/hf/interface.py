@@ -167,6 +167,10 @@ def attention_forward(
     if site_module is None and _planner is not None and state is None:
         site_module = _planner(module, query, key, value, attention_mask, scaling, is_causal, kwargs)
         state = module.__dict__.get("_attnopt_state")
+    if layer is not None and layer.decodes and not layer.exact_now and layer.site_module is site_module and (
+            state is None or (not state.store_qk and state.recorder is None)):
+        # The decoding hot path: the site's own state, nothing else asked.
+        return layer.attend(query, key, value, attention_mask).transpose(1, 2).contiguous(), None
     exact = state.original if state is not None and state.original is not None else original_attention(module)
     if state is not None and state.store_qk:
         state.call.set("qk", (query, key))

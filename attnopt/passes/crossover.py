@@ -263,7 +263,10 @@ def load_average() -> float:
 
 
 def is_loaded(load: Optional[float]) -> bool:
-    return load is not None and load > LOADED_SHARE * (os.cpu_count() or 1)
+    """Whether a load average says other work shared the cores: our own timing threads count in it,
+    so they are taken off first."""
+    cores = os.cpu_count() or 1
+    return load is not None and load - min(torch.get_num_threads(), cores) > LOADED_SHARE * cores
 
 
 def contradicts_model(form_obj, site, params: Mapping, timings: Sequence[tuple[int, float, float]]) -> bool:

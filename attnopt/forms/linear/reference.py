@@ -343,19 +343,31 @@ def linear_step_(q: Tensor, k: Tensor, v: Tensor, T_BHMW: Tensor, *, feature_map
     """One decoding step of a row batch without padding, advancing the packed state IN PLACE:
     q [B, H, 1, D], k/v [B, Hkv, 1, ·], T = [S ‖ z] [B, H, M, Dv + 1] (`packed_state`). Returns out
     [B, H, 1, Dv] and (S, z) as views of T. The sums of `_one_token` (FAVOR+ excluded: its
-    stabiliser is per call), with no allocation beyond φ(q), φ(k) and the output."""
+    stabiliser is per call), with no allocation beyond φ(q), φ(k) and the output, and no checks:
+    the caller's state came from this site's own prefill. (Views rather than indexing: on a CPU a
+    decoding step is as fast as it has few ops.)"""
     cdt = T_BHMW.dtype
-    B, H, _, D = q.shape
-    phi_q, phi_k, _ = query_key_features(feature_map, q.to(cdt), k.to(cdt), scale, weight)
-    Hf, M, Dv = phi_k.shape[1], phi_k.shape[-1], v.shape[-1]
+    B, H, M, W = T_BHMW.shape
+    Dv = W - 1
+    cls = feature_map_class(feature_map)
+    if cls.per_head and k.shape[1] != H:
+        k = k.repeat_interleave(H // k.shape[1], dim=1)
+    phi_q = cls.features(q if q.dtype == cdt else q.to(cdt), scale, weight)  # [B, H, 1, M]
+    phi_k = cls.features(k if k.dtype == cdt else k.to(cdt), scale, weight)  # [B, Hf, 1, M]
+    Hf = phi_k.shape[1]
     G = H // Hf
-    v_f = v.to(cdt) if v.shape[1] == Hf else v.to(cdt).repeat_interleave(Hf // v.shape[1], 1)
-    T5 = T_BHMW.view(B, Hf, G, M, Dv + 1)
-    T5[..., :Dv].addcmul_(phi_k[:, :, None, 0, :, None], v_f[:, :, None, 0, None, :])
-    T5[..., Dv].add_(phi_k[:, :, None, 0])
-    nd = phi_q.view(B, Hf, G, 1, M) @ T5  # [B, Hf, G, 1, Dv + 1]: numerator and denominator at once
-    out = _safe_ratio(nd[..., :Dv], nd[..., Dv], eps).view(B, H, 1, Dv).to(q.dtype)
-    return out, (T_BHMW[..., :Dv], T_BHMW[..., Dv])
+    v_f = v if v.dtype == cdt else v.to(cdt)
+    if v_f.shape[1] != Hf:
+        v_f = v_f.repeat_interleave(Hf // v_f.shape[1], 1)
+    S, z = T_BHMW[..., :Dv], T_BHMW[..., Dv]
+    S.view(B, Hf, G, M, Dv).addcmul_(phi_k.view(B, Hf, 1, M, 1), v_f.view(B, Hf, 1, 1, Dv))
+    z.view(B, Hf, G, M).add_(phi_k.view(B, Hf, 1, M))
+    nd = torch.bmm(phi_q.view(B * H, 1, M), T_BHMW.view(B * H, M, W))  # numerator and denominator at once
+    den = nd[..., Dv:] + eps
+    if eps < torch.finfo(cdt).tiny:  # (see _safe_ratio)
+        den = torch.where(den == 0, 1.0, den)
+    out = (nd[..., :Dv] / den).view(B, H, 1, Dv)
+    return (out if out.dtype == q.dtype else out.to(q.dtype)), (S, z)
 
 
 def linear_attention_reference(

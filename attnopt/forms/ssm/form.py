@@ -71,7 +71,9 @@ class SsmSite(SiteModule):
         """The recurrence on one [S ‖ z] buffer, decayed and advanced in place."""
         p = self.params
         cdt = compute_dtype(q.dtype)
-        gamma = self.decay.to(device=q.device, dtype=cdt)
+        gamma = self.__dict__.get("_gamma_step")
+        if gamma is None or gamma.dtype != cdt or gamma.device != q.device:  # γ in the compute dtype, made once
+            gamma = self.__dict__["_gamma_step"] = self.decay.to(device=q.device, dtype=cdt)
         return decay_step_(q, k, v, packed_decay_state(form_state, cdt), gamma, feature_map=p["feature_map"],
                            normalize=p["normalize"], scale=self.geometry.scale)
 

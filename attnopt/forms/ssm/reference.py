@@ -426,24 +426,30 @@ def decay_step_(q_t: Tensor, k_t: Tensor, v_t: Tensor, packed: Tensor, gamma_H: 
                 normalize: bool, scale: Optional[float], eps: float = 1e-6) -> tuple[Tensor, DecayState]:
     """`decay_attention_step` advancing the state IN PLACE (`packed_decay_state`): q_t [B, H, 1, D],
     k_t/v_t [B, Hkv, 1, ·], γ [H] in the compute dtype. Returns (o_t, (S, z-or-None) as views of
-    `packed`); the same sums, with no allocation beyond φ(q), φ(k) and the output."""
+    `packed`); the same sums, with no allocation beyond φ(q), φ(k) and the output (views rather
+    than indexing: on a CPU a decoding step is as fast as it has few ops)."""
     cdt = packed.dtype
-    B, H, _, D = q_t.shape
-    Dv = v_t.shape[3]
-    phi_q = _feature(q_t.to(cdt), feature_map)  # [B, H, 1, Dk]
-    phi_k = _feature(k_t.to(cdt), feature_map)  # [B, Hkv, 1, Dk]: each kv head serves G query heads
+    B, H, D, W = packed.shape
+    Dv = W - 1 if normalize else W
+    phi_q = _feature(q_t if q_t.dtype == cdt else q_t.to(cdt), feature_map)  # [B, H, 1, Dk]
+    phi_k = _feature(k_t if k_t.dtype == cdt else k_t.to(cdt), feature_map)  # [B, Hkv, 1, Dk]: serves G query heads
+    v = v_t if v_t.dtype == cdt else v_t.to(cdt)
     Hkv = phi_k.shape[1]
-    P5 = packed.view(B, Hkv, H // Hkv, D, packed.shape[-1])
+    G = H // Hkv
     packed.mul_(gamma_H.view(1, H, 1, 1))
-    P5[..., :Dv].addcmul_(phi_k[:, :, None, 0, :, None], v_t.to(cdt)[:, :, None, 0, None, :])
+    S = packed[..., :Dv] if normalize else packed
+    S.view(B, Hkv, G, D, Dv).addcmul_(phi_k.view(B, Hkv, 1, D, 1), v.view(B, Hkv, 1, 1, Dv))
+    z = None
     if normalize:
-        P5[..., Dv].add_(phi_k[:, :, None, 0])
-    nd = phi_q @ packed  # [B, H, 1, Dv (+ 1)]
+        z = packed[..., Dv]
+        z.view(B, Hkv, G, D).add_(phi_k.view(B, Hkv, 1, D))
+    nd = torch.bmm(phi_q.view(B * H, 1, D), packed.view(B * H, D, W))  # [B·H, 1, Dv (+ 1)]
     if normalize:
         out = _ratio(nd[..., :Dv], nd[..., Dv:], eps)
-        return out.to(q_t.dtype), (packed[..., :Dv], packed[..., Dv])
-    s = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    return (s * nd).to(q_t.dtype), (packed, None)
+    else:
+        out = (1.0 / math.sqrt(D) if scale is None else float(scale)) * nd
+    out = out.view(B, H, 1, Dv)
+    return (out if out.dtype == q_t.dtype else out.to(q_t.dtype)), (S, z)
 
 
 def decay_attention_reference(
