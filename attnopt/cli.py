@@ -414,7 +414,12 @@ def bench_command(
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's own)"),
     as_json: bool = typer.Option(False, "--json", help="print the result as JSON (no progress bar)"),
     dispatch: Optional[Dispatch] = typer.Option(None, "--dispatch", help=DISPATCH_HELP),
+    recalibrate_dispatch: bool = typer.Option(
+        False, "--recalibrate-dispatch", help="measure every dispatch threshold the compiles read again, replacing "
+        "the cached ones (run it on a quiet machine)"),
 ) -> int:
+    if recalibrate_dispatch:
+        os.environ["ATTNOPT_RECALIBRATE"] = "1"  # attnopt.passes.crossover.ENV_RECALIBRATE (torch loads lazily)
     return _guarded("bench", lambda: run_bench(model, list(policy or BENCH_POLICIES), lengths, repeats, threads,
                                                as_json, dispatch.value if dispatch else None))
 

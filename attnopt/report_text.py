@@ -64,7 +64,8 @@ def site_row(r, multipliers: tuple) -> dict[str, str]:
         "drift": "—" if drift is None else f"{fmt_num(drift.rel_rms)} / {fmt_num(drift.cosine, 4)}",
         "tolerance": fmt_num(o.tolerance),
         # Dispatch: the site runs exact attention below this query length (the form from it on).
-        "threshold": "—" if r.threshold is None else f"{r.threshold.min_seq_len} ({r.threshold.source})",
+        "threshold": "—" if r.threshold is None else f"{r.threshold.min_seq_len} ({r.threshold.source}"
+                     f"{', loaded machine' if r.threshold.loaded else ''})",
         "ratio_first": fmt_num(r.flops_ratio(0)),
         "ratio_last": fmt_num(r.flops_ratio(last)),
     }

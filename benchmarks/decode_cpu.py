@@ -45,7 +45,7 @@ def build_model(max_len: int):
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-def variants(base):
+def variants(base, dispatch: str = "off"):
     ids = torch.randint(1, 1000, (1, 64), generator=torch.Generator().manual_seed(1))
     example = {"input_ids": ids, "use_cache": False}
     out = {"original": base}
@@ -53,7 +53,7 @@ def variants(base):
         # Random weights: drift means nothing here, so every site is kept (no end-to-end budget).
         # dispatch off: the state alone (an automatic threshold T would add an exact prefix of up to T
         # tokens while the context is shorter than T).
-        opt = attnopt.compile(base, policy, example_inputs=example, e2e_tolerance=None, dispatch="off")
+        opt = attnopt.compile(base, policy, example_inputs=example, e2e_tolerance=None, dispatch=dispatch)
         out[policy] = opt
         print(f"compiled {policy}: {opt.attnopt_report.count('rewritten')} of 4 sites rewritten", flush=True)
     out["ceiling (zero-cost attention, no cache)"] = ceiling_model(base)
@@ -159,7 +159,7 @@ def table(result) -> str:
             r = result["contexts"][n][name]
             cells.append(f"{r['ms_per_token']:.2f} ms ({r['speedup_vs_original']:.2f}×)")
         last = result["contexts"][ns[-1]][name]["state_bytes"]
-        g = result["growth"].get(name, {})
+        g = result["growth"].get(name) or {}
         ratio = g.get("ratio_512_to_64")
         lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {last / 1e6:.2f} MB | "
                      + ("—" if ratio is None else f"{ratio:.2f}×") + " |")
@@ -173,6 +173,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dispatch", choices=("off", "auto"), default="off",
+                    help="off: each form's state at every length; auto: the measured thresholds (exact below them)")
+    ap.add_argument("--no-growth", action="store_true", help="skip the 512-token state growth check")
     ap.add_argument("--out", default="benchmarks/results/decode_cpu.json")
     args = ap.parse_args(argv)
     if args.table:
@@ -181,12 +184,13 @@ def main(argv=None):
         return
     torch.set_num_threads(args.threads)
     base = build_model(max(args.contexts))
-    models = variants(base)
+    models = variants(base, args.dispatch)
     result = {"hardware": f"{cpu_name()}, {os.cpu_count()} cores, torch threads {args.threads}",
               "torch": torch.__version__, "model": "Llama-style, 4 layers, hidden 128, heads 4/2, head dim 32, "
               "random weights, batch 1, fp32", "method": f"per-token decode, mean of {args.steps} steps, best of "
-              f"{args.rounds} interleaved rounds", "contexts": {}, "growth": {}}
-    for name, model in models.items():
+              f"{args.rounds} interleaved rounds", "dispatch": args.dispatch, "contexts": {}, "growth": {},
+              "load_average": os.getloadavg()[0]}
+    for name, model in ({} if args.no_growth else models).items():
         result["growth"][name] = growth(model)
         print(f"growth {name}: {result['growth'][name]}", flush=True)
     for n in args.contexts:

@@ -83,3 +83,14 @@ def test_bench_help_names_one_default_model(capsys):
     assert main(["bench", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.replace("│", " ").split())
     assert "[default: decoder]" in out and "(default)" not in out and "default: minilm" not in out
+
+
+def test_bench_recalibrate_dispatch_makes_the_compiles_measure_again(monkeypatch):
+    import attnopt.cli as cli
+
+    seen = []
+    monkeypatch.setenv("ATTNOPT_RECALIBRATE", "")  # restored after the test
+    monkeypatch.setattr(cli, "run_bench", lambda *a, **k: seen.append(cli.os.environ["ATTNOPT_RECALIBRATE"]) or 0)
+    assert main(["bench", "--policy", "linear"]) == 0
+    assert main(["bench", "--policy", "linear", "--recalibrate-dispatch"]) == 0
+    assert seen == ["", "1"]  # attnopt.passes.crossover.stale() then re-measures every entry a compile reads

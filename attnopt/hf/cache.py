@@ -56,13 +56,22 @@ class SiteCacheLayer(CacheLayerMixin):
         self.refusal = refusal or refusal_line([(None, site_module.form)])
         self.state = None
         self.columns = 0
+        # While every column so far lies inside the site's min_seq_len, the layer is a plain KV
+        # cache and the site runs the model's own attention (`exact_now`): below its threshold a
+        # site costs what the original does. The first call past it builds the state from those keys.
+        self.exact_now = False
+        self.kept = 0  # columns held as plain K/V in keys / values (0 once the state exists)
+        # Whether a call of this sequence had padding among its new tokens: the in-place one-token
+        # step (`SiteModule.decode_token`) serves only batches that never had any.
+        self.padded = False
 
     def __repr__(self):
         return f"SiteCacheLayer(form={self.site_module.form!r}, columns={self.columns}, bytes={self.nbytes})"
 
     @property
     def nbytes(self) -> int:
-        return state_nbytes(self.state)
+        kv = 0 if not self.kept else sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+        return state_nbytes(self.state) + kv
 
     @property
     def is_croppable(self) -> bool:
@@ -75,28 +84,58 @@ class SiteCacheLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Only the new tokens go on to the attention function; `attend` absorbs them into the state."""
+        """Inside min_seq_len: every key so far, for the model's own attention. Past it: only the new
+        tokens' keys, which `attend` absorbs into the state."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.keys is None or self.keys.shape[0] != key_states.shape[0]:
+        Nq = key_states.shape[-2]
+        self.exact_now = self.state is None and self.columns + Nq <= self.site_module.min_seq_len
+        if self.exact_now:
+            if self.kept and self.keys.shape[0] == key_states.shape[0]:
+                self.keys = torch.cat([self.keys, key_states], dim=-2)
+                self.values = torch.cat([self.values, value_states], dim=-2)
+            else:
+                self.keys, self.values = key_states, value_states
+            self.kept = self.columns = self.columns + Nq
+            hand_over(self, kwargs, self.keys)
+            return self.keys, self.values
+        if not self.kept and (self.keys is None or self.keys.shape[0] != key_states.shape[0]):
             # Zero-length stand-ins for code that reads layer.keys / .values itself (Whisper's
             # generate() rebuilds the cache it returns from them; the state is not in it).
             self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]
+        self.columns += Nq
         hand_over(self, kwargs, key_states)
         return key_states, value_states
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
         """The site's output for the new tokens [B, H, Nq, Dv]; advances the state by them."""
+        site = self.site_module
+        Nq = key.shape[-2]
         keep = None
         if attention_mask is not None:  # HF builds it over every column so far; the new ones are last
-            g = self.site_module.geometry
-            keep = key_keep(attention_mask, g.keep_when, query.shape[0], attention_mask.shape[-1])
-            keep = None if keep is None else keep[:, -key.shape[-2]:]
-            if keep is not None and bool(keep.all()):  # no padding among the new tokens: the faster unmasked kernels
+            keep = key_keep(attention_mask, site.geometry.keep_when, query.shape[0], attention_mask.shape[-1])
+            if keep is not None and bool(keep.all()):  # no padding: the faster unmasked kernels
                 keep = None
-        out, self.state = self.site_module.decode(query, key, value, keep, self.state)
-        self.columns += key.shape[-2]
+        if keep is not None:
+            self.padded = True
+        if self.kept:  # the first call past min_seq_len: the state of every column kept so far
+            key, value = torch.cat([self.keys, key], dim=-2), torch.cat([self.values, value], dim=-2)
+            out, self.state = site.decode_from_keys(query, key, value, keep)
+            self.kept = 0
+            self.keys, self.values = key[..., :0, :], value[..., :0, :]
+            return out
+        keep = None if keep is None else keep[:, -Nq:]
+        state = self.state
+        if (Nq == 1 and not self.padded and state is not None and state.prefix is None
+                and not torch.compiler.is_compiling()):
+            stepped = site.decode_token(query, key, value, state.form_state)
+            if stepped is not None:  # the in-place step: no padding, past min_seq_len, one token
+                out, state.form_state = stepped
+                state.real_B.add_(1)
+                state.columns += 1
+                return out
+        out, self.state = site.decode(query, key, value, keep, state)
         return out
 
     def get_seq_length(self) -> int:
@@ -109,7 +148,7 @@ class SiteCacheLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.state, self.columns = None, 0
+        self.state, self.columns, self.kept, self.padded, self.exact_now = None, 0, 0, False, False
         self.keys = self.values = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -137,10 +176,16 @@ class SiteCacheLayer(CacheLayerMixin):
     def offload(self):
         if self.state is not None:
             self.state = to_device(self.state, "cpu")
+        if self.kept:
+            self.keys, self.values = self.keys.to("cpu", non_blocking=True), self.values.to("cpu", non_blocking=True)
 
     def prefetch(self):
-        if self.state is not None and getattr(self, "device", None) is not None:
+        if getattr(self, "device", None) is None:
+            return
+        if self.state is not None:
             self.state = to_device(self.state, self.device)
+        if self.kept:
+            self.keys, self.values = (t.to(self.device, non_blocking=True) for t in (self.keys, self.values))
 
 
 def refusal_line(layers: list) -> str:

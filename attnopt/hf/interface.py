@@ -167,6 +167,10 @@ def attention_forward(
     if site_module is None and _planner is not None and state is None:
         site_module = _planner(module, query, key, value, attention_mask, scaling, is_causal, kwargs)
         state = module.__dict__.get("_attnopt_state")
+    if layer is not None and layer.decodes and not layer.exact_now and layer.site_module is site_module and (
+            state is None or (not state.store_qk and state.recorder is None)):
+        # The decoding hot path: the site's own state, nothing else asked.
+        return layer.attend(query, key, value, attention_mask).transpose(1, 2).contiguous(), None
     exact = state.original if state is not None and state.original is not None else original_attention(module)
     if state is not None and state.store_qk:
         state.call.set("qk", (query, key))
@@ -184,7 +188,15 @@ def attention_forward(
     if layer is not None and layer.site_module is not site_module:
         layer = None  # another site's layer (a cache shared by mistake is refused when it is bound)
     if layer is not None and layer.decodes:  # decode from the site's own state
+        if layer.exact_now:  # every column inside min_seq_len: the layer is a plain KV cache
+            return exact(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                         is_causal=is_causal, **kwargs)
         return layer.attend(query, key, value, attention_mask).transpose(1, 2).contiguous(), None
+    if (layer is None and not site_module.uses_anchor_qk
+            and site_module.runs_exact(query.shape[-2], key.shape[-2])):
+        # Below the site's threshold: the model's own attention, with no attnopt step in between.
+        return exact(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+                     **kwargs)
     x = None
     if site_module.uses_anchor_qk:
         qk = state.anchor.call.get("qk") if state is not None and state.anchor is not None else None

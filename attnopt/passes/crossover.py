@@ -10,6 +10,19 @@ version, form parameters and geometry (CROSSOVER_CACHE, relocated by $ATTNOPT_CR
 each is measured once. A rule's own `min_seq_len` wins (0 = the form at every length);
 `compile(dispatch="off")` or $ATTNOPT_DISPATCH=off resolves unset thresholds to 0, as before.
 
+A site that decodes from a state of its own is also timed as a decoding step (`decode_timer`: its
+in-place one-token step at context N against appending to a KV cache and reading it, the
+original's step), and its threshold is the larger of the two crossovers: the first T positions run
+exact in prefill and decode alike, so one T must be safe for both.
+
+A timing is only as good as the machine was quiet. The two ops take turns and the best of repeats
+is kept; a result that contradicts the cost model by a wide margin (the form loses at the longest
+length while doing a small fraction of exact attention's work) is measured once more; each entry
+records the load average it was taken under (`load_average`, injectable), and an entry taken on a
+loaded machine is measured again by the next compile that finds the machine quiet. The report says
+when a threshold came from a loaded machine. $ATTNOPT_RECALIBRATE=1 (`attnopt bench
+--recalibrate-dispatch`) re-measures every entry a compile reads.
+
 Verification judges the form itself: thresholds are applied after it (and after the end-to-end
 budget), so a measured threshold never asks for a longer verification input, and a site's drift
 is the form's own where it acts.
@@ -29,11 +42,13 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
+from attnopt import forms
 from attnopt.ir.outcomes import Status
 
 DISPATCH_MODES = ("auto", "off")
 ENV_DISPATCH = "ATTNOPT_DISPATCH"
 ENV_CACHE = "ATTNOPT_CROSSOVER_CACHE"
+ENV_RECALIBRATE = "ATTNOPT_RECALIBRATE"
 CROSSOVER_CACHE = Path("~/.cache/attnopt/crossover.json")
 # Ascending; the search stops once the form wins at WINS_TO_STOP lengths in a row, so a typical
 # form costs a handful of short timings. Exact attention at 8192 keys is about a second on 2 cores.
@@ -41,6 +56,12 @@ LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 WINS_TO_STOP = 2
 REPEATS = 3  # best of, the two ops taking turns
 MIN_SAMPLE_S = 2e-3  # short calls are looped until one sample lasts this long
+# A machine is loaded when its 1-minute load average exceeds this share of its cores (our own
+# timing adds up to one thread's worth; two busy jobs on 2 cores read above 2).
+LOADED_SHARE = 0.75
+# Wide disagreement with the cost model: the form loses at the longest length measured although
+# the model gives it at most this share of exact attention's FLOPs there.
+MODEL_MARGIN = 0.25
 # Forms with a fixed threshold, and why they are not timed.
 FIXED = {
     "reuse": "reuse saves the site's own q/k projections, outside the attention op, and below a threshold it "
@@ -84,6 +105,9 @@ class Threshold:
     source: "given" (the rule's min_seq_len), "measured" (timed now), "cached" (timed earlier on
     this device), "off" (dispatch off: 0), "fixed" (a form that is never timed, FIXED).
     timings: (N, form seconds, exact seconds) per measured length, when timed.
+    decode: the decoding crossover (None: not timed, the site keeps no state of its own);
+    decode_timings as timings, for one decoding step at context N. load: the load average the
+    timings were taken under (None: not timed); loaded: it exceeded LOADED_SHARE of the cores.
     """
 
     site_id: str
@@ -92,16 +116,22 @@ class Threshold:
     source: str
     detail: str
     timings: tuple = ()
+    decode: Optional[int] = None
+    decode_timings: tuple = ()
+    load: Optional[float] = None
+    loaded: bool = False
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["timings"] = [list(t) for t in self.timings]
+        d["decode_timings"] = [list(t) for t in self.decode_timings]
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Threshold":
         d = dict(d)
         d["timings"] = tuple(tuple(t) for t in d.get("timings", ()))
+        d["decode_timings"] = tuple(tuple(t) for t in d.get("decode_timings", ()))
         return cls(**d)
 
 
@@ -198,6 +228,12 @@ def measure(time_pair: Callable[[int], tuple[float, float]], lengths: Sequence[i
         streak = streak + 1 if form_s < exact_s else 0
         if streak >= wins_to_stop:
             break
+    return summarise(timings)
+
+
+def summarise(timings: Sequence[tuple[int, float, float]]) -> tuple[int, str, tuple]:
+    """`measure`'s (threshold, words, timings) for timings already taken."""
+    timings = sorted(timings)
     at = crossover(timings)
     longest = timings[-1][0]
     if at is None:
@@ -208,14 +244,61 @@ def measure(time_pair: Callable[[int], tuple[float, float]], lengths: Sequence[i
     return at, f"faster than exact attention from {at} tokens on (measured {timings[0][0]}..{longest})", tuple(timings)
 
 
-def module_timer(module: torch.nn.Module, geometry: Geometry, repeats: int = REPEATS) -> Callable[[int], tuple[float, float]]:
-    """time_pair(N): best-of-`repeats` seconds of the site's form and of exact attention (SDPA) on
-    random q [1, H, N, D], k/v [1, Hkv, N, D]; the two take turns so a busy moment hits both."""
+def merged(*runs: Sequence[tuple[int, float, float]]) -> list:
+    """Per length, the fastest form and the fastest exact time over several runs (min of repeats)."""
+    best: dict = {}
+    for run in runs:
+        for n, form_s, exact_s in run:
+            f, e = best.get(n, (float("inf"), float("inf")))
+            best[n] = (min(f, form_s), min(e, exact_s))
+    return [(n, f, e) for n, (f, e) in sorted(best.items())]
+
+
+def load_average() -> float:
+    """The 1-minute load average (tests inject their own)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
+def is_loaded(load: Optional[float]) -> bool:
+    """Whether a load average says other work shared the cores: our own timing threads count in it,
+    so they are taken off first."""
+    cores = os.cpu_count() or 1
+    return load is not None and load - min(torch.get_num_threads(), cores) > LOADED_SHARE * cores
+
+
+def contradicts_model(form_obj, site, params: Mapping, timings: Sequence[tuple[int, float, float]]) -> bool:
+    """Whether timings disagree with the cost model by a wide margin: the form loses at the longest
+    length measured while the model gives it at most MODEL_MARGIN of exact attention's FLOPs there."""
+    if site is None or not timings:
+        return False
+    n, form_s, exact_s = max(timings)
+    if form_s < exact_s:
+        return False
+    try:
+        ratio = form_obj.cost(site, params, 1, n, n).flops / exact_flops(site, n)
+    except (AttributeError, KeyError, TypeError, ValueError, ZeroDivisionError):
+        return False
+    return ratio <= MODEL_MARGIN
+
+
+def exact_flops(site, n: int) -> float:
+    """Softmax attention's FLOPs at N queries and keys (causal: half the score matrix)."""
+    flops = 2.0 * site.heads * n * n * (site.head_dim + site.v_head_dim)
+    return flops / 2 if site.causal else flops
+
+
+def _dtype_device(geometry: "Geometry"):
     dtype = getattr(torch, geometry.dtype, torch.float32)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         dtype = torch.float32
-    device = torch.device(geometry.device)
+    return dtype, torch.device(geometry.device)
 
+
+def _time_ops(ops: dict, device: torch.device, repeats: int) -> dict:
+    """Best-of-`repeats` seconds per call of each op, the ops taking turns (short ones looped)."""
     def once(fn) -> float:
         t = time.perf_counter()
         fn()
@@ -223,33 +306,117 @@ def module_timer(module: torch.nn.Module, geometry: Geometry, repeats: int = REP
             torch.cuda.synchronize(device)
         return time.perf_counter() - t
 
+    loops = {name: max(1, int(MIN_SAMPLE_S / max(once(op), 1e-7))) for name, op in ops.items()}  # + warm-up
+    best = {name: float("inf") for name in ops}
+    for _ in range(repeats):
+        for name, op in ops.items():
+            best[name] = min(best[name], once(lambda: [op() for _ in range(loops[name])]) / loops[name])
+    return best
+
+
+def decode_timer(module: torch.nn.Module, geometry: Geometry, repeats: int = REPEATS) -> Callable[[int], tuple[float, float]]:
+    """time_pair(N): best-of-`repeats` seconds of one decoding step at context N -- the site's
+    in-place step from the state of N random keys (its general step where it has none) against
+    the original's: append to a KV cache of N keys and attend one query over it (SDPA)."""
+    dtype, device = _dtype_device(geometry)
+
+    @torch.inference_mode()
+    def time_pair(n: int) -> tuple[float, float]:
+        gen = torch.Generator(device=device).manual_seed(n)
+        H, Hkv, D, Dv = geometry.heads, geometry.kv_heads, geometry.head_dim, geometry.v_head_dim
+        q_BH1D = torch.randn(1, H, 1, D, generator=gen, device=device).to(dtype)
+        k_BHkvND = torch.randn(1, Hkv, n, D, generator=gen, device=device).to(dtype)
+        v_BHkvND = torch.randn(1, Hkv, n, Dv, generator=gen, device=device).to(dtype)
+        k1, v1 = k_BHkvND[:, :, -1:].clone(), v_BHkvND[:, :, -1:].clone()
+        _, state = module.decode_step(q_BH1D, k_BHkvND, v_BHkvND, None, None)
+        held = [state]
+
+        def form_step():
+            stepped = module.decode_token(q_BH1D, k1, v1, held[0])
+            if stepped is None:
+                stepped = module.decode_step(q_BH1D, k1, v1, None, held[0])
+            held[0] = stepped[1]
+
+        def exact_step():
+            k_all, v_all = torch.cat([k_BHkvND, k1], dim=2), torch.cat([v_BHkvND, v1], dim=2)
+            torch.nn.functional.scaled_dot_product_attention(q_BH1D, k_all, v_all, scale=geometry_scale(module),
+                                                             enable_gqa=H != Hkv)
+
+        best = _time_ops({"form": form_step, "exact": exact_step}, device, repeats)
+        return best["form"], best["exact"]
+
+    return time_pair
+
+
+def geometry_scale(module) -> Optional[float]:
+    g = getattr(module, "geometry", None)
+    return None if g is None else g.scale
+
+
+def module_timer(module: torch.nn.Module, geometry: Geometry, repeats: int = REPEATS) -> Callable[[int], tuple[float, float]]:
+    """time_pair(N): best-of-`repeats` seconds of the site's form and of exact attention (SDPA) on
+    random q [1, H, N, D], k/v [1, Hkv, N, D]; the two take turns so a busy moment hits both."""
+    dtype, device = _dtype_device(geometry)
+
     @torch.inference_mode()
     def time_pair(n: int) -> tuple[float, float]:
         gen = torch.Generator(device=device).manual_seed(n)
         q_BHND = torch.randn(1, geometry.heads, n, geometry.head_dim, generator=gen, device=device).to(dtype)
         k_BHkvND = torch.randn(1, geometry.kv_heads, n, geometry.head_dim, generator=gen, device=device).to(dtype)
         v_BHkvND = torch.randn(1, geometry.kv_heads, n, geometry.v_head_dim, generator=gen, device=device).to(dtype)
-        ops = {"form": lambda: module.attend(q_BHND, k_BHkvND, v_BHkvND, None, None, None),
-               "exact": lambda: module.exact(q_BHND, k_BHkvND, v_BHkvND, None)}
-        loops = {name: max(1, int(MIN_SAMPLE_S / max(once(op), 1e-7))) for name, op in ops.items()}  # + warm-up
-        best = {name: float("inf") for name in ops}
-        for _ in range(repeats):
-            for name, op in ops.items():
-                best[name] = min(best[name], once(lambda: [op() for _ in range(loops[name])]) / loops[name])
+        best = _time_ops({"form": lambda: module.attend(q_BHND, k_BHkvND, v_BHkvND, None, None, None),
+                          "exact": lambda: module.exact(q_BHND, k_BHkvND, v_BHkvND, None)}, device, repeats)
         return best["form"], best["exact"]
 
     return time_pair
 
 
+def stale(entry: Optional[Mapping], decodes: bool) -> str:
+    """Why a cache entry must be measured (again), in words for the progress line; "" to use it."""
+    if entry is None:
+        return " "
+    if os.environ.get(ENV_RECALIBRATE, "") not in ("", "0"):
+        return f", ${ENV_RECALIBRATE} set"
+    if decodes and "decode" not in entry:
+        return ", decoding step not timed yet"
+    if is_loaded(entry.get("load")) and not is_loaded(load_average()):
+        return f", the cached entry was taken under load {entry['load']:.1f} and the machine is quiet now"
+    return ""
+
+
+def measure_entry(module, geometry: Geometry, site, params: Mapping, lengths: Sequence[int], decodes: bool,
+                  timer: TimerFactory, dtimer: TimerFactory, step: Callable[[str], None], form: str) -> dict:
+    """A cache entry: the prefill crossover (timed again once when it contradicts the cost model),
+    the decoding crossover for sites that decode from a state, and the load they were taken under."""
+    load = load_average()
+    value, detail, timings = measure(timer(module, geometry), lengths)
+    if contradicts_model(forms.get(form), site, params, timings):
+        step(f"timing {form} again: it lost at {timings[-1][0]} tokens, which the cost model rules out")
+        value, detail, timings = summarise(merged(timings, measure(timer(module, geometry), lengths)[2]))
+        detail += " (timed twice: the first run contradicted the cost model)"
+    entry = {"min_seq_len": value, "prefill": value, "detail": detail, "timings": [list(x) for x in timings]}
+    if decodes:
+        step(f"timing a {form} decoding step against a KV cache step ({geometry.text()})")
+        dvalue, ddetail, dtimings = measure(dtimer(module, geometry), lengths)
+        entry.update(decode=dvalue, decode_timings=[list(x) for x in dtimings],
+                     min_seq_len=max(value, dvalue), detail=f"{detail}; decoding: {ddetail}")
+    load = max(load, load_average())
+    entry["load"] = load
+    if is_loaded(load):
+        entry["detail"] += f"; timed on a loaded machine (load {load:.1f}, {os.cpu_count()} cores): re-measured when quiet"
+    return entry
+
+
 def resolve_thresholds(sites: Sequence, outcomes: Sequence, modules: Mapping, mode: str,
                        device: torch.device = torch.device("cpu"), timer: Optional[TimerFactory] = None,
                        path: Optional[Path] = None, step: Callable[[str], None] = lambda text: None,
-                       max_len: Optional[int] = None) -> Dispatch:
+                       max_len: Optional[int] = None, decode_timer_factory: Optional[TimerFactory] = None) -> Dispatch:
     """Give every rewritten site its min_seq_len: the rule's own, else (mode "auto") the form's
     crossover for the site's geometry (cached, or measured now and cached), else 0. The site
     modules and the outcomes' params are updated to it; `step(text)` is called before each timing.
-    timer: how a site is timed (default `module_timer`; tests inject fixed timings). max_len: the
-    model's position limit; longer lengths are not timed (part of the cache key)."""
+    timer: how a site is timed (default `module_timer`; tests inject fixed timings), and
+    decode_timer_factory how its decoding step is (default `decode_timer`). max_len: the model's
+    position limit; longer lengths are not timed (part of the cache key)."""
     lengths = tuple(n for n in LENGTHS if max_len is None or n <= max_len) or LENGTHS[:1]
 
     by_id = {s.id: s for s in sites}
@@ -269,21 +436,24 @@ def resolve_thresholds(sites: Sequence, outcomes: Sequence, modules: Mapping, mo
         elif form in FIXED:
             t = Threshold(outcome.site_id, form, 0, "fixed", FIXED[form])
         else:
-            geometry = Geometry.of(by_id[outcome.site_id], device)
+            site = by_id[outcome.site_id]
+            geometry = Geometry.of(site, device)
             key = cache_key(form, outcome.params, geometry) + ("" if lengths == LENGTHS else f" | up to {lengths[-1]}")
-            if key in known:
-                value, detail, timings, source = known[key]
-            elif key in cache:
-                entry = cache[key]
-                value, detail, timings, source = (int(entry["min_seq_len"]), entry["detail"],
-                                                  tuple(tuple(x) for x in entry["timings"]), "cached")
-            else:
-                step(f"timing {form} against exact attention ({geometry.text()})")
-                value, detail, timings = measure((timer or module_timer)(module, geometry), lengths)
+            decodes = bool(getattr(module, "decodes", False))
+            entry = known.get(key) or cache.get(key)
+            why = "" if key in known else stale(entry, decodes)
+            source = "cached"
+            if why:
+                step(f"timing {form} against exact attention ({geometry.text()}{why.rstrip()})")
+                entry = measure_entry(module, geometry, site, outcome.params, lengths, decodes,
+                                      timer or module_timer, decode_timer_factory or decode_timer, step, form)
+                store(key, entry, path)
                 source = "measured"
-                store(key, {"min_seq_len": value, "detail": detail, "timings": [list(x) for x in timings]}, path)
-            known[key] = (value, detail, timings, "cached" if source == "measured" else source)
-            t = Threshold(outcome.site_id, form, value, source, detail, timings)
+            known[key] = entry
+            t = Threshold(outcome.site_id, form, int(entry["min_seq_len"]), source, entry["detail"],
+                          tuple(tuple(x) for x in entry["timings"]), entry.get("decode"),
+                          tuple(tuple(x) for x in entry.get("decode_timings", ())), entry.get("load"),
+                          is_loaded(entry.get("load")))
         thresholds[outcome.site_id] = t
         module.params["min_seq_len"] = t.min_seq_len
         module.min_seq_len = t.min_seq_len

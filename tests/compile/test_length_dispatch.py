@@ -57,6 +57,11 @@ def cache(tmp_path, monkeypatch):
     path = tmp_path / "crossover.json"
     monkeypatch.setenv("ATTNOPT_CROSSOVER_CACHE", str(path))
     monkeypatch.delenv("ATTNOPT_DISPATCH", raising=False)
+    monkeypatch.delenv("ATTNOPT_RECALIBRATE", raising=False)
+    # No test times anything or reads the machine's load: the decoding step's timer and the load
+    # source are injected too (a quiet machine unless a test says otherwise).
+    monkeypatch.setattr(crossover, "decode_timer", FakeTimer(cross=128))
+    monkeypatch.setattr(crossover, "load_average", lambda: 0.0)
     return path
 
 
@@ -102,7 +107,9 @@ def test_compile_measures_caches_and_reports_the_threshold(llama, cache, monkeyp
     again = CompileReport.from_dict(json.loads(report.to_json()))
     assert again.sites[0].threshold == ths[0]
     assert "256 (measured)" in report.to_markdown() and "256 (cached)" in report.to_html()
-    assert 'title="faster than exact attention from 256 tokens on (measured 64..512)"' in report.to_html()
+    assert ('title="faster than exact attention from 256 tokens on (measured 64..512); decoding: faster than exact '
+            'attention from 128 tokens on (measured 64..256)"') in report.to_html()
+    assert ths[0].decode == 128 and ths[0].load == 0.0 and not ths[0].loaded
     # below the threshold the compiled model is the original, exactly; from it on the form acts
     short = _ids(200, seed=2)
     assert torch.equal(_logits(opt, short), _logits(llama, short))
@@ -145,3 +152,75 @@ def test_bad_dispatch_values_are_one_line_errors(llama, cache, monkeypatch):
     cache.write_text("{not json")
     with pytest.raises(ValueError, match="crossover cache .* cannot be read"):
         crossover.load_cache()
+
+
+class LoadDependentTimer:
+    """The form wins from 256 tokens on a quiet machine; under load (another job on the cores) every
+    timing of it is noisy and it seems to lose up to the longest length."""
+
+    def __init__(self, load):
+        self.load, self.calls = load, 0
+
+    def __call__(self, module, geometry):
+        self.calls += 1
+
+        def time_pair(n):
+            if self.load[0] > 1:
+                return 2.0, 1.0
+            return (2.0 if n < 256 else 0.5), 1.0
+
+        return time_pair
+
+
+def test_a_cache_written_under_load_is_measured_again_when_quiet(llama, cache, monkeypatch):
+    load = [100.0]
+    timer = LoadDependentTimer(load)
+    monkeypatch.setattr(crossover, "module_timer", timer)
+    monkeypatch.setattr(crossover, "decode_timer", LoadDependentTimer(load))
+    monkeypatch.setattr(crossover, "load_average", lambda: load[0])
+    example = {"input_ids": _ids(64), "use_cache": False}
+    busy = attnopt.compile(llama, "linear", example_inputs=example, tolerance=0.99, e2e_tolerance=None)
+    t = busy.attnopt_report.sites[0].threshold
+    assert (t.min_seq_len, t.source, t.loaded, t.load) == (1024, "measured", True, 100.0)  # exact at every length
+    assert "timed on a loaded machine (load 100.0" in t.detail
+    assert "1024 (measured, loaded machine)" in busy.attnopt_report.to_markdown()
+    load[0] = 0.2  # quiet now: the loaded entry is measured again, and the form acts from 256 on
+    quiet = attnopt.compile(llama, "linear", example_inputs=example, tolerance=0.99, e2e_tolerance=None)
+    assert [(r.threshold.min_seq_len, r.threshold.source, r.threshold.loaded) for r in quiet.attnopt_report.sites] == \
+        [(256, "measured", False), (256, "cached", False)]
+    load[0] = 100.0  # a quiet entry is not replaced by a loaded measurement
+    again = attnopt.compile(llama, "linear", example_inputs=example, tolerance=0.99, e2e_tolerance=None)
+    assert [r.threshold.source for r in again.attnopt_report.sites] == ["cached", "cached"] and timer.calls == 2
+    monkeypatch.setenv("ATTNOPT_RECALIBRATE", "1")  # attnopt bench --recalibrate-dispatch
+    load[0] = 0.0
+    forced = attnopt.compile(llama, "linear", example_inputs=example, tolerance=0.99, e2e_tolerance=None)
+    assert [r.threshold.source for r in forced.attnopt_report.sites] == ["measured", "cached"] and timer.calls == 3
+
+
+def test_the_decoding_crossover_raises_the_threshold_of_a_decoding_site(llama, cache, monkeypatch):
+    monkeypatch.setattr(crossover, "module_timer", FakeTimer(cross=128))
+    monkeypatch.setattr(crossover, "decode_timer", FakeTimer(cross=512))
+    example = {"input_ids": _ids(64), "use_cache": False}
+    opt = attnopt.compile(llama, "linear", example_inputs=example, tolerance=0.99, e2e_tolerance=None)
+    t = opt.attnopt_report.sites[0].threshold
+    assert (t.min_seq_len, t.decode, [x[0] for x in t.decode_timings]) == (512, 512, [64, 128, 256, 512])
+    assert json.loads(cache.read_text()).popitem()[1]["prefill"] == 128
+
+
+def test_a_result_the_cost_model_rules_out_is_measured_again():
+    from attnopt import forms
+
+    class Site:  # what the cost model reads of a site
+        heads, kv_heads, head_dim, v_head_dim, causal = 4, 2, 8, 8, True
+
+    linear = forms.get("linear")
+    params = linear.validate({})
+    assert crossover.contradicts_model(linear, Site, params, [(64, 1.0, 1.0), (8192, 2.0, 1.0)])
+    assert not crossover.contradicts_model(linear, Site, params, [(8192, 0.5, 1.0)])  # it wins: agrees
+    assert not crossover.contradicts_model(linear, Site, params, [(64, 2.0, 1.0)])  # short: the model allows it
+    runs = iter([lambda n: (2.0, 1.0), lambda n: (0.5 if n >= 4096 else 2.0, 1.0)])  # a busy first run
+    steps = []
+    entry = crossover.measure_entry(None, None, Site, params, (1024, 4096, 8192), False, lambda m, g: next(runs),
+                                    None, steps.append, "linear")
+    assert entry["min_seq_len"] == 4096 and "timed twice" in entry["detail"]
+    assert any("cost model rules out" in s for s in steps)

@@ -267,12 +267,45 @@ class SiteModule(nn.Module, abc.ABC):
         # Under torch.compile the question is left to settle(), which the caller asks outside the graph.
         return out, state if torch.compiler.is_compiling() else self.settle(state)
 
+    def runs_exact(self, nq: int, nk: int) -> bool:
+        """Whether a call of these shapes is exact attention throughout under min_seq_len, decided
+        from the shapes alone (a real position never exceeds its column), as `forward` decides it:
+        then the caller may run the model's own attention instead of this module."""
+        T = self.min_seq_len
+        return bool(T) and (nk <= T if self.geometry.causal else nq < T)
+
+    def decode_from_keys(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         keep: Optional[torch.Tensor]) -> tuple[torch.Tensor, DecodeState]:
+        """`decode` for a sequence whose first columns a cache layer kept as plain K/V while it was
+        inside min_seq_len (they ran the model's own attention): q [B, H, Nq, D] the new queries,
+        k/v [B, Hkv, Nk, ·] every column so far (the new ones last), keep [B, Nk] or None. Returns
+        (out for the new queries, the state after all Nk columns), as `decode` over the whole
+        sequence would: the new queries among a row's first min_seq_len real tokens stay exact."""
+        g = self.geometry
+        B, Nq, Nk = q.shape[0], q.shape[2], k.shape[2]
+        keep_BN = torch.ones(B, Nk, dtype=torch.bool, device=q.device) if keep is None else keep
+        out, form_state = self.decode_step(q, k, v, keep, None)  # bottom-right aligned: the state of all Nk keys
+        exact_q = real_positions(torch.zeros(B, dtype=torch.long, device=q.device), keep_BN)[:, Nk - Nq:] < self.min_seq_len
+        prefix = ExactPrefix(k, v, keep_BN)
+        if torch.compiler.is_compiling() or bool(exact_q.any()):
+            out = torch.where(exact_q[:, None, :, None], exact_on_prefix(q, prefix, g.scale).to(out.dtype), out)
+        state = DecodeState(self.form, form_state, keep_BN.long().sum(-1), Nk, prefix)
+        return out, state if torch.compiler.is_compiling() else self.settle(state)
+
     def settle(self, state: Optional[DecodeState]) -> Optional[DecodeState]:
         """`state` without its exact prefix once every row is past min_seq_len (then only the form's
         own state is needed). `decode` does it itself, except inside a torch.compile graph."""
         if state is not None and state.prefix is not None and bool((state.real_B >= self.min_seq_len).all()):
             return DecodeState(state.form, state.form_state, state.real_B, state.columns, None)
         return state
+
+    def decode_token(self, q, k, v, form_state):
+        """The cache layer's fast path: one new real token in every row of a batch that never had
+        padding, past min_seq_len (q [B, H, 1, D], k/v [B, Hkv, 1, ·]). Returns (out [B, H, 1, Dv],
+        the form state advanced IN PLACE -- possibly another object holding it, such as a packed
+        buffer made on the first step, which `decode_step` must accept), or None where the form
+        has no such step (the layer then runs `decode`). Equal to `decode` up to rounding."""
+        return None
 
     def decode_step(self, q, k, v, keep, form_state):
         """The form's own decoding: (out, new form state). Forms with a fixed-size state override it."""

@@ -17,7 +17,7 @@ from attnopt.forms.common.base import (
     no_arbitrary_mask,
 )
 from attnopt.forms.common.fitting import adam_fit, relative_mse, sample_rows
-from attnopt.forms.linear.reference import linear_attention
+from attnopt.forms.linear.reference import linear_attention, linear_step_, packed_state
 from attnopt.ir.masks import key_keep
 from attnopt.kernels.feature_maps import (
     FEATURE_MAP_NAMES,
@@ -91,6 +91,17 @@ class LinearSite(SiteModule):
             form_state = (q.new_zeros(B, H, M, Dv, dtype=cdt), q.new_zeros(B, H, M, dtype=cdt))
         return linear_attention(q, k, v, feature_map=self.feature_map, causal=True, scale=g.scale,
                                 eps=self.eps, key_mask=keep, state=form_state)
+
+    def decode_token(self, q, k, v, form_state):
+        """(S, z) as views of one [S ‖ z] buffer, advanced in place (FAVOR+: the general step, whose
+        key stabiliser is per call)."""
+        if self.feature_map.name == "favor":
+            return None
+        cdt = compute_dtype(q.dtype)
+        weight = self.feature_map.op_weight()
+        weight = None if weight is None else weight.to(device=q.device, dtype=cdt)
+        return linear_step_(q, k, v, packed_state(form_state, cdt), feature_map=self.feature_map.name, weight=weight,
+                            scale=self.geometry.scale, eps=self.eps)
 
 
 def quadratic_linear(module: LinearSite, call, rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,14 +29,16 @@ from attnopt.forms.linear_window.reference import linear_window_attention
 from attnopt.forms.window.decode import (
     StepKeys,
     WindowCache,
+    WindowRing,
     advance_window_cache,
+    cache_of_ring,
     window_cache_from_keys,
     window_step_keys,
 )
 from attnopt.kernels.feature_maps import FeatureMap, resolve_feature_map
 from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
 
-__all__ = ["LinearWindowState", "linear_window_decode"]
+__all__ = ["LinearWindowState", "linear_window_decode", "linear_window_step_"]
 
 
 @dataclass
@@ -213,9 +215,48 @@ def linear_window_decode(
     """
     check_sdpa_inputs("linear_window_decode", q, k, v, key_mask)
     args = _resolve_args(q, k, feature_map, scale, linear_weight, key_mask)
+    if state is not None and isinstance(state.window, WindowRing):
+        state = LinearWindowState(cache_of_ring(state.window), state.S_BHMDv, state.z_BHM)
     if state is None or state.window.columns == 0:
         return _prefill(q, k, v, key_mask, window, sinks, args)
     cache = _checked_cache(state, q.shape[2], k.shape[2], window, sinks)
     step = window_step_keys(cache, k, v, args.keep_BN)
     out = _step_output(q, state, cache, step, window, args)  # before the cache advances
     return out, _advance_state(state, cache, step, k, v, args)
+
+
+def linear_window_step_(q: Tensor, k: Tensor, v: Tensor, state: LinearWindowState, *, fmap: FeatureMap,
+                        scale: float, beta_H: Tensor) -> Tensor:
+    """One decoding step of a batch that never had padding, from a state whose window is a
+    `WindowRing`, advanced IN PLACE: the new key takes the ring slot of the column that left the
+    band, and the column leaving it next joins (S, z). The module docstring's formula, read in
+    ring order; q [B, H, 1, D], k/v [B, Hkv, 1, ·]; returns out [B, H, 1, Dv]."""
+    ring = state.window
+    Sk, W, T = ring.sinks, ring.window, ring.columns
+    B, H, _, D = q.shape
+    Hkv, Dv = k.shape[1], v.shape[-1]
+    G = H // Hkv
+    cdt = state.S_BHMDv.dtype
+    slot = Sk + T % W
+    ring.k_BHkvKD[:, :, slot] = k[:, :, 0]
+    ring.v_BHkvKD[:, :, slot] = v[:, :, 0]
+    ring.columns += 1
+    k_BHkv1KD, v_BHkv1KD = ring.k_BHkvKD.to(cdt)[:, :, None], ring.v_BHkvKD.to(cdt)[:, :, None]
+    q_BHkvG1D = q.to(cdt).view(B, Hkv, G, 1, D)
+    logits = (q_BHkvG1D * scale) @ k_BHkv1KD.transpose(-1, -2)  # [B, Hkv, G, 1, K]: every key visible
+    m = logits.amax(-1, keepdim=True)
+    w = torch.exp(logits - m)
+    num = (w @ v_BHkv1KD).view(B, H, 1, Dv)
+    den = w.sum(-1).view(B, H, 1)
+    phi_q = fmap(q.to(cdt), scale)  # [B, H, 1, M]
+    lin_num = phi_q @ state.S_BHMDv
+    lin_den = (phi_q * state.z_BHM[:, :, None]).sum(-1)
+    factor = beta_H[None, :, None] * torch.exp(-m.view(B, H, 1))
+    num = num + factor[..., None] * lin_num
+    den = den + factor * lin_den
+    out = (num / torch.where(den > 0, den, 1.0)[..., None]).to(q.dtype)
+    nxt = Sk + (T + 1) % W  # column T + 1 − W: leaves the band before the next query
+    phi_k = fmap(_per_head(ring.k_BHkvKD[:, :, nxt:nxt + 1], H).to(cdt), scale)  # [B, H, 1, M]
+    state.S_BHMDv.addcmul_(phi_k[:, :, 0, :, None], _per_head(ring.v_BHkvKD[:, :, nxt:nxt + 1], H).to(cdt)[:, :, 0, None, :])
+    state.z_BHM.add_(phi_k[:, :, 0])
+    return out

@@ -22,8 +22,13 @@ from attnopt.forms.common.base import (
 )
 from attnopt.forms.common.fitting import adam_fit, relative_mse, sample_rows
 from attnopt.forms.linear.form import LINEAR_PARAMS, feature_count, kernel_flops
-from attnopt.forms.linear_window.decode import linear_window_decode
+from attnopt.forms.linear_window.decode import (
+    LinearWindowState,
+    linear_window_decode,
+    linear_window_step_,
+)
 from attnopt.forms.linear_window.reference import linear_window_attention
+from attnopt.forms.window.decode import WindowRing, ring_of, ring_ready
 from attnopt.forms.window.form import (
     WINDOW_PARAMS,
     aligned_positions_reason,
@@ -60,6 +65,17 @@ class LinearWindowSite(SiteModule):
         beta = torch.exp(self.log_beta) if p["beta"] > 0 else 0.0
         return linear_window_decode(q, k, v, form_state, window=effective_window(p, g.model_window), sinks=p["sinks"],
                                     feature_map=self.feature_map, scale=g.scale, linear_weight=beta, key_mask=keep)
+
+    def decode_token(self, q, k, v, form_state):
+        """The window half as a ring written in place; the keys leaving it join (S, z) in place."""
+        if not isinstance(form_state.window, WindowRing):
+            if not ring_ready(form_state.window):
+                return None
+            form_state = LinearWindowState(ring_of(form_state.window), form_state.S_BHMDv, form_state.z_BHM)
+        beta = torch.exp(self.log_beta) if self.params["beta"] > 0 else torch.zeros(())
+        beta_H = beta.to(device=q.device, dtype=form_state.S_BHMDv.dtype).expand(q.shape[1])
+        out = linear_window_step_(q, k, v, form_state, fmap=self.feature_map, scale=self.geometry.scale, beta_H=beta_H)
+        return out, form_state
 
 
 @dataclass

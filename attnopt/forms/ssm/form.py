@@ -21,10 +21,13 @@ from attnopt.forms.ssm.reference import (
     DECAY_FEATURE_MAPS,
     decay_attention,
     decay_attention_step,
+    decay_step_,
     init_decay_state,
+    packed_decay_state,
     retnet_decay,
 )
 from attnopt.ir.errors import PolicyError
+from attnopt.kernels.layout import compute_dtype
 
 
 def decay_vector(decay, heads: int) -> torch.Tensor:
@@ -63,6 +66,16 @@ class SsmSite(SiteModule):
                                         normalize=p["normalize"], scale=self.geometry.scale)
         return decay_attention(q, k, v, decay=self.decay, feature_map=p["feature_map"], normalize=p["normalize"],
                                scale=self.geometry.scale, key_mask=keep, state=form_state)
+
+    def decode_token(self, q, k, v, form_state):
+        """The recurrence on one [S ‖ z] buffer, decayed and advanced in place."""
+        p = self.params
+        cdt = compute_dtype(q.dtype)
+        gamma = self.__dict__.get("_gamma_step")
+        if gamma is None or gamma.dtype != cdt or gamma.device != q.device:  # γ in the compute dtype, made once
+            gamma = self.__dict__["_gamma_step"] = self.decay.to(device=q.device, dtype=cdt)
+        return decay_step_(q, k, v, packed_decay_state(form_state, cdt), gamma, feature_map=p["feature_map"],
+                           normalize=p["normalize"], scale=self.geometry.scale)
 
 
 class SsmForm(Form):

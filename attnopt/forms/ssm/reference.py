@@ -408,6 +408,50 @@ def decay_attention_step(
     return out.to(q_t.dtype), (S, z)
 
 
+def packed_decay_state(state: DecayState, cdt: torch.dtype) -> Tensor:
+    """The buffer the in-place step (`decay_step_`) works on: [S ‖ z] [B, H, Dk, Dv + 1] when
+    normalising (S and z its views, made once when they are not), else S itself in `cdt`."""
+    S, z = state
+    if z is None:
+        return S if S.dtype == cdt and S.is_contiguous() else S.to(cdt).contiguous()
+    base = S._base
+    if (base is not None and base is z._base and base.dtype == cdt and base.dim() == 4 and base.is_contiguous()
+            and base.shape[-1] == S.shape[-1] + 1 and S.data_ptr() == base.data_ptr()
+            and z.data_ptr() == base.data_ptr() + S.shape[-1] * base.element_size()):
+        return base
+    return torch.cat([S.to(cdt), z.to(cdt)[..., None]], dim=-1)
+
+
+def decay_step_(q_t: Tensor, k_t: Tensor, v_t: Tensor, packed: Tensor, gamma_H: Tensor, *, feature_map: str,
+                normalize: bool, scale: Optional[float], eps: float = 1e-6) -> tuple[Tensor, DecayState]:
+    """`decay_attention_step` advancing the state IN PLACE (`packed_decay_state`): q_t [B, H, 1, D],
+    k_t/v_t [B, Hkv, 1, ·], γ [H] in the compute dtype. Returns (o_t, (S, z-or-None) as views of
+    `packed`); the same sums, with no allocation beyond φ(q), φ(k) and the output (views rather
+    than indexing: on a CPU a decoding step is as fast as it has few ops)."""
+    cdt = packed.dtype
+    B, H, D, W = packed.shape
+    Dv = W - 1 if normalize else W
+    phi_q = _feature(q_t if q_t.dtype == cdt else q_t.to(cdt), feature_map)  # [B, H, 1, Dk]
+    phi_k = _feature(k_t if k_t.dtype == cdt else k_t.to(cdt), feature_map)  # [B, Hkv, 1, Dk]: serves G query heads
+    v = v_t if v_t.dtype == cdt else v_t.to(cdt)
+    Hkv = phi_k.shape[1]
+    G = H // Hkv
+    packed.mul_(gamma_H.view(1, H, 1, 1))
+    S = packed[..., :Dv] if normalize else packed
+    S.view(B, Hkv, G, D, Dv).addcmul_(phi_k.view(B, Hkv, 1, D, 1), v.view(B, Hkv, 1, 1, Dv))
+    z = None
+    if normalize:
+        z = packed[..., Dv]
+        z.view(B, Hkv, G, D).add_(phi_k.view(B, Hkv, 1, D))
+    nd = torch.bmm(phi_q.view(B * H, 1, D), packed.view(B * H, D, W))  # [B·H, 1, Dv (+ 1)]
+    if normalize:
+        out = _ratio(nd[..., :Dv], nd[..., Dv:], eps)
+    else:
+        out = (1.0 / math.sqrt(D) if scale is None else float(scale)) * nd
+    out = out.view(B, H, 1, Dv)
+    return (out if out.dtype == q_t.dtype else out.to(q_t.dtype)), (S, z)
+
+
 def decay_attention_reference(
     q: Tensor,
     k: Tensor,

@@ -29,7 +29,8 @@ from torch import Tensor
 from attnopt.forms.window.reference import first_real_keys, window_attention
 from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
 
-__all__ = ["WindowCache", "window_decode", "window_cache_from_keys", "window_step_keys"]
+__all__ = ["WindowCache", "WindowRing", "window_decode", "window_cache_from_keys", "window_step_keys", "window_step_",
+           "ring_of", "cache_of_ring"]
 
 
 @dataclass
@@ -157,6 +158,66 @@ def advance_window_cache(cache: WindowCache, k: Tensor, v: Tensor, keep_BN: Tens
                        cache.columns + k.shape[2], cache.window, cache.sinks)
 
 
+@dataclass
+class WindowRing:
+    """The same cache for a batch that never had padding, in one buffer per K and V that a step
+    writes in place: S sink slots, then a ring of W slots where column c lives in slot S + c mod W.
+
+    Held from column W + S − 1 on (`ring_of`): then every sink lies outside the band and every
+    ring slot holds one of the band's W columns, so a step reads all S + W keys with no mask.
+    Between steps the ring's slot for the next column holds the column that leaves the band.
+    """
+
+    k_BHkvKD: Tensor  # K = S + W
+    v_BHkvKD: Tensor
+    columns: int
+    window: int
+    sinks: int
+
+
+def ring_ready(cache: WindowCache) -> bool:
+    """Whether the next step may run from a ring (`window_step_`): a full band with sinks outside it."""
+    return cache.columns >= cache.window + cache.sinks - 1 and cache.k_BHkvLD.shape[2] == cache.window - 1
+
+
+def ring_of(cache: WindowCache) -> WindowRing:
+    """The ring holding `cache` (which must be `ring_ready` and come from a batch without padding:
+    sinks in columns 0..S − 1, every buffered column real)."""
+    S, W, T = cache.sinks, cache.window, cache.columns
+    k, v = cache.k_BHkvLD, cache.v_BHkvLD
+    B, Hkv = k.shape[0], k.shape[1]
+    ring_k = k.new_zeros(B, Hkv, S + W, k.shape[3])
+    ring_v = v.new_zeros(B, Hkv, S + W, v.shape[3])
+    ring_k[:, :, :S], ring_v[:, :, :S] = cache.sink_k_BHkvSD, cache.sink_v_BHkvSD
+    slots = S + torch.arange(T - (W - 1), T, device=k.device) % W
+    ring_k[:, :, slots], ring_v[:, :, slots] = k, v
+    return WindowRing(ring_k, ring_v, T, W, S)
+
+
+def cache_of_ring(ring: WindowRing) -> WindowCache:
+    """The general cache of a ring (for a step the ring cannot take: padding, several tokens)."""
+    S, W, T = ring.sinks, ring.window, ring.columns
+    slots = S + torch.arange(T - (W - 1), T, device=ring.k_BHkvKD.device) % W
+    B, dev = ring.k_BHkvKD.shape[0], ring.k_BHkvKD.device
+    return WindowCache(ring.k_BHkvKD[:, :, slots], ring.v_BHkvKD[:, :, slots],
+                       torch.ones(B, W - 1, dtype=torch.bool, device=dev),
+                       ring.k_BHkvKD[:, :, :S].clone(), ring.v_BHkvKD[:, :, :S].clone(),
+                       torch.arange(S, device=dev).expand(B, S).clone(), torch.ones(B, S, dtype=torch.bool, device=dev),
+                       T, W, S)
+
+
+def window_step_(q: Tensor, k: Tensor, v: Tensor, ring: WindowRing, scale: Optional[float]) -> Tensor:
+    """One decoding step from a ring, written IN PLACE: q [B, H, 1, D], k/v [B, Hkv, 1, ·]; returns
+    out [B, H, 1, Dv] (the ring advances by one column). `window_decode`'s keys, read in ring order."""
+    slot = ring.sinks + ring.columns % ring.window
+    ring.k_BHkvKD[:, :, slot] = k[:, :, 0]
+    ring.v_BHkvKD[:, :, slot] = v[:, :, 0]
+    ring.columns += 1
+    cdt = compute_dtype(q.dtype)
+    return F.scaled_dot_product_attention(q.to(cdt), ring.k_BHkvKD.to(cdt), ring.v_BHkvKD.to(cdt), scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1]).to(q.dtype)
+
+
 def window_decode(
     q: Tensor,
     k: Tensor,
@@ -179,6 +240,8 @@ def window_decode(
     """
     check_sdpa_inputs("window_decode", q, k, v, key_mask)
     _check_window(window, sinks)
+    if isinstance(cache, WindowRing):
+        cache = cache_of_ring(cache)
     if cache is not None and (cache.window != window or cache.sinks != sinks):
         raise ValueError(f"window_decode: the cache was built for window {cache.window}, sinks {cache.sinks}; "
                          f"this call has window {window}, sinks {sinks}")

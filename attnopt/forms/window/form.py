@@ -15,7 +15,13 @@ from attnopt.forms.common.base import (
     no_arbitrary_mask,
 )
 from attnopt.forms.common.decoding import kv_cache_bytes
-from attnopt.forms.window.decode import window_decode
+from attnopt.forms.window.decode import (
+    WindowRing,
+    ring_of,
+    ring_ready,
+    window_decode,
+    window_step_,
+)
 from attnopt.forms.window.reference import window_attention
 
 WINDOW_PARAMS = {
@@ -43,8 +49,11 @@ def aligned_positions_reason(site) -> str | None:
 
 
 def window_cache_bytes(site, params, context: int, element_bytes: int) -> int:
-    """One row's window cache at `context` tokens: S sinks + the last W − 1 keys and values (+ flags)."""
+    """One row's window cache at `context` tokens: S sinks + the last W − 1 keys and values (+ flags);
+    from W + S − 1 tokens on, decoding without padding holds it as a ring of S + W slots (no flags)."""
     W, S = effective_window(params, site.window), params["sinks"]
+    if context >= W + S - 1:
+        return kv_cache_bytes(site.kv_heads, site.head_dim, site.v_head_dim, S + W, element_bytes)
     keys = min(context, W - 1) + S
     return kv_cache_bytes(site.kv_heads, site.head_dim, site.v_head_dim, keys, element_bytes) + keys + S * 9
 
@@ -63,6 +72,14 @@ class WindowSite(SiteModule):
         g, p = self.geometry, self.params
         return window_decode(q, k, v, form_state, window=effective_window(p, g.model_window), sinks=p["sinks"],
                              scale=g.scale, key_mask=keep)
+
+    def decode_token(self, q, k, v, form_state):
+        """A ring buffer of the band written in place, once the band is full and the sinks lie outside it."""
+        if not isinstance(form_state, WindowRing):
+            if not ring_ready(form_state):
+                return None
+            form_state = ring_of(form_state)
+        return window_step_(q, k, v, form_state, self.geometry.scale), form_state
 
 
 class WindowForm(Form):
