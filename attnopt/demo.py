@@ -219,7 +219,8 @@ def render(result: DemoResult, console=None) -> None:
     for note in result.notes:
         console.print(f"note: {note}")
 
-    console.print(f"\n[bold]3. reports[/bold] ({REPORT_POLICY} on MiniLM): {result.html} and {result.json}")
+    console.print(f"\n[bold]3. reports[/bold] ({REPORT_POLICY} on MiniLM): {result.html} and {result.json}",
+                  soft_wrap=True)  # a path is copied, not wrapped
     console.print("   per site: the form kept or the reason it reverted, its drift against the tolerance, "
                   "attention FLOPs and bytes before/after by length; end-to-end drift and the mean embedding "
                   "cosine; near misses; the policy. The JSON holds the same data (CompileReport.from_dict reads it).")

@@ -13,6 +13,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # temporary file: no test times anything or touches the user's cache. Tests marked
 # `dispatch_auto` turn it back on (with injected timings).
 os.environ["ATTNOPT_DISPATCH"] = "off"
+# Under pytest-xdist (the README's `-n 2`) each worker takes one core: one torch thread each, so two
+# workers do not oversubscribe a 2-core machine.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    torch.set_num_threads(1)
 os.environ["ATTNOPT_CROSSOVER_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="attnopt-test-"), "crossover.json")
 
 
