@@ -225,15 +225,17 @@ def run(lengths, policies, out: Path, threads=None, say=print) -> dict:
 
 
 def checks(rows) -> dict:
-    """The issue's done-when: at 16k linear >= 3.0x and >= 0.85 of the ceiling, hybrid >= 1.8x; at 256
-    and 1024 no policy below 0.95x."""
+    """The issues' done-when: at 16k linear >= 3.0x and >= 0.9 of the ceiling, hybrid >= 1.8x; at 256
+    and 1024 no policy below 0.95x. A policy this run did not time is left out."""
     by_n = {r["N"]: r for r in rows}
     out = {}
     if 16384 in by_n:
         r = by_n[16384]
-        out["16k_linear_speedup>=3.0"] = [round(r["speedup"]["linear"], 3), r["speedup"]["linear"] >= 3.0]
-        out["16k_linear_of_ceiling>=0.85"] = [round(r["of_ceiling"]["linear"], 3), r["of_ceiling"]["linear"] >= 0.85]
-        out["16k_hybrid_speedup>=1.8"] = [round(r["speedup"]["hybrid"], 3), r["speedup"]["hybrid"] >= 1.8]
+        if "linear" in r["speedup"]:
+            out["16k_linear_speedup>=3.0"] = [round(r["speedup"]["linear"], 3), r["speedup"]["linear"] >= 3.0]
+            out["16k_linear_of_ceiling>=0.9"] = [round(r["of_ceiling"]["linear"], 3), r["of_ceiling"]["linear"] >= 0.9]
+        if "hybrid" in r["speedup"]:
+            out["16k_hybrid_speedup>=1.8"] = [round(r["speedup"]["hybrid"], 3), r["speedup"]["hybrid"] >= 1.8]
     for n in (256, 1024):
         if n in by_n:
             worst = min((s, v) for v, s in by_n[n]["speedup"].items() if v not in ("original", "ceiling"))
@@ -252,9 +254,9 @@ def _write(out: Path, lengths, policies, workers, rows, start) -> dict:
                    "worker's VmHWM over the forwards at that length, reset before them (/proc/self/clear_refs), so it "
                    "is the weights plus that forward's working set, not the compile's peak; where the reset is not "
                    "possible (peak_rss_is_per_forward false) getrusage's lifetime peak"),
-        "machine_note": ("measured on a 2-core machine shared with 3 other agents' jobs (tests, training runs): "
-                         f"load average at the last write {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; absolute "
-                         "times are noisy, the interleaved ratios less so"),
+        "machine_note": (f"{os.cpu_count()} cores; load average at the last write {load[0]:.1f} / {load[1]:.1f} / "
+                         f"{load[2]:.1f} (the workers themselves count); the interleaved ratios are steadier than "
+                         "the absolute times"),
         "dispatch": "default (auto): thresholds measured in this run, against exact attention, per site geometry",
         "ceiling": "attention replaced by a stand-in returning q (no attention work)",
         "lengths": list(lengths), "policies": list(policies),
