@@ -20,7 +20,10 @@ so with the unit-lower-triangular solve (I + L)⁻¹ applied once per chunk to [
 chunks; a Python loop over chunks then carries the state, S <- A_c S + B_c with A_c = exp(b_C) I −
 K̃_cᵀW_c and B_c = K̃_cᵀU_c (K̃ = K ⊙ exp(b_C − b), both batched beforehand: one fused multiply-add
 per chunk), and Δ_c = U_c − W_c S_c follows batched. Outputs, batched again: O = s[(Q ⊙ exp b) S0 + (Q Kᵀ ⊙ Γ ⊙ tril) Δ].
-Γ and the exponents are range sums of log-gates formed by masked cumsums (never differences of a
+When every chunk spans at most 60 of decay (`factorable`, every practical gate), Γ_ij is formed as
+exp(b_i)·exp(−b_j) and folded into the operands (K ⊙ e^{−b}, Q ⊙ e^{b}), so L and Q Kᵀ ⊙ Γ are one
+matmul and a triangle each and no C×C decay matrix exists; factors stay within e^{±60}. Otherwise Γ
+and the exponents are range sums of log-gates formed by masked cumsums (never differences of a
 long prefix), masked to -inf before the exp: every factor is exp(<= 0).
 Memory O(N·(C·G + D + Dv) + (N/C)·D·Dv) per kv head: chunk-local C×C only, a state per chunk.
 
@@ -51,7 +54,9 @@ from torch import Tensor
 
 from attnopt.forms.gla.reference import (
     check_log_gate,
+    factorable,
     own,
+    pad_positions,
     rev_cumsum_exclusive,
     segsum,
     values_known,
@@ -102,6 +107,41 @@ def _check_state(S, B, Hkv, D, Dv, who=_WHO) -> Tensor:
     return S
 
 
+def _chunk_operands_exact(qc, kc, vc, gc, bc):
+    """The chunk-local operands with every decay a masked-cumsum range sum (any gate strength):
+    (L, rhs, q_in, QK, k_out, decay), shapes as in `_delta_chunks`."""
+    X, nc, C, D = kc.shape
+    G = qc.shape[2] // C
+    b_in = torch.cumsum(gc, dim=2)[..., 0]  # Σ_{s<=i} g_s within the chunk         [X, nc, C]
+    to_end = rev_cumsum_exclusive(gc, dim=2)[..., 0]  # Σ_{i<s<C} g_s
+    Gam = torch.exp(segsum(gc)[..., 0])  # Γ_ij = exp Σ_{j<s<=i} g_s, 0 above      [X, nc, C, C]
+    idx = torch.arange(C, device=kc.device)
+    strict = idx[:, None] > idx[None, :]
+    Lmat = torch.where(strict, (kc @ kc.transpose(-1, -2)) * Gam * bc[..., :, None], torch.zeros_like(Gam))
+    rhs = torch.cat([vc * bc[..., None], kc * (bc * torch.exp(b_in))[..., None]], dim=-1)
+    QK = (qc @ kc.transpose(-1, -2)).view(X, nc, G, C, C) * Gam[:, :, None]
+    q_in = (qc.view(X, nc, G, C, D) * torch.exp(b_in)[:, :, None, :, None]).view(X, nc, G * C, D)
+    k_out = kc * torch.exp(to_end)[..., None]  # each key decayed to its chunk's end
+    return Lmat, rhs, q_in, QK.view(X, nc, G * C, C), k_out, torch.exp(b_in[..., -1])
+
+
+def _chunk_operands_factored(qc, kc, vc, gc, bc):
+    """`_chunk_operands_exact` for gates whose chunks pass `factorable` (|Σ g| <= 60 per chunk):
+    Γ_ij = e^{b_i}·e^{−b_j} folds into the operands, so L and QKᵀ are one matmul and a triangle each,
+    and no C×C decay matrix is formed (every factor within e^{±60}, products exact to rounding)."""
+    X, nc, C, D = kc.shape
+    G = qc.shape[2] // C
+    b = torch.cumsum(gc, dim=2)  # [X, nc, C, 1]
+    e = torch.exp(b)
+    k_neg = kc / e  # k_j e^{−b_j}
+    rhs = torch.cat([vc * bc[..., None], kc * (bc[..., None] * e)], dim=-1)  # [βV, diag(β e^b) K]
+    Lmat = (rhs[..., vc.shape[-1]:] @ k_neg.transpose(-1, -2)).tril_(-1)
+    q_in = (qc.view(X, nc, G, C, D) * e[:, :, None]).view(X, nc, G * C, D)
+    QK = (q_in @ k_neg.transpose(-1, -2)).view(X, nc, G, C, C).tril_().view(X, nc, G * C, C)
+    decay = e[:, :, -1, 0]  # [X, nc]
+    return Lmat, rhs, q_in, QK, k_neg * decay[..., None, None], decay
+
+
 def _delta_chunks(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S0: Tensor, C: int):
     """q [X, G, L, D] (scale applied), k [X, L, D], v [X, L, Dv], g/beta [X, L] (L a multiple of C),
     S0 [X, D, Dv] -> (out [X, G, L, Dv], final state [X, D, Dv])."""
@@ -111,38 +151,28 @@ def _delta_chunks(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S0: 
     qc = q.reshape(X, G, nc, C, D).transpose(1, 2).reshape(X, nc, G * C, D)  # the G heads share each product
     kc, vc = k.reshape(X, nc, C, D), v.reshape(X, nc, C, Dv)
     gc, bc = g.reshape(X, nc, C, 1), beta.reshape(X, nc, C)
-
-    b_in = torch.cumsum(gc, dim=2)[..., 0]  # Σ_{s<=i} g_s within the chunk         [X, nc, C]
-    to_end = rev_cumsum_exclusive(gc, dim=2)[..., 0]  # Σ_{i<s<C} g_s
-    Gam = torch.exp(segsum(gc)[..., 0])  # Γ_ij = exp Σ_{j<s<=i} g_s, 0 above      [X, nc, C, C]
-    idx = torch.arange(C, device=q.device)
-    strict = idx[:, None] > idx[None, :]
+    operands = _chunk_operands_factored if factorable(gc.view(X, L, 1), C) else _chunk_operands_exact
+    Lmat, rhs, q_in, QK, k_out, decay = operands(qc, kc, vc, gc, bc)
 
     # WY / UT transform: (I + L)⁻¹ [βV, diag(β exp b) K] by one unit-lower-triangular solve per chunk.
-    Lmat = torch.where(strict, (kc @ kc.transpose(-1, -2)) * Gam * bc[..., :, None], torch.zeros_like(Gam))
-    rhs = torch.cat([vc * bc[..., None], kc * (bc * torch.exp(b_in))[..., None]], dim=-1)
     sol = torch.linalg.solve_triangular(Lmat, rhs, upper=False, unitriangular=True)  # diagonal read as 1
     U, Wm = sol[..., :Dv], sol[..., Dv:]
 
     # Across chunks S' = e^{b_C} S + K̃ᵀ(U − W S) = A S + Bᵀ with A = e^{b_C} I − K̃ᵀW [D, D] and
     # B = K̃ᵀU, both batched over every chunk first; the loop then carries S by one fused
     # multiply-add per chunk, and Δ = U − W S_before is one batched product after it.
-    k_out = kc * torch.exp(to_end)[..., None]  # each key decayed to its chunk's end
-    decay = torch.exp(b_in[..., -1])[..., None, None]  # [X, nc, 1, 1]
     k_out_T = k_out.transpose(-1, -2)
-    A_t = (torch.eye(D, dtype=q.dtype, device=q.device) * decay - k_out_T @ Wm).transpose(0, 1).contiguous()
-    B_t = (k_out_T @ U).transpose(0, 1).contiguous()  # [nc, X, D, Dv], A_t [nc, X, D, D]
+    A_t = -(k_out_T @ Wm)  # [X, nc, D, D]
+    A_t.diagonal(dim1=-2, dim2=-1).add_(decay[..., None])
+    B_t = k_out_T @ U  # [X, nc, D, Dv]
     S = S0
     befores = []
     for i in range(nc):
         befores.append(S)
-        S = torch.baddbmm(B_t[i], A_t[i], S)
-    S_before = torch.stack(befores, dim=1)  # [X, nc, D, Dv]
-    Delta = U - Wm @ S_before  # [X, nc, C, Dv]
-
-    A = (qc @ kc.transpose(-1, -2)).view(X, nc, G, C, C) * Gam[:, :, None]
-    q_in = (qc.view(X, nc, G, C, D) * torch.exp(b_in)[:, :, None, :, None]).view(X, nc, G * C, D)
-    out = A.view(X, nc, G * C, C) @ Delta + q_in @ S_before
+        S = torch.baddbmm(B_t[:, i], A_t[:, i], S)
+    S_before = torch.stack(befores, dim=1).view(X * nc, D, Dv)
+    Delta = torch.baddbmm(U.reshape(X * nc, C, Dv), Wm.reshape(X * nc, C, D), S_before, alpha=-1)
+    out = torch.baddbmm(q_in.reshape(X * nc, G * C, D) @ S_before, QK.reshape(X * nc, G * C, C), Delta)
     return out.view(X, nc, G, C, Dv).transpose(1, 2).reshape(X, G, L, Dv), S
 
 
@@ -166,9 +196,10 @@ def _delta_forward(q, k, v, g, beta, key_mask, scale: float, chunk_size: int, S0
         return qq.new_zeros(B, H, 0, Dv).to(out_dtype), S
     C = max(1, min(chunk_size, Nk))
     L = -(-Nk // C) * C
-    qq = F.pad(qq, (0, 0, Nk - Nq, L - Nk))  # queries are the last Nq positions
-    kk, vv = (F.pad(t, (0, 0, 0, L - Nk)) for t in (kk, vv))
-    gg, bb = (F.pad(t, (0, L - Nk)) for t in (gg, bb))  # tail: g = 0, β = 0 changes nothing
+    qq = pad_positions(qq, Nk - Nq, L - Nk)  # queries are the last Nq positions
+    kk, vv = (pad_positions(t, 0, L - Nk) for t in (kk, vv))
+    if L > Nk:  # tail: g = 0, β = 0 changes nothing
+        gg, bb = (F.pad(t, (0, L - Nk)) for t in (gg, bb))
     out, S = _delta_chunks(
         qq.reshape(B * Hkv, G, L, D), kk.reshape(B * Hkv, L, D), vv.reshape(B * Hkv, L, Dv),
         gg.reshape(B * Hkv, L), bb.reshape(B * Hkv, L), S.reshape(B * Hkv, D, Dv), C,
