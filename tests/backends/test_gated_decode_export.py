@@ -16,6 +16,7 @@ ort = pytest.importorskip("onnxruntime")
 
 from test_onnx_decode import (  # noqa: E402
     EXAMPLE,
+    VOCAB,
     ContractDriver,
     _rel,
     decoder,
@@ -83,6 +84,9 @@ def test_gated_decode_rows_are_the_rows_alone(exported):
 
 # gla+window:64 with and without 4 sinks in each model, both gate layouts on both targets. min_seq_len 0:
 # no measured switch to exact attention below some length (the export drops it, generate() would not).
+# Compiled on 160 tokens: the fit sets the gates from the look-back beyond the window (on 24 it finds none
+# and picks decay 0.05, which leaves nothing of a key 64 tokens on: the gated part would go untested).
+LONG = torch.randint(1, VOCAB, (1, 160), generator=torch.Generator().manual_seed(5))
 GLA_WINDOW = {"llama": [{}, {"sinks": 4, "gate": "head", "feature_map": "elu"}],
               "qwen2": [{"sinks": 4}, {"gate": "head", "feature_map": "elu"}]}
 
@@ -96,9 +100,11 @@ def _gla_window_policy(kind):
 @pytest.fixture(scope="module", params=[("llama", "ort"), ("qwen2", "onnx-std")], ids=["llama-ort", "qwen2-onnx-std"])
 def gla_window_exported(request, tmp_path_factory):
     kind, target = request.param
-    opt = attnopt.compile(decoder(kind, 2), _gla_window_policy(kind), example_inputs={"input_ids": EXAMPLE},
+    opt = attnopt.compile(decoder(kind, 2), _gla_window_policy(kind), example_inputs={"input_ids": LONG},
                           tolerance=10.0, e2e_tolerance=None)
     assert opt.attnopt_report.count("rewritten") == 2
+    for site in (m for m in opt.modules() if getattr(m, "form", None) == "gla+window"):  # keys outlive the window
+        assert float(site.gates.log_gates(torch.zeros(1, 2, 1, 16)).min()) * 64 > -8.0
     folder = tmp_path_factory.mktemp(kind + "_gla_window") / "out"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
