@@ -148,3 +148,26 @@ def test_compile_verifies_and_calibrate_trains_the_gate_tensors(tiny_llama, poli
     assert len(trained) == 2 and all(s["tensors"] == names for s in trained[:1])
     moved = [not torch.equal(a, b) for a, b in zip(before, trainable_tensors(modules[0]).values())]
     assert any(moved) or trained[0]["status"] == "unchanged"
+
+
+@pytest.mark.parametrize("name", GATED)
+def test_a_masked_decoding_token_leaves_its_row_as_if_it_were_not_there(name):
+    """Site decoding: a prefill, then one-token steps where row 1's first new token is masked. Every real
+    query's output equals the site's own forward over the whole sequence with that key dropped."""
+    _, m = _module(name, fit_steps=0, **({"window": 4, "sinks": 1} if name == "gla+window" else {}))
+    c = _call(seed=3)
+    n0, n = 20, 24
+    q, k, v = c.q[:, :, :n], c.k[:, :, :n], c.v[:, :, :n]
+    keep = torch.ones(B, n, dtype=torch.bool)
+    keep[1, n0] = False
+    with torch.no_grad():
+        want = m.attend(q, k, v, keep, None, None)
+        out, state = m.decode(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], keep[:, :n0], None)
+        outs = [out]
+        for t in range(n0, n):
+            sl = slice(t, t + 1)
+            out, state = m.decode(q[:, :, sl], k[:, :, sl], v[:, :, sl], keep[:, sl], state)
+            outs.append(out)
+    got = torch.cat(outs, dim=2)
+    real = keep[:, None, :, None]
+    assert torch.allclose(got * real, want * real, rtol=1e-5, atol=1e-6)

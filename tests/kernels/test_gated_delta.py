@@ -125,6 +125,20 @@ def test_masked_keys_leave_the_state_unchanged():
     assert _rel(a[:, :, keep], b) <= 1e-12
 
 
+def test_step_with_a_masked_token_leaves_that_row_alone():
+    """One decode step whose new token is masked in one row: that row's state comes back unchanged (not
+    even decayed) and its output reads the carried state, as the fp64 oracle says; the other rows step."""
+    B, H, Hkv, D, Dv = 3, 6, 3, 4, 5
+    q, k, v, g, beta = _problem(B, H, Hkv, 1, 1, D, Dv, seed=34, shift=-1.0)
+    S0 = torch.randn(B, Hkv, D, Dv, dtype=F64, generator=torch.Generator().manual_seed(35))
+    km = torch.tensor([[True], [False], [True]])
+    out, S = gated_delta_attention_step(q, k, v, g, beta, S0.clone(), scale=0.7, key_mask=km)
+    ref, S_ref = delta_oracle(q, k, v, g, beta, scale=0.7, key_mask=km, S0=S0)
+    assert torch.equal(S[1], S0[1])
+    assert _rel(out, ref) <= 1e-12 and _rel(S, S_ref) <= 1e-12
+    assert _rel(S[0], S0[0]) > 0.1 and _rel(S[2], S0[2]) > 0.1  # the kept rows did step
+
+
 def test_beta_zero_writes_nothing():
     B, H, Hkv, N, D, Dv = 2, 6, 3, 13, 4, 5
     q, k, v, g, _ = _problem(B, H, Hkv, N, N, D, Dv, seed=9)

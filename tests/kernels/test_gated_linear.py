@@ -195,6 +195,27 @@ def test_prefill_then_steps_equals_one_call(gate, fmap, normalize):
     assert (st[1] is None) == (not normalize)
 
 
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("gate", ["channel", "head"])
+def test_step_with_a_masked_token_leaves_that_row_alone(gate, normalize):
+    """One decode step whose new token is masked in one row: that row's state comes back unchanged (not
+    even decayed) and its output reads the carried state, as the fp64 oracle says; the other rows step."""
+    B, H, Hkv, D, Dv = 3, 4, 2, 3, 5
+    q, k, v = _inputs(B, H, Hkv, 1, 1, D, Dv, seed=31)
+    g = _gates(gate, B, Hkv, 1, D, seed=32, shift=-1.0)  # strong gates: a decayed row is far off
+    gen = torch.Generator().manual_seed(33)
+    S0 = torch.randn(B, Hkv, D, Dv, dtype=F64, generator=gen)
+    z0 = torch.rand(B, Hkv, D, dtype=F64, generator=gen) + 0.5 if normalize else None
+    km = torch.tensor([[True], [False], [True]])
+    kw = dict(feature_map="elu", normalize=normalize, scale=0.6)
+    out, (S, z) = gated_linear_attention_step(q, k, v, g, (S0.clone(), None if z0 is None else z0.clone()), key_mask=km,
+                                              **kw)
+    ref, S_ref, z_ref = gla_oracle(q, k, v, g, key_mask=km, S0=S0, z0=z0, **kw)
+    assert torch.equal(S[1], S0[1]) and (z is None or torch.equal(z[1], z0[1]))
+    assert _rel(out, ref) <= 1e-12 and _rel(S, S_ref) <= 1e-12 and (z is None or _rel(z, z_ref) <= 1e-12)
+    assert _rel(S[0], S0[0]) > 0.1 and _rel(S[2], S0[2]) > 0.1  # the kept rows did step
+
+
 @pytest.mark.parametrize("gate", ["channel", "head"])
 def test_zero_gate_is_plain_causal_linear_attention(gate):
     B, H, Hkv, Nq, Nk, D, Dv = 2, 6, 2, 9, 14, 4, 3

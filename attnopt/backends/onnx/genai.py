@@ -6,8 +6,8 @@ state pairs past_key_values.%d.recurrent_state (rank 4) + conv_state (rank 3), z
 0.18 limits that decide whether it can run an export (verified in /work/research/onnx/FINDINGS.md):
 
 * every recurrent_state has one shape and dtype, and so does every conv_state;
-* a layer carries nothing besides K/V or one recurrent + conv pair (linear+window's linear_state
-  and reuse's caches have no genai slot);
+* a layer carries nothing besides K/V or one recurrent + conv pair (linear+window's linear_state,
+  gla+window's gated_state and gated_keys, and reuse's caches have no genai slot);
 * V has K's shape (head dims equal).
 
 When it cannot, the config says so under the key NOT_SUPPORTED (genai then refuses to load it,

@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnopt.forms.common.base import (
@@ -108,8 +107,11 @@ class KeyGates(nn.Module):
         return k_BHkvND @ proj[None] + self.gate_bias_HkvG.to(k_BHkvND.dtype)[None, :, None, :]
 
     def log_gates(self, k_BHkvND: Tensor) -> Tensor:
-        """g = logsigmoid(k P + b) / 16 <= 0: [B, Hkv, Nk, M] per channel, [B, Hkv, Nk] per head."""
-        g = F.logsigmoid(self.pre_activation(k_BHkvND)) / GATE_NORMALIZER
+        """g = logsigmoid(k P + b) / 16 <= 0: [B, Hkv, Nk, M] per channel, [B, Hkv, Nk] per head.
+        Written min(x, 0) − log(1 + e^{−|x|}): exported, F.logsigmoid becomes Log(Sigmoid(x)), and ONNX
+        Runtime's Sigmoid is 0 from x = −18 (2× off at −17): −inf for a gate bias fitted to a short look-back."""
+        x = self.pre_activation(k_BHkvND)
+        g = (x.clamp(max=0.0) - torch.log1p(torch.exp(-x.abs()))) / GATE_NORMALIZER
         return g if self.per_channel else g[..., 0]
 
 

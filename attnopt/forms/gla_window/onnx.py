@@ -9,6 +9,16 @@ places to the right -- then, on `ort`, com.microsoft.LinearAttention(update_rule
 decay per channel or per head, scale 1; FINDINGS.md §1), on `onnx-std` gla.onnx's token Scan.
 Combined as linear+window's lowering does: num_W + β e^{−m} num_L over den_W + β e^{−m} den_L (a
 row with an empty window uses factor 1: it is common to both sums). O(N·(Bq + W + S)·D + N·M·Dv).
+
+Decode step (`attnopt::gla_window_step`, forms/gla_window/step.py): the window form's step sums
+(window/onnx.py) plus the gated sums, combined as above. Of the columns buffer ‖ new (L = W − 1 slots,
+then the T new tokens) the first T leave the buffer during the call, query i after the i before it.
+On that column sequence, with the buffer's gates 0 (its features arrive decayed to the last column
+absorbed), each column's features are pre-decayed by the W gates after it (`window_gate_sums`: sums
+of at most W gates); the leaving ones, shifted one step, run the gated recurrence from the carried
+state with the new tokens' gates (ort: LinearAttention with past_state; onnx-std: gla.onnx's Scan),
+and the last leaving column joins the present state. The remaining L columns, so decayed, are the
+present buffer features (a sink or a pad: 0). O(T·(S + W)·D + (T + W)·M·Dv) per kv head.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from onnxscript import opset18 as op
 
 from attnopt.forms.gla.onnx import gated_scan, gates_4d, packed_decay
 from attnopt.forms.linear.onnx import check_self_attention
-from attnopt.forms.window.onnx import banded_sums, ones_keep
+from attnopt.forms.window.onnx import arange, banded_sums, holds_sink, ones_keep, window_step_sums
 from attnopt.forms.window.reference import default_window_block_size
 from attnopt.kernels.onnx.functions import (
     MS_DOMAIN,
@@ -36,6 +46,7 @@ from attnopt.kernels.onnx.functions import (
     with_ones_column,
 )
 from attnopt.kernels.onnx.lowering import OpLowering
+from attnopt.kernels.onnx.steps import linear_attention, new_columns_keep
 
 
 def window_gate_sums(g_BHkvNG, window: int, Mg: int):
@@ -73,6 +84,16 @@ def _gated_inputs(q, phi_k, v, g, keep, sinks: int, window: int, M: int):
     return shift_right(fk, window), shift_right(v1, window), g4, per_channel
 
 
+def one_normaliser(num, den, log_factor, lin, beta, H: int, Dv: int, like):
+    """(num_W + β e^{log_factor} num_L) / (den_W + β e^{log_factor} den_L), 0 where both are empty; the
+    window sums are shifted by the row's max m (log_factor −m), lin [B, H, N, Dv + 1] is [num_L, den_L]."""
+    factor = op.Mul(op.Reshape(op.CastLike(beta, like), i64([1, H, 1, 1])), op.Exp(log_factor))
+    num = op.Add(num, op.Mul(factor, slice_axis(lin, 3, i64([0]), i64([Dv]))))
+    den = op.Add(den, op.Mul(factor, slice_axis(lin, 3, i64([Dv]), i64([Dv + 1]))))
+    positive = op.Greater(den, op.CastLike(f32(0.0), den))
+    return op.Div(num, op.Where(positive, den, op.CastLike(f32(1.0), den)))
+
+
 def _lowering(contrib: bool):
     def lower(q, k, v, phi_q, phi_k, g, beta, key_mask, window, sinks, scale, chunk_size):
         check_self_attention(q, k, "gla+window")
@@ -92,11 +113,7 @@ def _lowering(contrib: bool):
         else:
             lin = gated_scan(phi_q, fk, v1, g4, H, Hkv, M, Dv + 1, q)
         log_factor = op.Where(seen, op.Neg(m), op.CastLike(f32(0.0), m))  # empty window: a common factor, use 1
-        factor = op.Mul(op.Reshape(op.CastLike(beta, q), i64([1, H, 1, 1])), op.Exp(log_factor))
-        num = op.Add(num, op.Mul(factor, slice_axis(lin, 3, i64([0]), i64([Dv]))))
-        den = op.Add(den, op.Mul(factor, slice_axis(lin, 3, i64([Dv]), i64([Dv + 1]))))
-        positive = op.Greater(den, op.CastLike(f32(0.0), den))
-        return op.Div(num, op.Where(positive, den, op.CastLike(f32(1.0), den)))
+        return one_normaliser(num, den, log_factor, lin, beta, H, Dv, q)
 
     return lower
 
@@ -105,3 +122,51 @@ gla_window_ort = _lowering(contrib=True)
 gla_window_std = _lowering(contrib=False)
 
 LOWERING = OpLowering("attnopt::gla_window_attention", {"ort": gla_window_ort, "onnx-std": gla_window_std})
+
+
+# ---------------------------------------------------------------- decode step (forms/gla_window/step.py)
+
+
+def _step_lowering(contrib: bool):
+    def lower(q, k, v, phi_q, phi_k, g, mask, buffer, slots, gated, gated_keys, beta, window, sinks, scale):
+        H, Hkv, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(v, 3, "Dv")
+        M = static_dim(phi_k, 3, "feature count")
+        L = window - 1
+        s = window_step_sums(q, k, v, mask, buffer, slots, window, sinks, scale)
+        T = dim(q, 2)
+        keep = new_columns_keep(mask, q)
+        g4, per_channel = gates_4d(g, q)
+        g4 = op.Mul(g4, keep_BN1(keep, q))  # a dropped token neither adds nor decays
+        Mg = M if per_channel else 1
+        take = keep  # the new tokens that join the gated part later: kept, and not a sink
+        if sinks:
+            take = op.And(keep, op.Not(holds_sink(s.sink_pos1, op.Add(arange(T), op.Add(s.past, i64([1]))))))
+        f_all = op.Concat(op.CastLike(gated_keys, q), op.Mul(op.CastLike(phi_k, q), keep_BN1(take, q)), axis=2)
+        zeros_L = op.Expand(op.CastLike(f32(0.0), q), op.Concat(op.Shape(g4, start=0, end=2), i64([L, Mg]), axis=0))
+        g_all = op.Concat(zeros_L, g4, axis=2)  # [B, Hkv, L + T, Mg]: the buffer's decay is already applied
+        f_all = op.Mul(f_all, op.Exp(window_gate_sums(g_all, window, Mg)))
+        v1_all = with_ones_column(op.CastLike(s.v_all, q))  # [B, Hkv, L + T, Dv + 1]
+        f_out, v_out = slice_axis(f_all, 2, i64([0]), T), slice_axis(v1_all, 2, i64([0]), T)
+        f_in, v_in = shift_right(f_out, 1), shift_right(v_out, 1)  # query i reads the columns leaving before it
+        phi_q = op.CastLike(phi_q, q)
+        past = op.CastLike(gated, q)
+        if contrib:
+            lin, final = linear_attention(phi_q, f_in, v_in, past, H, Hkv, "gated", like=q,
+                                          log_decay=packed_decay(g4, per_channel))
+        else:
+            lin, final = gated_scan(phi_q, f_in, v_in, g4, H, Hkv, M, Dv + 1, q, initial=past)
+        last = op.Sub(T, i64([1]))
+        present = op.Add(final, op.MatMul(op.Transpose(slice_axis(f_out, 2, last, T), perm=[0, 1, 3, 2]),
+                                          slice_axis(v_out, 2, last, T)))
+        present_keys = slice_axis(f_all, 2, T, op.Add(T, i64([L])))
+        out = one_normaliser(s.num, s.den, op.Neg(s.m), lin, beta, H, Dv, q)  # m is 0 where nothing is seen
+        return out, s.buffer, s.slots, op.CastLike(present, gated), op.CastLike(present_keys, gated_keys)
+
+    return lower
+
+
+gla_window_step_ort = _step_lowering(contrib=True)
+gla_window_step_std = _step_lowering(contrib=False)
+
+DECODE_LOWERING = OpLowering("attnopt::gla_window_step", {"ort": gla_window_step_ort,
+                                                          "onnx-std": gla_window_step_std})

@@ -23,7 +23,7 @@ import onnx_ir as ir
 from onnxscript import opset18 as op
 
 from attnopt.forms.linear.onnx import check_self_attention
-from attnopt.forms.window.onnx import arange, banded_sums, ones_keep, window_step_sums
+from attnopt.forms.window.onnx import arange, banded_sums, holds_sink, ones_keep, window_step_sums
 from attnopt.kernels.onnx.functions import (
     CHUNK,
     causal_linear_chunks,
@@ -116,9 +116,7 @@ def _leaving_keys(s, q, T, window: int, sinks: int):
     keep = slice_axis(s.keep_all, 1, i64([0]), T)
     if sinks:
         cols1 = op.Add(arange(T), op.Add(s.past, i64([2 - window])))  # column + 1 of leaving index x: P − L + x
-        hit = op.Equal(op.Reshape(cols1, i64([1, -1, 1])), op.Unsqueeze(s.sink_pos1, i64([1])))  # [B, T, S]
-        is_sink = op.Greater(op.ReduceSum(op.Cast(hit, to=ir.DataType.INT64), i64([2]), keepdims=0), i64([0]))
-        keep = op.And(keep, op.Not(is_sink))
+        keep = op.And(keep, op.Not(holds_sink(s.sink_pos1, cols1)))
     return k_out, v_out, keep
 
 

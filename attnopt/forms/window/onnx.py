@@ -317,6 +317,13 @@ def window_step_sums(q, k, v, mask, buffer, slots, window: int, sinks: int, scal
                       pos1 if S else None, P)
 
 
+def holds_sink(sink_pos1_BS, cols1_T):
+    """Bool [B, T]: column cols1 − 1 is one of the row's sinks (sink_pos1: each sink's column + 1 after
+    the call, 0 empty; cols1 [T] int64 the columns + 1 asked about)."""
+    hit = op.Equal(op.Reshape(cols1_T, i64([1, -1, 1])), op.Unsqueeze(sink_pos1_BS, i64([1])))  # [B, T, S]
+    return op.Greater(op.ReduceSum(op.Cast(hit, to=ir.DataType.INT64), i64([2]), keepdims=0), i64([0]))
+
+
 def window_step(q, k, v, mask, buffer, slots, window, sinks, scale):
     s = window_step_sums(q, k, v, mask, buffer, slots, window, sinks, scale)
     return op.Div(s.num, op.Max(s.den, op.CastLike(f32(1.0), s.den))), s.buffer, s.slots

@@ -12,6 +12,7 @@ otherwise; python ints in names (C, M) are static sizes.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Sequence
 
@@ -72,6 +73,9 @@ def contrib_node(domain: str, op_type: str, inputs: Sequence, attributes: dict, 
     return list(node.outputs)
 
 
+_BRANCH_IDS = itertools.count()
+
+
 def traced_graph(name: str, build):
     """The nodes `build()` records, as a subgraph (an If branch) returning its output (or the tuple of
     outputs it returns). Traced into
@@ -85,6 +89,9 @@ def traced_graph(name: str, build):
         nodes = recorder.nodes
     finally:
         recorder.nodes, recorder.constant_farm = saved
+    for i, value in enumerate(v for node in nodes for v in node.outputs):
+        if not value.name:  # unique names: a branch the exporter folds away (a static condition) is inlined
+            value.name = f"{name}_{next(_BRANCH_IDS)}_{i}"
     return ir.Graph([], list(out) if isinstance(out, (tuple, list)) else [out], nodes=nodes, name=name)
 
 
