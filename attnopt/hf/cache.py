@@ -317,10 +317,17 @@ def watch_cache(module: nn.Module):
     """Forward pre-hook on an attention module: bind its layer in a cache the model made inside its
     forward (the compiled model's own pre-hook, `watch_model_cache`, has bound any cache it was given)."""
 
+    idx = layer_index(module)
+
     def hook(mod, args, kwargs):
         cache = _find_cache(kwargs)
-        if cache is not None:
-            bind_layer(mod, cache)
+        if cache is None:
+            return
+        layers = getattr(cache, "layers", None)
+        if (idx is not None and layers is not None and len(layers) > idx
+                and getattr(layers[idx], "site_module", None) is mod._modules.get(SITE) is not None):
+            return  # bound already (by the model's pre-hook): the common case, once per layer and token
+        bind_layer(mod, cache)
 
     return module.register_forward_pre_hook(hook, with_kwargs=True)
 

@@ -135,12 +135,29 @@ def _taken(site_module: nn.Module, key: torch.Tensor):
     return entry[0]
 
 
+def _config_impl(module: nn.Module):
+    """The module's config `_attn_implementation`, read from the config's own __dict__ where it can be:
+    transformers' config __getattribute__ runs Python on every read, and this runs once per layer and token."""
+    cfg = module.__dict__.get("config")
+    if cfg is None:
+        cfg = getattr(module, "config", None)
+    if cfg is None:
+        return IMPL_SDPA
+    try:
+        impl = object.__getattribute__(cfg, "__dict__").get("_attn_implementation_internal", _UNREAD)
+    except AttributeError:  # a config object without a __dict__
+        impl = _UNREAD
+    return getattr(cfg, "_attn_implementation", IMPL_SDPA) if impl is _UNREAD else impl
+
+
+_UNREAD = object()
+
+
 def original_attention(module: nn.Module) -> Callable:
     """The function the model would have called: its file's eager function, or sdpa."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    impl = getattr(getattr(module, "config", None), "_attn_implementation", IMPL_SDPA)
-    if impl == IMPL_EAGER:
+    if _config_impl(module) == IMPL_EAGER:
         fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if fn is not None:
             return fn
