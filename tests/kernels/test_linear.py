@@ -104,6 +104,55 @@ def test_matches_oracle_written_from_the_formula(name, causal, B, H, Hkv, Nq, Nk
         assert torch.all(out[:, :, : Nq - Nk] == 0)
 
 
+# ------------------------------------------------------------------ the causal prefill, block by block
+
+@pytest.mark.parametrize("name", ["elu", "relu", "hedgehog", "taylor"])
+@pytest.mark.parametrize("N,block,chunk", [(45, 8, 4), (40, 16, 8), (9, 64, 4)], ids=["pad-tail", "even", "one-block"])
+def test_blocked_prefill_matches_oracle(monkeypatch, name, N, block, chunk):
+    """The causal prefill runs `causal_linear_blocks`: several blocks with a carried state, a
+    padded last block, GQA, left/right padding, HF's strided [B, N, heads, D] inputs: the oracle's
+    numbers, in the op's output layout (memory [B, N, H, Dv])."""
+    import attnopt.forms.linear.reference as reference
+
+    monkeypatch.setattr(reference, "BLOCK", block)
+    B, H, Hkv, D, Dv = 2, 6, 3, 4, 5
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in _qkv(B, H, Hkv, N, N, D, Dv, seed=N))
+    key_mask = torch.ones(B, N, dtype=torch.bool)
+    key_mask[0, :3] = False
+    key_mask[1, -2:] = False
+    fm = _fmap(name, D, H)
+    eps = VISIBLE_EPS[name]
+    out = linear_attention(q, k, v, feature_map=fm, causal=True, scale=0.41, eps=eps, key_mask=key_mask,
+                           chunk_size=chunk)
+    ref = linear_oracle(q, k, v, name=name, weight=fm.op_weight(), causal=True, scale=0.41, eps=eps,
+                        key_mask=key_mask)
+    assert out.shape == (B, H, N, Dv) and _rel(out, ref) <= 1e-10
+    assert out.transpose(1, 2).is_contiguous()
+    half = linear_attention(q.half(), k.half(), v.half(), feature_map=fm.half() if name == "hedgehog" else name,
+                            causal=True, chunk_size=chunk)
+    ref_h = linear_attention_reference(q.half().double(), k.half().double(), v.half().double(),
+                                       feature_map=fm.half().double() if name == "hedgehog" else name, causal=True)
+    assert half.dtype == torch.float16 and _rel(half.double(), ref_h) < 2e-3
+
+
+def test_blocked_prefill_gradients(monkeypatch):
+    """Backward through the blocked prefill (recomputed under autograd, carried state across blocks)
+    equals the quadratic formula's gradient, the hedgehog weight's included."""
+    import attnopt.forms.linear.reference as reference
+
+    monkeypatch.setattr(reference, "BLOCK", 8)
+    q, k, v = _qkv(1, 4, 2, 30, 30, 3, 2, seed=3)
+    fm = _fmap("hedgehog", 3, 4)
+
+    def grads(fn, **kw):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = fn(*leaves, feature_map=fm, causal=True, **kw)
+        return torch.autograd.grad(out.sin().sum(), [*leaves, fm.weight_HDP])
+
+    for g, g_ref in zip(grads(linear_attention, chunk_size=4), grads(linear_attention_reference)):
+        assert _rel(g, g_ref) <= 1e-10
+
+
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(
     B=st.integers(1, 2),

@@ -150,6 +150,9 @@ class SiteModule(nn.Module, abc.ABC):
     # `attend` reads the mask only as key padding (keep [B, Nk]) and applies causality itself, so a
     # [B, 1, 1, Nk] keep mask serves it (exporters then build no [B, 1, Nq, Nk] mask for the site).
     reads_padding_only: ClassVar[bool] = False
+    # `attend` returns a tensor of its own (never a view of q, k or v): the exact prefix under
+    # min_seq_len is then written into it in place instead of copying the whole output.
+    attend_output_is_fresh: ClassVar[bool] = False
 
     def __init__(self, site: AttentionSite, params: Mapping[str, Any]):
         super().__init__()
@@ -214,7 +217,11 @@ class SiteModule(nn.Module, abc.ABC):
     def _with_exact_prefix(self, out, q, k, v, keep, mask, exact_q) -> torch.Tensor:
         rows = int(exact_q.any(0).nonzero().max()) + 1  # queries past this one all use the form
         exact = self._exact_rows(q, k, v, keep, rows)
-        head = torch.where(exact_q[:, None, :rows, None], exact, out[:, :, :rows])
+        # Without padding every row up to `rows` is exact (positions are columns).
+        head = exact if keep is None else torch.where(exact_q[:, None, :rows, None], exact, out[:, :, :rows])
+        if self.attend_output_is_fresh:
+            out[:, :, :rows] = head
+            return out
         return torch.cat([head, out[:, :, rows:]], dim=2)
 
     # -- decoding: the form's state replaces the site's KV cache (causal sites)

@@ -66,6 +66,7 @@ LINEAR_PARAMS = {
 class LinearSite(SiteModule):
     form = "linear"
     reads_padding_only = True
+    attend_output_is_fresh = True
 
     def __init__(self, site, params):
         super().__init__(site, params)
