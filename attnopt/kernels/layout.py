@@ -1,4 +1,5 @@
-"""Input checks every op shares: SDPA layout q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv]."""
+"""What every op shares: the SDPA layout checks (q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv]),
+the compute dtype, the zero-safe normaliser ratio and the fake-tensor test."""
 
 from __future__ import annotations
 
@@ -11,6 +12,19 @@ from torch import Tensor
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp16/bf16 accumulate in fp32; fp32 and fp64 keep their own precision."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def ratio_or_zero(num: Tensor, den: Tensor, eps: float) -> Tensor:
+    """num / (den + eps); a row whose denominator is exactly 0 (φ(q)ᵀz = 0, eps = 0) is 0, not NaN."""
+    den = den + eps
+    return num / torch.where(den == 0, torch.ones_like(den), den)
+
+
+def is_fake_tensor(t: Tensor) -> bool:
+    """Whether t is a fake tensor (torch.export / AOT tracing): it has a shape but no values."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
 
 
 def check_sdpa_inputs(who: str, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor] = None) -> None:

@@ -72,7 +72,12 @@ from torch import Tensor
 from attnopt.forms.ssm.schedule import DECAY_FEATURE_MAPS
 from attnopt.kernels.dispatch import cuda_kernels
 from attnopt.kernels.feature_maps import feature_map_class
-from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
+from attnopt.kernels.layout import (
+    check_sdpa_inputs,
+    compute_dtype,
+    is_fake_tensor,
+    ratio_or_zero,
+)
 from attnopt.kernels.registration import register_recompute_autograd
 
 __all__ = [
@@ -106,18 +111,6 @@ def _feature(x: Tensor, feature_map: str) -> Tensor:
     return feature_map_class(feature_map).features(x, 1.0, None)
 
 
-def _ratio(num: Tensor, den: Tensor, eps: float) -> Tensor:
-    """num / (den + eps); a zero denominator (φ(q)ᵀz = 0 with eps = 0) gives 0, not NaN."""
-    den = den + eps
-    return num / torch.where(den == 0, torch.ones_like(den), den)
-
-
-def _is_fake(t: Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(t)
-
-
 def own(t: Tensor) -> Tensor:
     """A custom op's output must be a fresh dense tensor (its fake twin has offset 0), not a slice."""
     t = t.contiguous()
@@ -127,7 +120,7 @@ def own(t: Tensor) -> Tensor:
 def values_known(t: Tensor) -> bool:
     """Whether a value check can look at `t`: not a fake tensor (torch.export) and not while
     torch.compile traces (a data-dependent branch there would only break the graph)."""
-    return t.numel() > 0 and not torch.compiler.is_compiling() and not _is_fake(t)
+    return t.numel() > 0 and not torch.compiler.is_compiling() and not is_fake_tensor(t)
 
 
 def segsum(x: Tensor) -> Tensor:
@@ -402,7 +395,7 @@ def _gla_forward(
         out = out.reshape(B, H, L, W)[:, :, Nk - Nq : Nk]
         T = T.reshape(B, Hkv, M, W)
     if normalize:
-        out = _ratio(out[..., :Dv], out[..., Dv:], eps)
+        out = ratio_or_zero(out[..., :Dv], out[..., Dv:], eps)
         S, z = T[..., :Dv], T[..., Dv]
     else:
         S, z = T, None
@@ -529,7 +522,7 @@ def gated_linear_attention_step(
     num = fq @ S  # [B, Hkv, G, Dv]
     if normalize:
         z = gate * z.to(cdt) + fk
-        out = _ratio(num, (fq * z[:, :, None]).sum(-1, keepdim=True), eps)
+        out = ratio_or_zero(num, (fq * z[:, :, None]).sum(-1, keepdim=True), eps)
     else:
         out = (1.0 / math.sqrt(D) if scale is None else float(scale)) * num
     return out.reshape(B, H, 1, Dv).to(q.dtype), (S, z)

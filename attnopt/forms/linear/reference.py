@@ -51,6 +51,7 @@ from attnopt.kernels.feature_maps import (
     query_key_features,
     resolve_feature_map,
 )
+from attnopt.kernels.layout import compute_dtype
 from attnopt.kernels.registration import register_recompute_autograd
 
 __all__ = ["linear_attention", "linear_attention_reference", "linear_attention_op"]
@@ -60,11 +61,6 @@ State = tuple[Tensor, Tensor]  # (S [B, H, M, Dv], z [B, H, M])
 # Rows per block of the causal prefill (`causal_linear_blocks`): enough for few large ops, small
 # enough that a block's intermediates stay in cache (measured on 2 CPU cores at N = 16k).
 BLOCK = 1024
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp16/bf16 accumulate in fp32; fp32 and fp64 keep their own precision."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _check_inputs(
@@ -187,7 +183,7 @@ def _forward(
     """Shared body of the op and the state path; returns out [B, H, Nq, Dv] and the new state (if asked)."""
     _check_inputs(q, k, v, key_mask, scale, eps, chunk_size)
     cls = feature_map_class(feature_map)
-    cdt = _compute_dtype(q.dtype)
+    cdt = compute_dtype(q.dtype)
     B, H, Nq, _ = q.shape
     weight = None if weight is None else weight.to(device=q.device, dtype=cdt)
     if state is None and causal and Nq == k.shape[2] and cls is not FavorFeatureMap:
@@ -336,7 +332,7 @@ def _one_token(q, k, v, feature_map, weight, scale, eps, key_mask, state) -> tup
     """One decoding step from a carried state, O(M·Dv) per head with no chunk machinery: the same
     sums as `_forward` (FAVOR+ keeps the general path, whose stabiliser is folded in and out)."""
     _check_inputs(q, k, v, key_mask, scale, eps, 1)
-    cdt = _compute_dtype(q.dtype)
+    cdt = compute_dtype(q.dtype)
     B, H = q.shape[0], q.shape[1]
     weight = None if weight is None else weight.to(device=q.device, dtype=cdt)
     phi_q, phi_k, _ = query_key_features(feature_map, q.to(cdt), k.to(cdt), scale, weight, key_mask)
@@ -418,7 +414,7 @@ def linear_attention_reference(
     fmap = resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     _check_inputs(q, k, v, key_mask, scale, eps, 1)
-    cdt = _compute_dtype(q.dtype)
+    cdt = compute_dtype(q.dtype)
     weight = fmap.op_weight()
     weight = None if weight is None else weight.to(device=q.device, dtype=cdt)
     phi_q, phi_k, _ = query_key_features(fmap.name, q.to(cdt), k.to(cdt), scale, weight, key_mask)

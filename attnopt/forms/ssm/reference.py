@@ -41,7 +41,12 @@ from torch import Tensor
 
 from attnopt.forms.ssm.schedule import DECAY_FEATURE_MAPS, retnet_decay
 from attnopt.kernels.dispatch import cuda_kernels
-from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
+from attnopt.kernels.layout import (
+    check_sdpa_inputs,
+    compute_dtype,
+    is_fake_tensor,
+    ratio_or_zero,
+)
 from attnopt.kernels.registration import register_recompute_autograd
 
 __all__ = [
@@ -54,13 +59,6 @@ __all__ = [
 ]
 
 DecayState = tuple  # (S [B, H, Dk, Dv], z [B, H, Dk] or None)
-
-
-def _ratio(num: Tensor, den: Tensor, eps: float) -> Tensor:
-    """num / (den + eps); a row whose denominator is exactly 0 (φ(q)ᵀz = 0, eps = 0) is 0, not NaN,
-    as in linear and window attention."""
-    den = den + eps
-    return num / torch.where(den == 0, torch.ones_like(den), den)
 
 
 def _feature(x: Tensor, feature_map: str) -> Tensor:
@@ -102,7 +100,7 @@ def _decay_tensor(decay, H: int, device) -> Tensor:
             f"decay_attention: decay must be None or 'retnet' (RetNet schedule), a float, {H} floats or a tensor [H]; "
             f"got {type(decay).__name__}"
         )
-    if isinstance(decay, Tensor) and not _is_fake(gamma):  # values of a traced tensor are unknown
+    if isinstance(decay, Tensor) and not is_fake_tensor(gamma):  # values of a traced tensor are unknown
         _check_gamma_values(gamma.detach().to("cpu", torch.float64).tolist())
     return gamma.to(device=device, dtype=torch.float64)
 
@@ -110,12 +108,6 @@ def _decay_tensor(decay, H: int, device) -> Tensor:
 def _check_gamma_values(values: list) -> None:
     if not all(0.0 < g <= 1.0 for g in values):  # also rejects NaN
         raise ValueError(f"decay_attention: every decay γ must lie in (0, 1] (1 = no decay); got {values}")
-
-
-def _is_fake(t: Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(t)
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], who: str = "decay_attention") -> None:
@@ -257,7 +249,7 @@ def _decay_forward(
         outs.append(o.reshape(B, H, e - a, Dv1))
     out = torch.cat(outs, dim=2)[:, :, Nk - Nq :] if outs else phi_q.new_zeros(B, H, 0, Dv1)
     if normalize:
-        out = _ratio(out[..., :Dv], out[..., Dv:], eps)
+        out = ratio_or_zero(out[..., :Dv], out[..., Dv:], eps)
         S, z = S[..., :Dv], S[..., Dv]
     else:
         z = None
@@ -401,7 +393,7 @@ def decay_attention_step(
     num = phi_q @ S  # [B, H, 1, Dv]
     if normalize:
         z = gamma.view(1, H, 1) * z.to(cdt) + phi_k[:, :, 0]
-        out = _ratio(num, (phi_q[:, :, 0] * z).sum(-1)[..., None, None], eps)
+        out = ratio_or_zero(num, (phi_q[:, :, 0] * z).sum(-1)[..., None, None], eps)
     else:
         s = 1.0 / math.sqrt(D) if scale is None else float(scale)
         out = s * num
@@ -445,7 +437,7 @@ def decay_step_(q_t: Tensor, k_t: Tensor, v_t: Tensor, packed: Tensor, gamma_H: 
         z.view(B, Hkv, G, D).add_(phi_k.view(B, Hkv, 1, D))
     nd = torch.bmm(phi_q.view(B * H, 1, D), packed.view(B * H, D, W))  # [B·H, 1, Dv (+ 1)]
     if normalize:
-        out = _ratio(nd[..., :Dv], nd[..., Dv:], eps)
+        out = ratio_or_zero(nd[..., :Dv], nd[..., Dv:], eps)
     else:
         out = (1.0 / math.sqrt(D) if scale is None else float(scale)) * nd
     out = out.view(B, H, 1, Dv)
