@@ -21,7 +21,21 @@ transformers = pytest.importorskip("transformers")
 
 # No compile-time fit here (fit_steps 0): decoding must equal the forward whatever the gates hold.
 # (gla with per-head gates and elu is decoded by tests/backends/test_gated_decode_export.py.)
-POLICIES = ["gla+fit_steps:0", "gla+window:6+sinks:2+fit_steps:0", "delta+fit_steps:0"]
+# "delta+taps": delta with random short-convolution taps (identity at init), so its history is exercised.
+POLICIES = ["gla+fit_steps:0", "gla+window:6+sinks:2+fit_steps:0", "delta+fit_steps:0", "delta+taps"]
+
+
+def _compile(base, policy, example):
+    taps = policy == "delta+taps"
+    opt = attnopt.compile(base, "delta+fit_steps:0" if taps else policy, example_inputs=example, tolerance=10.0,
+                          e2e_tolerance=None)
+    if taps:
+        gen = torch.Generator().manual_seed(4)
+        with torch.no_grad():
+            for m in opt.modules():
+                if isinstance(m, SiteModule):
+                    m.conv_HkvWK.add_(0.4 * torch.randn(m.conv_HkvWK.shape, generator=gen))
+    return opt
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -33,8 +47,7 @@ def model(request):
 def test_cached_steps_equal_a_full_forward_and_padding_changes_nothing(model, policy):
     kind, base = model
     ids, am = _prompt()
-    opt = attnopt.compile(base, policy, example_inputs={"input_ids": ids, "attention_mask": am, "use_cache": False},
-                          tolerance=10.0, e2e_tolerance=None)
+    opt = _compile(base, policy, {"input_ids": ids, "attention_mask": am, "use_cache": False})
     assert opt.attnopt_report.count("rewritten") == 4, [r.outcome.reason for r in opt.attnopt_report.sites]
     seq, steps, cache = _step_logits(opt, ids, am)
     sizes = set()

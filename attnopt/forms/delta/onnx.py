@@ -29,7 +29,7 @@ from attnopt.kernels.onnx.functions import (
     unpack_heads,
 )
 from attnopt.kernels.onnx.lowering import OpLowering
-from attnopt.kernels.onnx.steps import add_real_tokens, new_columns_keep
+from attnopt.kernels.onnx.steps import new_columns_keep
 
 
 def _inputs(q, k, v, g, beta, key_mask, scale):
@@ -89,11 +89,12 @@ LOWERING = OpLowering("attnopt::gated_delta_attention", {"ort": delta_ort, "onnx
 
 
 # Decode step (`attnopt::delta_step`, forms/delta/step.py): q̂ (scale on it), k̂, g and β arrive
-# computed; the carried S [B, Hkv, M, Dv] is LinearAttention's past_state (ort) or the Scan's initial
-# state (onnx-std). A pad has k̂ = 0, g = 0, β = 0: an exact no-op.
+# computed, the short convolution and its conv_state having run before in plain ops; the carried
+# S [B, Hkv, M, Dv] is LinearAttention's past_state (ort) or the Scan's initial state (onnx-std).
+# A pad has k̂ = 0, g = 0, β = 0: an exact no-op.
 
 
-def delta_step_ort(q, k, v, g, beta, mask, state, count):
+def delta_step_ort(q, k, v, g, beta, mask, state):
     keep = new_columns_keep(mask, q)
     qs, k, g, beta, (H, Hkv, D, Dv) = _inputs(q, k, v, g, beta, keep, 1.0)
     out, present = contrib_node(
@@ -101,14 +102,14 @@ def delta_step_ort(q, k, v, g, beta, mask, state, count):
         [pack_heads(qs), pack_heads(k), pack_heads(v), op.CastLike(state, q), op.Transpose(g, perm=[0, 2, 1]),
          op.Transpose(beta, perm=[0, 2, 1])],
         {"q_num_heads": H, "kv_num_heads": Hkv, "update_rule": "gated_delta", "scale": 1.0}, num_outputs=2, like=q)
-    return unpack_heads(out, H), op.CastLike(present, state), add_real_tokens(count, keep)
+    return unpack_heads(out, H), op.CastLike(present, state)
 
 
-def delta_step_std(q, k, v, g, beta, mask, state, count):
+def delta_step_std(q, k, v, g, beta, mask, state):
     keep = new_columns_keep(mask, q)
     qs, k, g, beta, (H, Hkv, D, Dv) = _inputs(q, k, v, g, beta, keep, 1.0)
     out, present = _delta_scan(qs, k, v, g, beta, H, Hkv, D, Dv, q, initial=op.CastLike(state, q))
-    return out, op.CastLike(present, state), add_real_tokens(count, keep)
+    return out, op.CastLike(present, state)
 
 
 DECODE_LOWERING = OpLowering("attnopt::delta_step", {"ort": delta_step_ort, "onnx-std": delta_step_std})
