@@ -140,6 +140,27 @@ def test_load_in_this_process_restores_the_policy_object(llama_compiled, tmp_pat
         assert torch.equal(loaded(input_ids=ids, use_cache=False).logits, opt(input_ids=ids, use_cache=False).logits)
 
 
+def test_delta_convolution_taps_and_their_absence_load_exactly(tmp_path):
+    """A delta site with learnt short-convolution taps and one without (conv:0) come back identical."""
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    ids = torch.randint(0, VOCAB, (B, N), generator=torch.Generator().manual_seed(2))
+    policy = {"name": "deltas", "rules": [{"form": "delta", "params": {"fit_steps": 0}, "layers": [0, 0]},
+                                          {"form": "delta", "params": {"fit_steps": 0, "conv": 0}, "layers": [1, 1]}]}
+    opt = attnopt.compile(transformers.LlamaForCausalLM(cfg).eval(), policy, example_inputs={"input_ids": ids,
+                          "use_cache": False}, tolerance=10.0, e2e_tolerance=None, dispatch="off")
+    sites = [m for m in opt.modules() if isinstance(m, attnopt.forms.SiteModule)]
+    assert [m.conv_HkvWK is None for m in sites] == [False, True]
+    with torch.no_grad():
+        sites[0].conv_HkvWK.add_(0.3 * torch.randn(sites[0].conv_HkvWK.shape, generator=torch.Generator().manual_seed(3)))
+    loaded = attnopt.load(attnopt.save(opt, tmp_path / "deltas"))
+    again = [m for m in loaded.modules() if isinstance(m, attnopt.forms.SiteModule)]
+    assert torch.equal(again[0].conv_HkvWK, sites[0].conv_HkvWK) and again[1].conv_HkvWK is None
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids, use_cache=False).logits, opt(input_ids=ids, use_cache=False).logits)
+
+
 def test_a_model_that_slides_its_own_window_loads_with_attnopt_running_the_band(tmp_path):
     # Mistral: install() takes the model's window over, so its exact sites run as window modules too.
     cfg = transformers.MistralConfig(vocab_size=89, hidden_size=40, intermediate_size=56, num_hidden_layers=2,
