@@ -69,6 +69,7 @@ def test_compile_dispatch_option_measures_thresholds(factory, tmp_path, monkeypa
     monkeypatch.setenv("ATTNOPT_CROSSOVER_CACHE", str(tmp_path / "xo.json"))
     # injected timings: the form loses below 256 tokens and wins from there (nothing is timed)
     monkeypatch.setattr(crossover, "module_timer", lambda module, geometry: lambda n: (2.0 if n < 256 else 0.5, 1.0))
+    monkeypatch.setattr(crossover, "load_average", lambda: 0.0)  # a quiet machine, whatever this one runs
     assert main(["compile", factory, "--policy", "window:8", "--dispatch", "auto", "--html",
                  str(tmp_path / "r.html")]) == 0
     out = capsys.readouterr().out
