@@ -20,7 +20,7 @@ LoRA (params="forms+lora") adapts q, k and v, which moves the gates with them.
 Before all of it k and v pass Gated DeltaNet's short causal depthwise convolution (`conv` taps,
 short_conv.py), the identity at init: softmax attention reads its recent tokens sharply, a unit-key
 delta state blurs them, and a few learnt taps give that locality back (on the tiny LM held out,
-calibrated: perplexity 4.03 without it, 3.79 with 4 taps; benchmarks/results/fidelity_gated_delta_conv.json).
+calibrated: perplexity 4.11 without it, 3.79 with 4 taps; benchmarks/results/fidelity_gated_delta_conv.json).
 """
 
 from __future__ import annotations
