@@ -94,8 +94,10 @@ class GraphStep:
 
 
 def new_keep(mask: Tensor, T: int) -> Tensor:
-    """Bool [B, T]: which of the call's new tokens are real (the mask's last T columns)."""
-    return mask[:, mask.shape[1] - T:].bool()
+    """Bool [B, T]: which of the call's new tokens are real (the mask's last T columns). Taken from the
+    flipped mask's first T, so a traced call puts no guard on the past length (a slice starting at
+    total − T makes torch.export require past ≥ 1)."""
+    return mask.flip(1)[:, :T].flip(1).bool()
 
 
 def add_real_tokens(count: Tensor, keep_BT: Tensor) -> Tensor:

@@ -55,8 +55,7 @@ def states(site: StepSite) -> list:
 
 def call(site: StepSite, q, k, v, mask, pasts):
     module = site.module
-    T = q.shape[2]
-    keep = mask.flip(1)[:, :T].flip(1).bool()  # the new columns (no slice start that depends on the past length)
+    keep = new_keep(mask, q.shape[2])
     if module.conv_HkvWK is None:
         k_mixed, v_mixed, conv_state = k, v, add_real_tokens(pasts[1], keep)
     else:
