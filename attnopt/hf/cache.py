@@ -54,7 +54,11 @@ class SiteCacheLayer(CacheLayerMixin):
         super().__init__()
         self.site_module = site_module
         self.refusal = refusal or refusal_line([(None, site_module.form)])
-        self.state = None
+        self._state = None
+        # Tokens the in-place step absorbed that the state's per-row count (real_B) does not show
+        # yet: every row of such a batch is real, so the count is added when the state is next read
+        # (`state`), not per token and layer.
+        self._lag = 0
         self.columns = 0
         # While every column so far lies inside the site's min_seq_len, the layer is a plain KV
         # cache and the site runs the model's own attention (`exact_now`): below its threshold a
@@ -64,6 +68,19 @@ class SiteCacheLayer(CacheLayerMixin):
         # Whether a call of this sequence had padding among its new tokens: the in-place one-token
         # step (`SiteModule.decode_token`) serves only batches that never had any.
         self.padded = False
+        self.stepper = None  # the site's token_stepper for the state held (kept while it is that state)
+
+    @property
+    def state(self):
+        """The site's DecodeState (None before the first call past min_seq_len), counts up to date."""
+        if self._lag:
+            self._state.real_B.add_(self._lag)
+            self._lag = 0
+        return self._state
+
+    @state.setter
+    def state(self, value) -> None:
+        self._state, self._lag = value, 0
 
     def __repr__(self):
         return f"SiteCacheLayer(form={self.site_module.form!r}, columns={self.columns}, bytes={self.nbytes})"
@@ -89,7 +106,7 @@ class SiteCacheLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         Nq = key_states.shape[-2]
-        self.exact_now = self.state is None and self.columns + Nq <= self.site_module.min_seq_len
+        self.exact_now = self._state is None and self.columns + Nq <= self.site_module.min_seq_len
         if self.exact_now:
             if self.kept and self.keys.shape[0] == key_states.shape[0]:
                 self.keys = torch.cat([self.keys, key_states], dim=-2)
@@ -126,16 +143,27 @@ class SiteCacheLayer(CacheLayerMixin):
             self.keys, self.values = key[..., :0, :], value[..., :0, :]
             return out
         keep = None if keep is None else keep[:, -Nq:]
-        state = self.state
+        state = self._state
         if (Nq == 1 and not self.padded and state is not None and state.prefix is None
-                and not torch.compiler.is_compiling()):
-            stepped = site.decode_token(query, key, value, state.form_state)
-            if stepped is not None:  # the in-place step: no padding, past min_seq_len, one token
-                out, state.form_state = stepped
-                state.real_B.add_(1)
+                and not torch.compiler.is_compiling() and not torch.is_grad_enabled()):
+            # The in-place step (no padding, past min_seq_len, one token, no autograd: it writes
+            # into its buffers), made once per state.
+            step = self.stepper
+            if step is None or step.state is not state.form_state or step.q_dtype != query.dtype:
+                step = self.stepper = site.token_stepper(state.form_state, query, key)
+            if step is not None:
+                out = step(query, key, value)
+                state.form_state = step.state
+                self._lag += 1
                 state.columns += 1
                 return out
-        out, self.state = site.decode(query, key, value, keep, state)
+            stepped = site.decode_token(query, key, value, state.form_state)
+            if stepped is not None:  # a form with a step of its own but no stepper
+                out, state.form_state = stepped
+                self._lag += 1
+                state.columns += 1
+                return out
+        out, self.state = site.decode(query, key, value, keep, self.state)
         return out
 
     def get_seq_length(self) -> int:
@@ -149,6 +177,7 @@ class SiteCacheLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.state, self.columns, self.kept, self.padded, self.exact_now = None, 0, 0, False, False
+        self.stepper = None
         self.keys = self.values = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

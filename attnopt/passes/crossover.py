@@ -316,8 +316,9 @@ def _time_ops(ops: dict, device: torch.device, repeats: int) -> dict:
 
 def decode_timer(module: torch.nn.Module, geometry: Geometry, repeats: int = REPEATS) -> Callable[[int], tuple[float, float]]:
     """time_pair(N): best-of-`repeats` seconds of one decoding step at context N -- the site's
-    in-place step from the state of N random keys (its general step where it has none) against
-    the original's: append to a KV cache of N keys and attend one query over it (SDPA)."""
+    in-place step (its token stepper) from the state of N random keys (its general step where it
+    has none) against the original's: append to a KV cache of N keys and attend one query over it
+    (SDPA)."""
     dtype, device = _dtype_device(geometry)
 
     @torch.inference_mode()
@@ -330,8 +331,13 @@ def decode_timer(module: torch.nn.Module, geometry: Geometry, repeats: int = REP
         k1, v1 = k_BHkvND[:, :, -1:].clone(), v_BHkvND[:, :, -1:].clone()
         _, state = module.decode_step(q_BH1D, k_BHkvND, v_BHkvND, None, None)
         held = [state]
+        # As the cache layer steps: one stepper per sequence, made before the clock starts.
+        stepper = module.token_stepper(state, q_BH1D, k1)
 
         def form_step():
+            if stepper is not None:
+                stepper(q_BH1D, k1, v1)
+                return
             stepped = module.decode_token(q_BH1D, k1, v1, held[0])
             if stepped is None:
                 stepped = module.decode_step(q_BH1D, k1, v1, None, held[0])

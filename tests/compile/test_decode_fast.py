@@ -46,36 +46,97 @@ def _steps(model, ids, new=NEW):
     return torch.cat(out, dim=1), cache
 
 
-@pytest.mark.parametrize("policy", ["linear", "linear:hedgehog", "ssm", "window:8+sinks:2", "linear+window:8+sinks:2"])
+class _Counted:
+    """A token stepper that counts its steps (the layer reads `.state` and `.q_dtype` of it)."""
+
+    def __init__(self, step, taken):
+        self.step, self.taken, self.q_dtype = step, taken, step.q_dtype
+
+    @property
+    def state(self):
+        return self.step.state
+
+    def __call__(self, q, k, v):
+        self.taken.append(True)
+        return self.step(q, k, v)
+
+
+def _count_fast_steps(opt, monkeypatch, off: bool = False):
+    """Count the steps the in-place paths take (a stepper's calls, or a form's own decode_token);
+    with `off`, turn both off instead (the general step)."""
+    taken, built = [], []
+    for cls in {type(m) for m in opt.modules() if isinstance(m, SiteModule)}:
+        own_stepper, own_token = cls.token_stepper, cls.decode_token
+
+        def stepper(self, fs, q, k, own=own_stepper):
+            step = None if off else own(self, fs, q, k)
+            built.append(step is not None)
+            return None if step is None else _Counted(step, taken)
+
+        monkeypatch.setattr(cls, "token_stepper", stepper)
+        if own_token is not SiteModule.decode_token:  # a form with a one-token step but no stepper
+
+            def token(self, q, k, v, state, own=own_token):
+                result = None if off else own(self, q, k, v, state)
+                taken.append(result is not None)
+                return result
+
+            monkeypatch.setattr(cls, "decode_token", token)
+    return taken, built
+
+
+@pytest.mark.parametrize("policy", ["linear", "linear:hedgehog", "ssm", "ssm+normalize:false+tolerance:1000", "window:8+sinks:2",
+                                    "linear+window:8+sinks:2"])
 def test_in_place_step_equals_the_general_step_and_is_taken(base, policy, monkeypatch):
     opt = _compile(base, policy)
-    taken = []
-    real = SiteModule.decode_token
-    for cls in {type(m) for m in opt.modules() if isinstance(m, SiteModule)}:
-        own = cls.decode_token
-
-        def counted(self, q, k, v, state, own=own):
-            result = own(self, q, k, v, state)
-            taken.append(result is not None)
-            return result
-
-        monkeypatch.setattr(cls, "decode_token", counted)
+    taken, built = _count_fast_steps(opt, monkeypatch)
     fast, cache = _steps(opt, _ids())
     assert sum(taken) == 2 * (NEW - 1)  # both sites, every step after the prefill
+    if not policy.startswith("linear+window"):  # a stepper is made once per layer and sequence, not per token
+        assert sum(built) == 2
     for layer in cache.layers:
         assert isinstance(layer, SiteCacheLayer)
+        # the per-row count of real tokens is current when read, though the step does not add it per token
+        assert layer.state.real_B.tolist() == [PROMPT + NEW - 1] * 2 and layer.state.columns == PROMPT + NEW - 1
         fs = layer.state.form_state
         if "window" in policy:  # the band lives in a ring written in place
             assert isinstance(fs if policy.startswith("window") else fs.window, WindowRing)
+        elif fs[1] is None:  # ssm without the normaliser: S alone, advanced in place
+            assert fs[0].is_contiguous()
         else:  # S and z are views of one packed buffer
             assert fs[0]._base is not None and fs[0]._base is fs[1]._base
-    for cls in {type(m) for m in opt.modules() if isinstance(m, SiteModule)}:
-        monkeypatch.setattr(cls, "decode_token", real)  # the base class's: None, the general step
+    monkeypatch.undo()
+    taken_off, _ = _count_fast_steps(opt, monkeypatch, off=True)
     general, _ = _steps(opt, _ids())
+    assert not any(taken_off)
     assert (fast - general).abs().max() < 1e-5  # measured about 1e-7 (fp32)
-    # and after beam-style reordering the in-place step continues from the reordered state
+    # and after beam-style reordering the in-place step continues from the reordered state, made anew
+    monkeypatch.undo()
+    taken, built = _count_fast_steps(opt, monkeypatch)
+    _, cache = _steps(opt, _ids())
     cache.reorder_cache(torch.tensor([1, 0]))
-    assert all(layer.state.form_state is not None for layer in cache.layers)
+    steps_before, built_before = sum(taken), sum(built)
+    with torch.no_grad():
+        out = opt(input_ids=torch.tensor([[3], [5]]), past_key_values=cache, use_cache=True).logits
+    assert torch.isfinite(out).all() and sum(taken) == steps_before + 2
+    if not policy.startswith("linear+window"):
+        assert sum(built) == built_before + 2
+
+
+@pytest.mark.parametrize("policy", ["linear", "ssm", "window:8+sinks:2"])
+def test_decoding_with_autograd_on_takes_the_general_step_and_gives_the_same_logits(base, policy, monkeypatch):
+    opt = _compile(base, policy)
+    fast, _ = _steps(opt, _ids())
+    taken, _ = _count_fast_steps(opt, monkeypatch)
+    cache = make_cache(opt)
+    logits = opt(input_ids=_ids(), past_key_values=cache, use_cache=True).logits[:, -1:]  # grad mode: no no_grad()
+    steps = [logits]
+    for _ in range(NEW - 1):
+        logits = opt(input_ids=logits.argmax(-1), past_key_values=cache, use_cache=True).logits[:, -1:]
+        steps.append(logits)
+    grad_mode = torch.cat(steps, dim=1)
+    assert grad_mode.requires_grad and not any(taken)
+    assert (grad_mode.detach() - fast).abs().max() < 1e-5
 
 
 def test_a_site_inside_min_seq_len_is_the_original_model_and_never_runs(base, monkeypatch):

@@ -6,6 +6,8 @@ fitted to the site's own softmax outputs at compile time (attention transfer, as
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from attnopt.forms.common.base import (
@@ -17,7 +19,7 @@ from attnopt.forms.common.base import (
     no_arbitrary_mask,
 )
 from attnopt.forms.common.fitting import adam_fit, relative_mse, sample_rows
-from attnopt.forms.linear.reference import linear_attention, linear_step_, packed_state
+from attnopt.forms.linear.reference import linear_attention, packed_state
 from attnopt.ir.masks import key_keep
 from attnopt.kernels.feature_maps import (
     FEATURE_MAP_NAMES,
@@ -25,6 +27,7 @@ from attnopt.kernels.feature_maps import (
     make_feature_map,
 )
 from attnopt.kernels.layout import compute_dtype
+from attnopt.kernels.token_step import PackedStateStep, elu_plus_one
 
 # Causal linear kernels process the sequence in chunks of C: masked products inside a chunk, a
 # carried state between chunks (the usual chunked-scan formulation).
@@ -93,16 +96,24 @@ class LinearSite(SiteModule):
         return linear_attention(q, k, v, feature_map=self.feature_map, causal=True, scale=g.scale,
                                 eps=self.eps, key_mask=keep, state=form_state)
 
-    def decode_token(self, q, k, v, form_state):
-        """(S, z) as views of one [S ‖ z] buffer, advanced in place (FAVOR+: the general step, whose
-        key stabiliser is per call)."""
-        if self.feature_map.name == "favor":
+    def token_stepper(self, form_state, q, k):
+        """(S, z) as views of one [S ‖ z] buffer, advanced in place (FAVOR+: none; its key stabiliser
+        is per call)."""
+        fmap = self.feature_map
+        if fmap.name == "favor":
             return None
         cdt = compute_dtype(q.dtype)
-        weight = self.feature_map.op_weight()
+        T_BHMW = packed_state(form_state, cdt)
+        Dv = T_BHMW.shape[-1] - 1
+        weight = fmap.op_weight()
         weight = None if weight is None else weight.to(device=q.device, dtype=cdt)
-        return linear_step_(q, k, v, packed_state(form_state, cdt), feature_map=self.feature_map.name, weight=weight,
-                            scale=self.geometry.scale, eps=self.eps)
+        if fmap.name == "elu":
+            features = elu_plus_one
+        else:
+            features = functools.partial(type(fmap).features, scale=self.geometry.scale, weight=weight)
+        return PackedStateStep(T_BHMW, (T_BHMW[..., :Dv], T_BHMW[..., Dv]), q.dtype, features,
+                               kv_heads=k.shape[1], per_head=fmap.per_head, eps=self.eps,
+                               guard_zero=self.eps < torch.finfo(cdt).tiny)
 
 
 def quadratic_linear(module: LinearSite, call, rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -351,8 +351,8 @@ def _one_token(q, k, v, feature_map, weight, scale, eps, key_mask, state) -> tup
 
 def packed_state(state: State, cdt: torch.dtype) -> Tensor:
     """The [B, H, M, Dv + 1] buffer whose views `state` = (S, z) are, made once when they are not:
-    the in-place step (`linear_step_`) updates both and reads numerator and denominator together
-    from it, with one product each."""
+    the in-place token step (`attnopt.kernels.token_step`) updates both and reads numerator and
+    denominator together from it, with one product each."""
     S, z = state
     base = S._base
     if (base is not None and base is z._base and base.dtype == cdt and base.dim() == 4 and base.is_contiguous()
@@ -360,38 +360,6 @@ def packed_state(state: State, cdt: torch.dtype) -> Tensor:
             and z.data_ptr() == base.data_ptr() + S.shape[-1] * base.element_size()):
         return base
     return torch.cat([S.to(cdt), z.to(cdt)[..., None]], dim=-1)
-
-
-def linear_step_(q: Tensor, k: Tensor, v: Tensor, T_BHMW: Tensor, *, feature_map: str, weight: Optional[Tensor],
-                 scale: float, eps: float) -> tuple[Tensor, State]:
-    """One decoding step of a row batch without padding, advancing the packed state IN PLACE:
-    q [B, H, 1, D], k/v [B, Hkv, 1, ·], T = [S ‖ z] [B, H, M, Dv + 1] (`packed_state`). Returns out
-    [B, H, 1, Dv] and (S, z) as views of T. The sums of `_one_token` (FAVOR+ excluded: its
-    stabiliser is per call), with no allocation beyond φ(q), φ(k) and the output, and no checks:
-    the caller's state came from this site's own prefill. (Views rather than indexing: on a CPU a
-    decoding step is as fast as it has few ops.)"""
-    cdt = T_BHMW.dtype
-    B, H, M, W = T_BHMW.shape
-    Dv = W - 1
-    cls = feature_map_class(feature_map)
-    if cls.per_head and k.shape[1] != H:
-        k = k.repeat_interleave(H // k.shape[1], dim=1)
-    phi_q = cls.features(q if q.dtype == cdt else q.to(cdt), scale, weight)  # [B, H, 1, M]
-    phi_k = cls.features(k if k.dtype == cdt else k.to(cdt), scale, weight)  # [B, Hf, 1, M]
-    Hf = phi_k.shape[1]
-    G = H // Hf
-    v_f = v if v.dtype == cdt else v.to(cdt)
-    if v_f.shape[1] != Hf:
-        v_f = v_f.repeat_interleave(Hf // v_f.shape[1], 1)
-    S, z = T_BHMW[..., :Dv], T_BHMW[..., Dv]
-    S.view(B, Hf, G, M, Dv).addcmul_(phi_k.view(B, Hf, 1, M, 1), v_f.view(B, Hf, 1, 1, Dv))
-    z.view(B, Hf, G, M).add_(phi_k.view(B, Hf, 1, M))
-    nd = torch.bmm(phi_q.view(B * H, 1, M), T_BHMW.view(B * H, M, W))  # numerator and denominator at once
-    den = nd[..., Dv:] + eps
-    if eps < torch.finfo(cdt).tiny:  # (see _safe_ratio)
-        den = torch.where(den == 0, 1.0, den)
-    out = (nd[..., :Dv] / den).view(B, H, 1, Dv)
-    return (out if out.dtype == q.dtype else out.to(q.dtype)), (S, z)
 
 
 def linear_attention_reference(

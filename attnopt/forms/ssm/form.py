@@ -6,6 +6,8 @@ decayed φ(q)ᵀz as linear attention is, which keeps it on the scale of softmax
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from attnopt.forms.common.base import (
@@ -21,13 +23,14 @@ from attnopt.forms.ssm.reference import (
     DECAY_FEATURE_MAPS,
     decay_attention,
     decay_attention_step,
-    decay_step_,
+    decay_features,
     init_decay_state,
     packed_decay_state,
     retnet_decay,
 )
 from attnopt.ir.errors import PolicyError
 from attnopt.kernels.layout import compute_dtype
+from attnopt.kernels.token_step import PackedStateStep
 
 
 def decay_vector(decay, heads: int) -> torch.Tensor:
@@ -67,15 +70,21 @@ class SsmSite(SiteModule):
         return decay_attention(q, k, v, decay=self.decay, feature_map=p["feature_map"], normalize=p["normalize"],
                                scale=self.geometry.scale, key_mask=keep, state=form_state)
 
-    def decode_token(self, q, k, v, form_state):
-        """The recurrence on one [S ‖ z] buffer, decayed and advanced in place."""
+    def token_stepper(self, form_state, q, k):
+        """The recurrence on one [S ‖ z] buffer (S alone without normalising), decayed and advanced in place."""
         p = self.params
         cdt = compute_dtype(q.dtype)
-        gamma = self.__dict__.get("_gamma_step")
-        if gamma is None or gamma.dtype != cdt or gamma.device != q.device:  # γ in the compute dtype, made once
-            gamma = self.__dict__["_gamma_step"] = self.decay.to(device=q.device, dtype=cdt)
-        return decay_step_(q, k, v, packed_decay_state(form_state, cdt), gamma, feature_map=p["feature_map"],
-                           normalize=p["normalize"], scale=self.geometry.scale)
+        packed = packed_decay_state(form_state, cdt)
+        if p["normalize"]:
+            Dv = packed.shape[-1] - 1
+            state = (packed[..., :Dv], packed[..., Dv])
+        else:
+            state = (packed, None)
+        scale = self.geometry.scale
+        return PackedStateStep(packed, state, q.dtype, decay_features(p["feature_map"]), kv_heads=k.shape[1],
+                               normalize=p["normalize"], eps=1e-6, guard_zero=p["feature_map"] == "identity",
+                               decay_H=self.decay.to(q.device),
+                               out_scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale))
 
 
 class SsmForm(Form):

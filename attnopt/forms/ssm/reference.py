@@ -32,8 +32,9 @@ q and k, Dv head dim of v, C chunk length, nc number of chunks.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,7 @@ from attnopt.kernels.layout import (
     ratio_or_zero,
 )
 from attnopt.kernels.registration import register_recompute_autograd
+from attnopt.kernels.token_step import elu_plus_one
 
 __all__ = [
     "decay_attention",
@@ -68,6 +70,15 @@ def _feature(x: Tensor, feature_map: str) -> Tensor:
         return F.elu(x) + 1.0
     if feature_map == "relu":
         return F.relu(x)
+    raise ValueError(f"decay_attention: unknown feature_map {feature_map!r}; allowed: {', '.join(DECAY_FEATURE_MAPS)}")
+
+
+def decay_features(feature_map: str) -> Callable[[Tensor], Tensor]:
+    """φ of a decay feature-map name as one callable, resolved once (the in-place token step's)."""
+    if feature_map == "elu":
+        return elu_plus_one
+    if feature_map in DECAY_FEATURE_MAPS:
+        return functools.partial(_feature, feature_map=feature_map)
     raise ValueError(f"decay_attention: unknown feature_map {feature_map!r}; allowed: {', '.join(DECAY_FEATURE_MAPS)}")
 
 
@@ -401,7 +412,7 @@ def decay_attention_step(
 
 
 def packed_decay_state(state: DecayState, cdt: torch.dtype) -> Tensor:
-    """The buffer the in-place step (`decay_step_`) works on: [S ‖ z] [B, H, Dk, Dv + 1] when
+    """The buffer the in-place token step (`attnopt.kernels.token_step`) works on: [S ‖ z] [B, H, Dk, Dv + 1] when
     normalising (S and z its views, made once when they are not), else S itself in `cdt`."""
     S, z = state
     if z is None:
@@ -412,36 +423,6 @@ def packed_decay_state(state: DecayState, cdt: torch.dtype) -> Tensor:
             and z.data_ptr() == base.data_ptr() + S.shape[-1] * base.element_size()):
         return base
     return torch.cat([S.to(cdt), z.to(cdt)[..., None]], dim=-1)
-
-
-def decay_step_(q_t: Tensor, k_t: Tensor, v_t: Tensor, packed: Tensor, gamma_H: Tensor, *, feature_map: str,
-                normalize: bool, scale: Optional[float], eps: float = 1e-6) -> tuple[Tensor, DecayState]:
-    """`decay_attention_step` advancing the state IN PLACE (`packed_decay_state`): q_t [B, H, 1, D],
-    k_t/v_t [B, Hkv, 1, ·], γ [H] in the compute dtype. Returns (o_t, (S, z-or-None) as views of
-    `packed`); the same sums, with no allocation beyond φ(q), φ(k) and the output (views rather
-    than indexing: on a CPU a decoding step is as fast as it has few ops)."""
-    cdt = packed.dtype
-    B, H, D, W = packed.shape
-    Dv = W - 1 if normalize else W
-    phi_q = _feature(q_t if q_t.dtype == cdt else q_t.to(cdt), feature_map)  # [B, H, 1, Dk]
-    phi_k = _feature(k_t if k_t.dtype == cdt else k_t.to(cdt), feature_map)  # [B, Hkv, 1, Dk]: serves G query heads
-    v = v_t if v_t.dtype == cdt else v_t.to(cdt)
-    Hkv = phi_k.shape[1]
-    G = H // Hkv
-    packed.mul_(gamma_H.view(1, H, 1, 1))
-    S = packed[..., :Dv] if normalize else packed
-    S.view(B, Hkv, G, D, Dv).addcmul_(phi_k.view(B, Hkv, 1, D, 1), v.view(B, Hkv, 1, 1, Dv))
-    z = None
-    if normalize:
-        z = packed[..., Dv]
-        z.view(B, Hkv, G, D).add_(phi_k.view(B, Hkv, 1, D))
-    nd = torch.bmm(phi_q.view(B * H, 1, D), packed.view(B * H, D, W))  # [B·H, 1, Dv (+ 1)]
-    if normalize:
-        out = ratio_or_zero(nd[..., :Dv], nd[..., Dv:], eps)
-    else:
-        out = (1.0 / math.sqrt(D) if scale is None else float(scale)) * nd
-    out = out.view(B, H, 1, Dv)
-    return (out if out.dtype == q_t.dtype else out.to(q_t.dtype)), (S, z)
 
 
 def decay_attention_reference(

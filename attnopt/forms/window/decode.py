@@ -29,7 +29,7 @@ from torch import Tensor
 from attnopt.forms.window.reference import first_real_keys, window_attention
 from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
 
-__all__ = ["WindowCache", "WindowRing", "window_decode", "window_cache_from_keys", "window_step_keys", "window_step_",
+__all__ = ["WindowCache", "WindowRing", "window_decode", "window_cache_from_keys", "window_step_keys", "RingStep",
            "ring_of", "cache_of_ring"]
 
 
@@ -176,7 +176,7 @@ class WindowRing:
 
 
 def ring_ready(cache: WindowCache) -> bool:
-    """Whether the next step may run from a ring (`window_step_`): a full band with sinks outside it."""
+    """Whether the next step may run from a ring (`RingStep`): a full band with sinks outside it."""
     return cache.columns >= cache.window + cache.sinks - 1 and cache.k_BHkvLD.shape[2] == cache.window - 1
 
 
@@ -206,16 +206,27 @@ def cache_of_ring(ring: WindowRing) -> WindowCache:
                        T, W, S)
 
 
-def window_step_(q: Tensor, k: Tensor, v: Tensor, ring: WindowRing, scale: Optional[float]) -> Tensor:
-    """One decoding step from a ring, written IN PLACE: q [B, H, 1, D], k/v [B, Hkv, 1, ·]; returns
-    out [B, H, 1, Dv] (the ring advances by one column). `window_decode`'s keys, read in ring order."""
-    slot = ring.sinks + ring.columns % ring.window
-    ring.k_BHkvKD[:, :, slot] = k[:, :, 0]
-    ring.v_BHkvKD[:, :, slot] = v[:, :, 0]
-    ring.columns += 1
-    cdt = compute_dtype(q.dtype)
-    return F.scaled_dot_product_attention(q.to(cdt), ring.k_BHkvKD.to(cdt), ring.v_BHkvKD.to(cdt), scale=scale,
-                                          enable_gqa=k.shape[1] != q.shape[1]).to(q.dtype)
+class RingStep:
+    """One decoding step from a ring, written IN PLACE (`SiteModule.token_stepper`): called with
+    q [B, H, 1, D], k/v [B, Hkv, 1, ·], it writes the new column into its slot, advances the ring
+    by one and returns out [B, H, 1, Dv]: `window_decode`'s keys, read in ring order."""
+
+    __slots__ = ("state", "q_dtype", "_cdt", "_scale", "_gqa")
+
+    def __init__(self, ring: WindowRing, q_dtype: torch.dtype, scale: Optional[float], gqa: bool):
+        self.state, self.q_dtype, self._cdt, self._scale, self._gqa = ring, q_dtype, compute_dtype(q_dtype), scale, gqa
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        ring = self.state
+        slot = ring.sinks + ring.columns % ring.window
+        ring.k_BHkvKD.narrow(2, slot, 1).copy_(k)
+        ring.v_BHkvKD.narrow(2, slot, 1).copy_(v)
+        ring.columns += 1
+        keys, values = ring.k_BHkvKD, ring.v_BHkvKD
+        if q.dtype != self._cdt:
+            q, keys, values = q.to(self._cdt), keys.to(self._cdt), values.to(self._cdt)
+        out = F.scaled_dot_product_attention(q, keys, values, scale=self._scale, enable_gqa=self._gqa)
+        return out if out.dtype == self.q_dtype else out.to(self.q_dtype)
 
 
 def window_decode(

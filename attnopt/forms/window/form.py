@@ -20,7 +20,7 @@ from attnopt.forms.window.decode import (
     ring_of,
     ring_ready,
     window_decode,
-    window_step_,
+    RingStep,
 )
 from attnopt.forms.window.reference import window_attention
 
@@ -73,13 +73,13 @@ class WindowSite(SiteModule):
         return window_decode(q, k, v, form_state, window=effective_window(p, g.model_window), sinks=p["sinks"],
                              scale=g.scale, key_mask=keep)
 
-    def decode_token(self, q, k, v, form_state):
+    def token_stepper(self, form_state, q, k):
         """A ring buffer of the band written in place, once the band is full and the sinks lie outside it."""
         if not isinstance(form_state, WindowRing):
             if not ring_ready(form_state):
                 return None
             form_state = ring_of(form_state)
-        return window_step_(q, k, v, form_state, self.geometry.scale), form_state
+        return RingStep(form_state, q.dtype, self.geometry.scale, k.shape[1] != q.shape[1])
 
 
 class WindowForm(Form):

@@ -1,0 +1,91 @@
+"""The in-place one-token decoding step of a packed [S ‖ z] state, shared by linear and ssm.
+
+Built once per sequence (per cache layer, `SiteModule.token_stepper`): the views of the state, the
+[v ‖ 1] and product buffers, φ, γ and ε are fixed then, so a token costs the handful of small ops
+the sums need (φ(q), φ(k), the γ decay, one outer-product update, one product for numerator and
+denominator, the ratio) and no Python beyond them. On a CPU such a step is as fast as it has few
+ops: each one pays a fixed dispatch cost far above its arithmetic.
+
+Letters: B batch, H query heads, Hf heads the features are computed for (kv heads, or query heads
+for maps that differ per head), G = H / Hf, M feature count, W value columns (Dv, plus one when a
+ones column carries the normaliser z).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def elu_plus_one(x: Tensor) -> Tensor:
+    """φ(x) = ELU(x) + 1, the +1 added in place (one allocation, not two)."""
+    return F.elu(x).add_(1.0)
+
+
+class PackedStateStep:
+    """Advance T = [S ‖ z] [B, H, M, W] by one token IN PLACE and return that token's output.
+
+    T is per query head (the G heads of a kv head hold equal copies, as the general step keeps
+    them); the update broadcasts φ(k) ⊗ [v ‖ 1] over G. `state` is the form state whose tensors
+    are views of T: the cache layer keeps this step while its state is that very object.
+    """
+
+    __slots__ = ("state", "q_dtype", "_cdt", "_features", "_T", "_T_upd", "_T_bmm", "_v1", "_v_in", "_nd",
+                 "_num", "_den", "_eps_W", "_decay", "_guard", "_out_scale", "_shape", "_repeat_k")
+
+    def __init__(self, T_BHMW: Tensor, state, q_dtype: torch.dtype, features: Callable[[Tensor], Tensor], *,
+                 kv_heads: int, per_head: bool = False, normalize: bool = True, eps: float = 0.0,
+                 guard_zero: bool = False, decay_H: Optional[Tensor] = None, out_scale: float = 1.0):
+        B, H, M, W = T_BHMW.shape
+        Dv = W - 1 if normalize else W
+        Hf = H if per_head else kv_heads
+        G = H // Hf
+        self.state, self.q_dtype, self._cdt = state, q_dtype, T_BHMW.dtype
+        self._features = features
+        self._T = T_BHMW
+        self._T_upd = T_BHMW.view(B, Hf, G, M, W)
+        self._T_bmm = T_BHMW.view(B * H, M, W)
+        # [v ‖ 1] per feature head; v is copied into its first Dv columns (repeated G' = Hf / Hkv
+        # times when the features are per query head), the ones column stays.
+        self._v1 = T_BHMW.new_ones(B, Hf, 1, 1, W)
+        # v [B, Hkv, 1, Dv] is copied in as it comes (no view per call) unless it must be repeated.
+        r = Hf // kv_heads
+        self._v_in = self._v1[:, :, 0, :, :Dv] if r == 1 else self._v1[..., :Dv].view(B, kv_heads, r, 1, Dv)
+        self._nd = T_BHMW.new_empty(B * H, 1, W)
+        nd_BH1W = self._nd.view(B, H, 1, W)  # the ratio then comes out as [B, H, 1, Dv]
+        self._num, self._den = nd_BH1W[..., :Dv], nd_BH1W[..., Dv:]
+        # ε enters as the product's additive term, [0 … 0 ε] (baddbmm): no separate op for it.
+        self._eps_W = T_BHMW.new_zeros(B * H, 1, W)  # (full size: a broadcast one costs more per call)
+        if normalize:
+            self._eps_W[..., Dv] = float(eps)
+        self._decay = None if decay_H is None else decay_H.to(T_BHMW.dtype).view(1, H, 1, 1)
+        self._guard, self._out_scale = bool(guard_zero), float(out_scale)
+        self._shape = (B, H, Hf, M, Dv, normalize)
+        self._repeat_k = H // kv_heads if per_head and kv_heads != H else 0
+
+    def __call__(self, q_BH1D: Tensor, k_BHkv1D: Tensor, v_BHkv1D: Tensor) -> Tensor:
+        B, H, Hf, M, Dv, normalize = self._shape
+        cdt = self._cdt
+        if q_BH1D.dtype != cdt:
+            q_BH1D, k_BHkv1D, v_BHkv1D = q_BH1D.to(cdt), k_BHkv1D.to(cdt), v_BHkv1D.to(cdt)
+        if self._repeat_k:
+            k_BHkv1D = k_BHkv1D.repeat_interleave(self._repeat_k, dim=1)
+        phi_q = self._features(q_BH1D)  # [B, H, 1, M]
+        phi_k = self._features(k_BHkv1D)  # [B, Hf, 1, M]
+        self._v_in.copy_(v_BHkv1D if self._v_in.dim() == 4 else v_BHkv1D.view(B, self._v_in.shape[1], 1, 1, Dv))
+        if self._decay is not None:
+            self._T.mul_(self._decay)
+        self._T_upd.addcmul_(phi_k.view(B, Hf, 1, M, 1), self._v1)
+        # numerator and denominator + ε at once
+        torch.baddbmm(self._eps_W, phi_q.view(B * H, 1, M), self._T_bmm, out=self._nd)
+        if normalize:
+            den = self._den
+            if self._guard:  # φ(q)ᵀz may be exactly 0 here: that row is 0, as the general step gives
+                den = torch.where(den == 0, 1.0, den)
+            out = torch.div(self._num, den)
+        else:
+            out = self._nd.view(B, H, 1, Dv) * self._out_scale
+        return out if out.dtype == self.q_dtype else out.to(self.q_dtype)
