@@ -6,8 +6,8 @@ leaves `min_seq_len` unset (None) gets the form's *crossover*: the site module i
 exact attention (the SDPA call it falls back to) at ascending lengths for the site's own geometry
 (B=1, its heads, kv heads and head dims, causality, dtype), and the threshold is the smallest
 measured length from which the form stays faster. Results are cached on disk per device, torch
-version, form parameters and geometry (CROSSOVER_CACHE, relocated by $ATTNOPT_CROSSOVER_CACHE), so
-each is measured once. A rule's own `min_seq_len` wins (0 = the form at every length);
+version, revision of the timed code, form parameters and geometry (CROSSOVER_CACHE, relocated by
+$ATTNOPT_CROSSOVER_CACHE), so each is measured once. A rule's own `min_seq_len` wins (0 = the form at every length);
 `compile(dispatch="off")` or $ATTNOPT_DISPATCH=off resolves unset thresholds to 0, as before.
 
 A site that decodes from a state of its own is also timed as a decoding step (`decode_timer`: its
@@ -171,11 +171,17 @@ def device_name(device: torch.device) -> str:
     return f"{cpu}, {torch.get_num_threads()} threads"
 
 
+# The revision of the code the timings run (the forms' ops and decoding steps): a change that moves
+# their speed bumps it, so every cached crossover is measured again instead of trusted.
+# 2: token steppers made once per sequence (the decoding step got about 2x cheaper).
+TIMED_CODE_REVISION = 2
+
+
 def cache_key(form: str, params: Mapping, geometry: Geometry) -> str:
     timed = {k: v for k, v in sorted(params.items()) if k not in UNTIMED_PARAMS}
     args = ",".join(f"{k}={v}" for k, v in timed.items())
-    return (f"{device_name(torch.device(geometry.device))} | torch {torch.__version__} | {form}({args}) | "
-            f"{geometry.text()}")
+    return (f"{device_name(torch.device(geometry.device))} | torch {torch.__version__} | attnopt timing "
+            f"r{TIMED_CODE_REVISION} | {form}({args}) | {geometry.text()}")
 
 
 def load_cache(path: Optional[Path] = None) -> dict:

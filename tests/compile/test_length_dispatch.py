@@ -98,10 +98,12 @@ def test_compile_measures_caches_and_reports_the_threshold(llama, cache, monkeyp
     assert report.counts["dispatch"] == {"mode": "auto", "given": 0, "measured": 1, "cached": 1, "off": 0, "fixed": 0}
     assert all(r.outcome.params["min_seq_len"] == 256 for r in report.sites)
     assert all(s.attnopt_site.min_seq_len == 256 for s in (opt.model.layers[0].self_attn, opt.model.layers[1].self_attn))
-    # the cache file holds one entry keyed by device, torch version, form parameters and geometry
+    # the cache file holds one entry keyed by device, torch version, timed-code revision, form parameters
+    # and geometry
     data = json.loads(cache.read_text())
     (key, entry), = data.items()
     assert f"torch {torch.__version__}" in key and "linear(" in key and "H=6, Hkv=2, D=8" in key
+    assert f"attnopt timing r{crossover.TIMED_CODE_REVISION} |" in key
     assert entry["min_seq_len"] == 256 and [t[0] for t in entry["timings"]] == [64, 128, 256, 512]
     # report: JSON round trip, Markdown and HTML show it
     again = CompileReport.from_dict(json.loads(report.to_json()))
