@@ -17,6 +17,7 @@ What one call hands to a later step of the same call lives in the call itself --
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -155,12 +156,19 @@ _UNREAD = object()
 
 def original_attention(module: nn.Module) -> Callable:
     """The function the model would have called: its file's eager function, or sdpa."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if _config_impl(module) == IMPL_EAGER:
         fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if fn is not None:
             return fn
+    return _sdpa_forward()
+
+
+@functools.cache
+def _sdpa_forward() -> Callable:
+    """transformers' sdpa attention function, imported once (a from-import per call costs microseconds,
+    and this runs once per layer and token)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     return sdpa_attention_forward
 
 
@@ -184,11 +192,16 @@ def attention_forward(
     if site_module is None and _planner is not None and state is None:
         site_module = _planner(module, query, key, value, attention_mask, scaling, is_causal, kwargs)
         state = module.__dict__.get("_attnopt_state")
-    if layer is not None and layer.decodes and not layer.exact_now and layer.site_module is site_module and (
+    exact = state.original if state is not None and state.original is not None else None
+    if layer is not None and layer.decodes and layer.site_module is site_module and (
             state is None or (not state.store_qk and state.recorder is None)):
-        # The decoding hot path: the site's own state, nothing else asked.
-        return layer.attend(query, key, value, attention_mask).transpose(1, 2).contiguous(), None
-    exact = state.original if state is not None and state.original is not None else original_attention(module)
+        # The decoding hot path: the site's own state, nothing else asked; inside min_seq_len the
+        # layer is a plain KV cache and the model's own attention runs.
+        if not layer.exact_now:
+            return layer.attend(query, key, value, attention_mask).transpose(1, 2).contiguous(), None
+        return (exact or original_attention(module))(module, query, key, value, attention_mask, dropout=dropout,
+                                                     scaling=scaling, is_causal=is_causal, **kwargs)
+    exact = exact or original_attention(module)
     if state is not None and state.store_qk:
         state.call.set("qk", (query, key))
     if state is not None and state.recorder is not None:

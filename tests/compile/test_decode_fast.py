@@ -139,7 +139,20 @@ def test_decoding_with_autograd_on_takes_the_general_step_and_gives_the_same_log
     assert (grad_mode.detach() - fast).abs().max() < 1e-5
 
 
-def test_a_site_inside_min_seq_len_is_the_original_model_and_never_runs(base, monkeypatch):
+@pytest.fixture(scope="module")
+def granite():
+    """A decoder whose attention scale is not SDPA's default 1/√D (attention_multiplier): a path that
+    dropped the model's `scaling` would still match Llama, never this one."""
+    cfg = transformers.GraniteConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                     attention_multiplier=0.5)
+    torch.manual_seed(0)
+    return transformers.GraniteForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("model_name", ["base", "granite"])
+def test_a_site_inside_min_seq_len_is_the_original_model_and_never_runs(model_name, request, monkeypatch):
+    base = request.getfixturevalue(model_name)
     opt = _compile(base, {"rules": [{"form": "linear", "min_seq_len": 40}]})
     ids = _ids()
 
@@ -168,3 +181,24 @@ def test_crossing_min_seq_len_from_a_kept_kv_cache_matches_a_full_forward(base):
                for layer in cache.layers)
     with torch.no_grad():  # past the threshold the form acts: not the original model
         assert not torch.allclose(full, base(input_ids=seq, use_cache=False).logits[:, PROMPT - 1:], atol=1e-4)
+
+
+@pytest.mark.parametrize("with_config", [True, False])
+def test_a_cache_the_caller_made_is_bound_before_any_layer_runs(base, with_config):
+    """The compiled model's pre-hook swaps every site's layer into a cache it is given, so none is
+    swapped from inside the forward (where a torch.compile'd model would trace it): checked at the
+    first attention module's call, for a cache with HF's layers already made and for an empty one."""
+    opt = _compile(base, "linear")
+    cache = transformers.DynamicCache(config=base.config) if with_config else transformers.DynamicCache()
+    seen = []
+
+    def look(module, args, kwargs):
+        seen.append([type(layer).__name__ for layer in cache.layers])
+
+    handle = opt.model.layers[0].self_attn.register_forward_pre_hook(look, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            opt(input_ids=_ids(), past_key_values=cache, use_cache=True)
+    finally:
+        handle.remove()
+    assert seen[0] == ["SiteCacheLayer", "SiteCacheLayer"]
