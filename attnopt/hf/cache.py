@@ -370,16 +370,11 @@ def watch_model_cache(model: nn.Module):
 
     def hook(mod, args, kwargs):
         cache = _find_cache(kwargs)
-        if cache is None:
-            return
-        layers = getattr(cache, "layers", None)
-        for m in mod.__dict__["_attnopt_state"].stateful:
-            idx = layer_index(m)
-            layer = layers[idx] if layers is not None and idx is not None and len(layers) > idx else None
-            if layer is None or getattr(layer, "site_module", None) is not m._modules.get(SITE):
-                layer = bind_layer(m, cache)  # not bound yet (bound already is the case once per token)
-            if isinstance(layer, SiteCacheLayer):
-                layer.state = layer.site_module.settle(layer.state)  # decode leaves it to us under torch.compile
+        if cache is not None:
+            for m in mod.__dict__["_attnopt_state"].stateful:
+                layer = bind_layer(m, cache)
+                if isinstance(layer, SiteCacheLayer):
+                    layer.state = layer.site_module.settle(layer.state)  # decode leaves it to us under torch.compile
 
     return model.register_forward_pre_hook(hook, with_kwargs=True)
 

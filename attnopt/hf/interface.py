@@ -192,7 +192,7 @@ def attention_forward(
     if site_module is None and _planner is not None and state is None:
         site_module = _planner(module, query, key, value, attention_mask, scaling, is_causal, kwargs)
         state = module.__dict__.get("_attnopt_state")
-    exact = state.original if state is not None and state.original is not None else None
+    exact = state.original if state is not None else None  # None: resolved below only where it runs
     if layer is not None and layer.decodes and layer.site_module is site_module and (
             state is None or (not state.store_qk and state.recorder is None)):
         # The decoding hot path: the site's own state, nothing else asked; inside min_seq_len the
