@@ -343,8 +343,10 @@ def bind_layer(module: nn.Module, cache) -> Optional[CacheLayerMixin]:
 
 
 def watch_cache(module: nn.Module):
-    """Forward pre-hook on an attention module: bind its layer in a cache the model made inside its
-    forward (the compiled model's own pre-hook, `watch_model_cache`, has bound any cache it was given)."""
+    """Forward pre-hook on the first attention module to decode from a cache: bind the layers of
+    every module in its state's `stateful` (itself when empty) in a cache the model made inside its
+    forward. One hooked module, not one per layer: a hook costs each call torch's slow path. (The
+    compiled model's own pre-hook, `watch_model_cache`, has bound any cache it was given.)"""
 
     idx = layer_index(module)
 
@@ -355,8 +357,9 @@ def watch_cache(module: nn.Module):
         layers = getattr(cache, "layers", None)
         if (idx is not None and layers is not None and len(layers) > idx
                 and getattr(layers[idx], "site_module", None) is mod._modules.get(SITE) is not None):
-            return  # bound already (by the model's pre-hook): the common case, once per layer and token
-        bind_layer(mod, cache)
+            return  # bound already (by the model's pre-hook): the common case, once per token
+        for m in mod.__dict__["_attnopt_state"].stateful or (mod,):
+            bind_layer(m, cache)
 
     return module.register_forward_pre_hook(hook, with_kwargs=True)
 

@@ -12,7 +12,7 @@ from torch import nn
 from attnopt import forms
 from attnopt.forms.common.base import BuildContext
 from attnopt.hf.cache import decoding_modules, set_cache_roles, watch_cache, watch_model_cache
-from attnopt.hf.interface import ModuleState
+from attnopt.hf.interface import ModuleState, layer_index
 from attnopt.hf.recording import watch_layer_input
 from attnopt.hf.routes import keep_routes_of
 
@@ -107,9 +107,11 @@ def install(model: nn.Module, sites: list, modules: dict) -> dict:
                    | {by_id[m.anchor_id].module_path for m in modules.values() if m.uses_anchor_qk})
     set_cache_roles(model, sites)  # after the loop above: anchors are known by now
     stateful = decoding_modules(model)
-    for target in stateful:
-        target.__dict__["_attnopt_state"].hooks.append(watch_cache(target))
-    if stateful:
+    if stateful:  # a cache made inside the forward: the first module to decode binds every layer
+        first = min(stateful, key=layer_index)
+        fstate = first.__dict__["_attnopt_state"]
+        fstate.stateful = stateful
+        fstate.hooks.append(watch_cache(first))
         top = model.__dict__.setdefault("_attnopt_state", ModuleState())
         top.stateful = stateful  # a deep copy of the model maps these to its own modules
         top.hooks.append(watch_model_cache(model))

@@ -95,7 +95,8 @@ class ModuleState:
     # function's signature; None: the model's own attention function (original_attention).
     original: Optional[Callable] = None
     call: PerThread = field(default_factory=PerThread)  # "qk" (anchor) and "x" (layer input) of this call
-    stateful: list = field(default_factory=list)  # top-level model: the modules whose cache layers it binds
+    # The top-level model, and the first module to decode: the modules whose cache layers it binds.
+    stateful: list = field(default_factory=list)
 
 
 def layer_index(module: nn.Module) -> Optional[int]:

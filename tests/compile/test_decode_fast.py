@@ -202,3 +202,25 @@ def test_a_cache_the_caller_made_is_bound_before_any_layer_runs(base, with_confi
     finally:
         handle.remove()
     assert seen[0] == ["SiteCacheLayer", "SiteCacheLayer"]
+
+
+@pytest.mark.parametrize("policy", ["linear", {"rules": [{"layers": 1, "form": "linear"}, {"form": "exact"}]}])
+def test_a_cache_the_model_makes_inside_its_forward_holds_every_sites_state(base, policy):
+    """A call given no cache makes its own inside the forward: the first module to decode binds
+    every site's layer in it (the only one hooked), so continuing from that cache equals a full
+    forward; with layer 0 exact, layer 0 keeps HF's keys and the hooked module is layer 1's."""
+    opt = _compile(base, policy)
+    ids = _ids()
+    with torch.no_grad():
+        out = opt(input_ids=ids, use_cache=True)
+        cache, logits = out.past_key_values, [out.logits[:, -1:]]
+        for _ in range(4):
+            logits.append(opt(input_ids=logits[-1].argmax(-1), past_key_values=cache, use_cache=True).logits[:, -1:])
+        seq = torch.cat([ids] + [x.argmax(-1) for x in logits[:-1]], dim=1)
+        full = opt(input_ids=seq, use_cache=False).logits[:, PROMPT - 1:]
+    sites = [i for i, layer in enumerate(opt.model.layers) if "attnopt_site" in layer.self_attn._modules]
+    assert [isinstance(layer, SiteCacheLayer) and layer.state is not None for layer in cache.layers] == \
+        [i in sites for i in range(len(cache.layers))]
+    assert (torch.cat(logits, dim=1) - full).abs().max() < 1e-5
+    hooked = [i for i, layer in enumerate(opt.model.layers) if layer.self_attn._forward_pre_hooks]
+    assert hooked == sites[:1]
