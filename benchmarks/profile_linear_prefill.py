@@ -1,17 +1,20 @@
 """Profile and time one layer's causal linear attention at prefill against SDPA (CPU).
 
     python benchmarks/profile_linear_prefill.py --n 16384 --threads 2 [--profile] [--repeats 3]
+    python benchmarks/profile_linear_prefill.py --no-sdpa --repeats 15 --chunks 32,64 [--feature-map hedgehog]
 
 Inputs as one layer of benchmarks/e2e_cpu.py sees them: q [1, 8, N, 64], k/v [1, 2, N, 64] (GQA,
 G = 4), fp32, transposed views of [B, N, heads, D] as HF passes them. Timed, interleaved, best of the repeats: SDPA causal (enable_gqa), the
 `attnopt::linear_attention` op (elu, the `linear` policy's default map) and the whole site module
 (min_seq_len 1024 as the default dispatch measures it here: the first 1024 rows run exact), up
-to the [B, N, H, Dv] the attention function returns.
+to the [B, N, H, Dv] the attention function returns. `--chunks` adds the op at fixed chunk sizes
+(the op's default picks one from the feature count: `default_chunk`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -23,6 +26,7 @@ import attnopt
 from attnopt import forms
 from attnopt.forms.common.base import BuildContext
 from attnopt.forms.linear.reference import linear_attention
+from attnopt.kernels.feature_maps import make_feature_map
 
 B, H, HKV, D = 1, 8, 2, 64
 
@@ -48,6 +52,9 @@ def main(argv=None) -> int:
     p.add_argument("--min-seq-len", type=int, default=1024)
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops of each variant")
     p.add_argument("--no-sdpa", action="store_true")
+    p.add_argument("--chunks", default="", help="also time the op at these chunk sizes, e.g. 32,64 "
+                                                "(each with blocks of BLOCK_CHUNKS chunks)")
+    p.add_argument("--feature-map", default=None, help="the op's map (default: the linear policy's)")
     p.add_argument("--out", default=None, help="JSON file for the timings")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -57,6 +64,8 @@ def main(argv=None) -> int:
     k_BHND, v_BHND = (torch.randn(B, a.n, HKV, D, generator=g).transpose(1, 2) for _ in range(2))
     module = site_module(a.min_seq_len)
     fmap, scale, eps = module.feature_map, module.geometry.scale, module.eps
+    if a.feature_map:
+        fmap = make_feature_map(a.feature_map, D, H)
     variants = {
         "sdpa": lambda: F.scaled_dot_product_attention(q_BHND, k_BHND, v_BHND, is_causal=True, enable_gqa=True),
         "op": lambda: linear_attention(q_BHND, k_BHND, v_BHND, feature_map=fmap, causal=True, scale=scale, eps=eps),
@@ -65,6 +74,9 @@ def main(argv=None) -> int:
     }
     if a.no_sdpa:
         del variants["sdpa"]
+    for c in (int(x) for x in a.chunks.split(",") if x):
+        variants[f"op C={c}"] = functools.partial(linear_attention, q_BHND, k_BHND, v_BHND, feature_map=fmap,
+                                                  causal=True, scale=scale, eps=eps, chunk_size=c)
     with torch.no_grad():
         for fn in variants.values():
             fn()
@@ -78,7 +90,7 @@ def main(argv=None) -> int:
                 times[name].append(time.perf_counter() - t0)
         best = {name: min(ts) for name, ts in times.items()}
         for name in variants:
-            print(f"{name:5s} best {best[name] * 1e3:8.1f} ms  all {[round(t * 1e3, 1) for t in times[name]]}")
+            print(f"{name:8s} best {best[name] * 1e3:8.1f} ms  all {[round(t * 1e3, 1) for t in times[name]]}")
         if "sdpa" in best:
             print(f"sdpa/op {best['sdpa'] / best['op']:.2f}x  sdpa/site {best['sdpa'] / best['site']:.2f}x")
         if a.profile:

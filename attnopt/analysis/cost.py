@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Sequence
 
 from attnopt import forms
-from attnopt.forms.linear.form import CHUNK, feature_count  # noqa: F401  (re-exported: the cost model's M and C)
+from attnopt.forms.linear.form import feature_count  # noqa: F401  (re-exported: the cost model's M)
 from attnopt.ir.outcomes import Cost
 
 ELEMENT_BYTES = {

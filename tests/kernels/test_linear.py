@@ -107,14 +107,14 @@ def test_matches_oracle_written_from_the_formula(name, causal, B, H, Hkv, Nq, Nk
 # ------------------------------------------------------------------ the causal prefill, block by block
 
 @pytest.mark.parametrize("name", ["elu", "relu", "hedgehog", "taylor"])
-@pytest.mark.parametrize("N,block,chunk", [(45, 8, 4), (40, 16, 8), (9, 64, 4)], ids=["pad-tail", "even", "one-block"])
-def test_blocked_prefill_matches_oracle(monkeypatch, name, N, block, chunk):
+@pytest.mark.parametrize("N,blocks,chunk", [(45, 2, 4), (40, 2, 8), (9, 16, 4)], ids=["pad-tail", "even", "one-block"])
+def test_blocked_prefill_matches_oracle(monkeypatch, name, N, blocks, chunk):
     """The causal prefill runs `causal_linear_blocks`: several blocks with a carried state, a
     padded last block, GQA, left/right padding, HF's strided [B, N, heads, D] inputs: the oracle's
     numbers, in the op's output layout (memory [B, N, H, Dv])."""
     import attnopt.forms.linear.reference as reference
 
-    monkeypatch.setattr(reference, "BLOCK", block)
+    monkeypatch.setattr(reference, "BLOCK_CHUNKS", blocks)
     B, H, Hkv, D, Dv = 2, 6, 3, 4, 5
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in _qkv(B, H, Hkv, N, N, D, Dv, seed=N))
     key_mask = torch.ones(B, N, dtype=torch.bool)
@@ -135,12 +135,33 @@ def test_blocked_prefill_matches_oracle(monkeypatch, name, N, block, chunk):
     assert half.dtype == torch.float16 and _rel(half.double(), ref_h) < 2e-3
 
 
+@pytest.mark.parametrize("name,D,chunk", [("elu", 64, 32), ("hedgehog", 64, 64), ("elu", 80, 64)])
+def test_default_chunk_follows_the_feature_count_and_keeps_the_oracles_numbers(monkeypatch, name, D, chunk):
+    """With no chunk_size the scan takes `default_chunk(M)` (32 up to 64 features, else 64) and a block
+    of BLOCK_CHUNKS chunks: the chunk the op saw is the expected one, and the output (three blocks and
+    a padded tail here) is still the oracle's."""
+    import attnopt.forms.linear.reference as reference
+
+    seen = []
+    blocks = reference.causal_linear_blocks
+    monkeypatch.setattr(reference, "causal_linear_blocks",
+                        lambda *a, **kw: seen.append((kw["chunk_size"], kw["block_size"])) or blocks(*a, **kw))
+    monkeypatch.setattr(reference, "BLOCK_CHUNKS", 2)
+    N = 5 * chunk + 3
+    q, k, v = _qkv(1, 4, 2, N, N, D, 3, seed=D)
+    fm = _fmap(name, D, 4)
+    out = linear_attention(q, k, v, feature_map=fm, causal=True)
+    assert seen == [(chunk, 2 * chunk)]
+    ref = linear_oracle(q, k, v, name=name, weight=fm.op_weight(), causal=True, scale=1 / math.sqrt(D), eps=1e-6)
+    assert _rel(out, ref) <= 1e-10
+
+
 def test_blocked_prefill_gradients(monkeypatch):
     """Backward through the blocked prefill (recomputed under autograd, carried state across blocks)
     equals the quadratic formula's gradient, the hedgehog weight's included."""
     import attnopt.forms.linear.reference as reference
 
-    monkeypatch.setattr(reference, "BLOCK", 8)
+    monkeypatch.setattr(reference, "BLOCK_CHUNKS", 2)
     q, k, v = _qkv(1, 4, 2, 30, 30, 3, 2, seed=3)
     fm = _fmap("hedgehog", 3, 4)
 

@@ -7,6 +7,7 @@ fitted to the site's own softmax outputs at compile time (attention transfer, as
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -19,7 +20,7 @@ from attnopt.forms.common.base import (
     no_arbitrary_mask,
 )
 from attnopt.forms.common.fitting import adam_fit, relative_mse, sample_rows
-from attnopt.forms.linear.reference import linear_attention, packed_state
+from attnopt.forms.linear.reference import default_chunk, linear_attention, packed_state
 from attnopt.ir.masks import key_keep
 from attnopt.kernels.feature_maps import (
     FEATURE_MAP_NAMES,
@@ -29,9 +30,6 @@ from attnopt.kernels.feature_maps import (
 from attnopt.kernels.layout import compute_dtype
 from attnopt.kernels.token_step import PackedStateStep, elu_plus_one
 
-# Causal linear kernels process the sequence in chunks of C: masked products inside a chunk, a
-# carried state between chunks (the usual chunked-scan formulation).
-CHUNK = 64
 
 
 def feature_count(feature_map: str, num_features: int, D: int) -> int:
@@ -48,14 +46,15 @@ def feature_count(feature_map: str, num_features: int, D: int) -> int:
 
 
 def kernel_flops(B: int, H: int, Nq: int, Nk: int, D: int, Dv: int, feature_map: str, num_features: int,
-                 causal: bool) -> float:
-    """FLOPs of linear attention: featurise, build the state, read it per query (+ in-chunk blocks)."""
+                 causal: bool, chunk: Optional[int] = None) -> float:
+    """FLOPs of linear attention: featurise, build the state, read it per query (+ in-chunk blocks of
+    `chunk` rows, by default the linear op's `default_chunk`)."""
     M = feature_count(feature_map, num_features, D)
     flops = 2 * B * H * M * (Dv + 1) * (Nq + Nk)
     if feature_map in ("favor", "hedgehog"):  # random / learned projection of q and k
         flops += 2 * B * H * (Nq + Nk) * D * (M // 2 if feature_map == "hedgehog" else M)
-    if causal:
-        flops += 2 * B * H * Nq * min(CHUNK, Nq) * (M + Dv)
+    if causal:  # masked C×C products inside each chunk of the scan
+        flops += 2 * B * H * Nq * min(chunk or default_chunk(M), Nq) * (M + Dv)
     return flops
 
 

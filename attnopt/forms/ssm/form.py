@@ -20,6 +20,7 @@ from attnopt.forms.common.base import (
 )
 from attnopt.forms.linear.form import feature_count, kernel_flops
 from attnopt.forms.ssm.reference import (
+    CHUNK,
     DECAY_FEATURE_MAPS,
     decay_attention,
     decay_attention_step,
@@ -124,7 +125,7 @@ class SsmForm(Form):
     def cost(self, site, params, B, Nq, Nk):
         H, D, Dv = site.heads, site.head_dim, site.v_head_dim
         M = feature_count(params["feature_map"], 0, D)
-        flops = kernel_flops(B, H, Nq, Nk, D, Dv, params["feature_map"], 0, causal=True)
+        flops = kernel_flops(B, H, Nq, Nk, D, Dv, params["feature_map"], 0, causal=True, chunk=CHUNK)
         return CostAt(flops, B * H * M * (Dv + 1) + io_elements(B, H, Nq, Nk, D, Dv))
 
     def build(self, site, params, context):

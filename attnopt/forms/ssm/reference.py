@@ -62,6 +62,8 @@ __all__ = [
 
 DecayState = tuple  # (S [B, H, Dk, Dv], z [B, H, Dk] or None)
 
+CHUNK = 64  # the scan's default chunk C
+
 
 def _feature(x: Tensor, feature_map: str) -> Tensor:
     if feature_map == "identity":
@@ -342,7 +344,7 @@ def decay_attention(
     eps: float = 1e-6,
     key_mask: Optional[Tensor] = None,
     state: Optional[DecayState] = None,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK,
 ):
     """Decayed (retention / SSM) attention over q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv].
 
