@@ -39,6 +39,7 @@ CONFIG = dict(vocab_size=1000, hidden_size=512, intermediate_size=1376, num_hidd
 EXAMPLE_TOKENS = 256  # compile's example; verification adds a longer input where a window needs one
 SEED = 0
 ZERO_COST = "attnopt_bench_zero_cost"
+ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}  # see run()
 
 
 def repeats_at(n: int) -> int:
@@ -193,6 +194,12 @@ def run(lengths, policies, out: Path, threads=None, say=print) -> dict:
 
     variants = ["original", *policies, "ceiling"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    # One allocator policy for every worker. glibc raises its mmap threshold each time it frees a
+    # large mapped block, so a worker that compiled (and timed its crossovers) served its later
+    # tensors from the heap, and the others paid page faults: at 1024 the ceiling ran 0.294 s in its
+    # own process against 0.240 s with these fixed (`linear` 0.286 / 0.279, original 0.371 / 0.317).
+    for name, value in ALLOCATOR.items():  # (os.environ too: the JSON's method line reads them there)
+        env[name] = os.environ.setdefault(name, value)
     if threads:
         env["E2E_THREADS"] = os.environ["E2E_THREADS"] = str(threads)
     # Thresholds measured in this run (a fresh cache), so the JSON says what the dispatch saw.
@@ -250,7 +257,10 @@ def _write(out: Path, lengths, policies, workers, rows, start) -> dict:
         "benchmark": "Llama-style decoder forward, end to end, CPU (benchmarks/e2e_cpu.py)",
         "hardware": hardware(),
         "model": dict(CONFIG, kind="transformers LlamaModel, random weights (seed 0), fp32, batch 1, use_cache=False"),
-        "method": ("each variant in its own worker process; at each length the workers take turns (rotating who goes "
+        "method": ("each variant in its own worker process, every worker with the same glibc allocator policy "
+                   f"(MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}, "
+                   f"MALLOC_TRIM_THRESHOLD_={os.environ.get('MALLOC_TRIM_THRESHOLD_', 'unset')} in the workers' "
+                   "environment); at each length the workers take turns (rotating who goes "
                    "first), best of the repeats; an untimed warm-up forward first at N <= 4096; peak RSS is the "
                    "worker's VmHWM over the forwards at that length, reset before them (/proc/self/clear_refs), so it "
                    "is the weights plus that forward's working set, not the compile's peak; where the reset is not "
