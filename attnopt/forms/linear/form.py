@@ -31,7 +31,6 @@ from attnopt.kernels.layout import compute_dtype
 from attnopt.kernels.token_step import PackedStateStep, elu_plus_one
 
 
-
 def feature_count(feature_map: str, num_features: int, D: int) -> int:
     """M, the width of φ(x), for a feature map and head dim D (num_features 0 = the map's default)."""
     if feature_map in ("elu", "relu", "identity"):

@@ -67,7 +67,8 @@ BLOCK_CHUNKS = 16
 def default_chunk(num_features: int) -> int:
     """The chunk C when the caller names none: 32 up to M = 64 features, else 64. The in-chunk block
     costs O(C·(M + Dv)) per query and the state read O(M·Dv): at N = 16k on 2 cores, elu (M = 64) took
-    41 ms at C = 32 against 54 ms at C = 64, hedgehog (M = 128) 133 ms against 126 ms."""
+    43.4 ms at C = 32 against 58.9 ms at C = 64, hedgehog (M = 128) 134.9 ms against 129.7 ms
+    (benchmarks/results/linear_prefill_chunks_*_16k.json)."""
     return 32 if num_features <= 64 else 64
 
 
