@@ -252,10 +252,9 @@ def summarise(timings: Sequence[tuple[int, float, float]], win: float = 1.0) -> 
     if at is None:
         return 2 * longest, (f"slower than exact attention at every length measured up to {longest}: exact below "
                              f"{2 * longest} (not measured beyond; set min_seq_len to decide)"), tuple(timings)
-    if at == 0:
-        return 0, (f"faster than exact attention{'' if win == 1.0 else f' by {1 / win:.2f}x or more'} at every "
-                   f"length measured ({timings[0][0]}..{longest})"), tuple(timings)
     by = "" if win == 1.0 else f" by {1 / win:.2f}x or more"
+    if at == 0:
+        return 0, f"faster than exact attention{by} at every length measured ({timings[0][0]}..{longest})", tuple(timings)
     return at, f"faster than exact attention{by} from {at} tokens on (measured {timings[0][0]}..{longest})", tuple(timings)
 
 
