@@ -376,8 +376,9 @@ def watch_model_cache(model: nn.Module):
         if cache is not None:
             for m in mod.__dict__["_attnopt_state"].stateful:
                 layer = bind_layer(m, cache)
-                if isinstance(layer, SiteCacheLayer):
-                    layer.state = layer.site_module.settle(layer.state)  # decode leaves it to us under torch.compile
+                # decode leaves this to us under torch.compile; only a state with an exact prefix has any
+                if isinstance(layer, SiteCacheLayer) and layer._state is not None and layer._state.prefix is not None:
+                    layer.state = layer.site_module.settle(layer.state)
 
     return model.register_forward_pre_hook(hook, with_kwargs=True)
 

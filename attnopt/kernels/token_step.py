@@ -34,7 +34,7 @@ class PackedStateStep:
     """
 
     __slots__ = ("state", "q_dtype", "_cdt", "_features", "_T", "_T_upd", "_T_bmm", "_v1", "_v_in", "_nd",
-                 "_num", "_den", "_eps_W", "_decay", "_guard", "_out_scale", "_shape", "_repeat_k")
+                 "_num", "_den", "_eps_W", "_decay", "_guard", "_out_scale", "_shape", "_repeat_k", "_phi")
 
     def __init__(self, T_BHMW: Tensor, state, q_dtype: torch.dtype, features: Callable[[Tensor], Tensor], *,
                  kv_heads: int, per_head: bool = False, normalize: bool = True, eps: float = 0.0,
@@ -65,6 +65,12 @@ class PackedStateStep:
         self._guard, self._out_scale = bool(guard_zero), float(out_scale)
         self._shape = (B, H, Hf, M, Dv, normalize)
         self._repeat_k = H // kv_heads if per_head and kv_heads != H else 0
+        # ELU + 1 writes φ(q), φ(k) into buffers made here, with their product views, and adds a
+        # 0-dim one (a Python scalar costs a wrapped tensor per call); other maps return new tensors.
+        self._phi = None
+        if features is elu_plus_one:
+            phi_q, phi_k = T_BHMW.new_empty(B, H, 1, M), T_BHMW.new_empty(B, Hf, 1, M)
+            self._phi = (phi_q, phi_k, phi_q.view(B * H, 1, M), phi_k.view(B, Hf, 1, M, 1), T_BHMW.new_ones(()))
 
     def __call__(self, q_BH1D: Tensor, k_BHkv1D: Tensor, v_BHkv1D: Tensor) -> Tensor:
         B, H, Hf, M, Dv, normalize = self._shape
@@ -73,14 +79,22 @@ class PackedStateStep:
             q_BH1D, k_BHkv1D, v_BHkv1D = q_BH1D.to(cdt), k_BHkv1D.to(cdt), v_BHkv1D.to(cdt)
         if self._repeat_k:
             k_BHkv1D = k_BHkv1D.repeat_interleave(self._repeat_k, dim=1)
-        phi_q = self._features(q_BH1D)  # [B, H, 1, M]
-        phi_k = self._features(k_BHkv1D)  # [B, Hf, 1, M]
-        self._v_in.copy_(v_BHkv1D if self._v_in.dim() == 4 else v_BHkv1D.view(B, self._v_in.shape[1], 1, 1, Dv))
-        if self._decay is not None:
-            self._T.mul_(self._decay)
-        self._T_upd.addcmul_(phi_k.view(B, Hf, 1, M, 1), self._v1)
-        # numerator and denominator + ε at once
-        torch.baddbmm(self._eps_W, phi_q.view(B * H, 1, M), self._T_bmm, out=self._nd)
+        # The state's in-place updates skip autograd's view and version tracking (the layer steps
+        # only without grad); the output is made outside, a normal tensor the model may modify.
+        with torch._C._InferenceMode(True):
+            if self._phi is not None:
+                phi_q, phi_k, phi_q_bmm, phi_k_upd, one = self._phi
+                torch._C._nn.elu(q_BH1D, out=phi_q).add_(one)
+                torch._C._nn.elu(k_BHkv1D, out=phi_k).add_(one)
+            else:
+                phi_q_bmm = self._features(q_BH1D).view(B * H, 1, M)  # [B, H, 1, M]
+                phi_k_upd = self._features(k_BHkv1D).view(B, Hf, 1, M, 1)  # [B, Hf, 1, M]
+            self._v_in.copy_(v_BHkv1D if self._v_in.dim() == 4 else v_BHkv1D.view(B, self._v_in.shape[1], 1, 1, Dv))
+            if self._decay is not None:
+                self._T.mul_(self._decay)
+            self._T_upd.addcmul_(phi_k_upd, self._v1)
+            # numerator and denominator + ε at once
+            torch.baddbmm(self._eps_W, phi_q_bmm, self._T_bmm, out=self._nd)
         if normalize:
             den = self._den
             if self._guard:  # φ(q)ᵀz may be exactly 0 here: that row is 0, as the general step gives

@@ -98,3 +98,31 @@ def test_ring_stepper_equals_one_whole_pass(window, sinks):
     ref = window_oracle(q, k, v, window=window, causal=True, sinks=sinks, scale=scale)[:, :, PREFIX:]
     assert (torch.cat(outs, dim=2) - ref).abs().max() < 1e-12
     assert step.state is ring and ring.columns == N
+
+
+@pytest.mark.parametrize("kind", ["linear", "decay", "ring"])
+@pytest.mark.parametrize("user_mode", ["no_grad", "inference_mode"])
+def test_steppers_return_normal_tensors_the_model_may_modify(kind, user_mode):
+    """The steppers update their state under inference mode; what they return must stay an ordinary
+    tensor (a model may add into its attention output in place), and their state stays usable
+    outside that mode, under the user's no_grad or inference_mode alike."""
+    q, k, v = _inputs(4, torch.float32)
+    if kind == "ring":
+        ring = ring_of(window_cache_from_keys(k[:, :, :PREFIX], v[:, :, :PREFIX], None, window=4, sinks=1))
+        step, held = RingStep(ring, torch.float32, 0.3, gqa=True), (ring.k_BHkvKD, ring.v_BHkvKD)
+    else:
+        S, z = linear_state_oracle(k[:, :, :PREFIX].double(), v[:, :, :PREFIX].double(), name="elu", scale=1.0, H=H)
+        T = torch.cat([S, z[..., None]], dim=-1).float().contiguous()
+        decay = torch.tensor([0.9, 0.8, 0.97, 1.0]) if kind == "decay" else None
+        step, held = PackedStateStep(T, (T[..., :DV], T[..., DV]), torch.float32, elu_plus_one, kv_heads=HKV,
+                                     eps=1e-6, decay_H=decay), (T,)
+    mode = torch.no_grad() if user_mode == "no_grad" else torch.inference_mode()
+    with mode:
+        outs = [step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1]) for t in range(PREFIX, PREFIX + 3)]
+    for out in outs:
+        assert out.is_inference() == (user_mode == "inference_mode")
+    with torch.no_grad():
+        if user_mode == "no_grad":
+            outs[-1].add_(1.0)  # an inference tensor would refuse this outside inference mode
+            assert all(not t.is_inference() for t in held)
+        assert torch.isfinite(torch.stack(outs)).all() and (held[0].sum() * 2).isfinite()

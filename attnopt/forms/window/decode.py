@@ -219,8 +219,9 @@ class RingStep:
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         ring = self.state
         slot = ring.sinks + ring.columns % ring.window
-        ring.k_BHkvKD.narrow(2, slot, 1).copy_(k)
-        ring.v_BHkvKD.narrow(2, slot, 1).copy_(v)
+        with torch._C._InferenceMode(True):  # the writes skip autograd's view tracking (no grad here)
+            ring.k_BHkvKD.narrow(2, slot, 1).copy_(k)
+            ring.v_BHkvKD.narrow(2, slot, 1).copy_(v)
         ring.columns += 1
         keys, values = ring.k_BHkvKD, ring.v_BHkvKD
         if q.dtype != self._cdt:
