@@ -189,19 +189,21 @@ def attention_forward(
     """HF attention function: q [B, H, Nq, D], k/v [B, Hkv, Nk, D]; returns ([B, Nq, H, Dv], None)."""
     layer = kwargs.pop(LAYER_KW, None)  # this call's cache layer of the site, when it keeps one
     state: Optional[ModuleState] = module.__dict__.get("_attnopt_state")
+    if layer is not None and layer.decodes and layer.site_module is module._modules.get("attnopt_site") and (
+            state is None or (not state.store_qk and state.recorder is None)):
+        # The decoding hot path, first (it runs once per layer and token): the site's own state,
+        # nothing else asked; inside min_seq_len the layer is a plain KV cache and the model's own
+        # attention runs.
+        if not layer.exact_now:
+            return layer.attend(query, key, value, attention_mask).transpose(1, 2).contiguous(), None
+        exact = state.original if state is not None else None
+        return (exact or original_attention(module))(module, query, key, value, attention_mask, dropout=dropout,
+                                                     scaling=scaling, is_causal=is_causal, **kwargs)
     site_module = module._modules.get("attnopt_site")
     if site_module is None and _planner is not None and state is None:
         site_module = _planner(module, query, key, value, attention_mask, scaling, is_causal, kwargs)
         state = module.__dict__.get("_attnopt_state")
     exact = state.original if state is not None else None  # None: resolved below only where it runs
-    if layer is not None and layer.decodes and layer.site_module is site_module and (
-            state is None or (not state.store_qk and state.recorder is None)):
-        # The decoding hot path: the site's own state, nothing else asked; inside min_seq_len the
-        # layer is a plain KV cache and the model's own attention runs.
-        if not layer.exact_now:
-            return layer.attend(query, key, value, attention_mask).transpose(1, 2).contiguous(), None
-        return (exact or original_attention(module))(module, query, key, value, attention_mask, dropout=dropout,
-                                                     scaling=scaling, is_causal=is_causal, **kwargs)
     exact = exact or original_attention(module)
     if state is not None and state.store_qk:
         state.call.set("qk", (query, key))
