@@ -376,9 +376,12 @@ def watch_model_cache(model: nn.Module):
         if cache is not None:
             for m in mod.__dict__["_attnopt_state"].stateful:
                 layer = bind_layer(m, cache)
-                # decode leaves this to us under torch.compile; only a state with an exact prefix has any
-                if isinstance(layer, SiteCacheLayer) and layer._state is not None and layer._state.prefix is not None:
-                    layer.state = layer.site_module.settle(layer.state)
+                if isinstance(layer, SiteCacheLayer):  # decode leaves this to us under torch.compile
+                    # Read as `_state`: the `state` property would flush the in-place step's row count
+                    # every token; a state settle changes has an exact prefix, which that step never runs.
+                    settled = layer.site_module.settle(layer._state)
+                    if settled is not layer._state:
+                        layer.state = settled
 
     return model.register_forward_pre_hook(hook, with_kwargs=True)
 

@@ -87,8 +87,8 @@ class PackedStateStep:
                 torch._C._nn.elu(q_BH1D, out=phi_q).add_(one)
                 torch._C._nn.elu(k_BHkv1D, out=phi_k).add_(one)
             else:
-                phi_q_bmm = self._features(q_BH1D).view(B * H, 1, M)  # [B, H, 1, M]
-                phi_k_upd = self._features(k_BHkv1D).view(B, Hf, 1, M, 1)  # [B, Hf, 1, M]
+                phi_q_bmm = self._features(q_BH1D).view(B * H, 1, M)  # φ(q) [B, H, 1, M] as [B·H, 1, M]
+                phi_k_upd = self._features(k_BHkv1D).view(B, Hf, 1, M, 1)  # φ(k) [B, Hf, 1, M]
             self._v_in.copy_(v_BHkv1D if self._v_in.dim() == 4 else v_BHkv1D.view(B, self._v_in.shape[1], 1, 1, Dv))
             if self._decay is not None:
                 self._T.mul_(self._decay)
