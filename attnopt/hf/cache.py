@@ -69,6 +69,9 @@ class SiteCacheLayer(CacheLayerMixin):
         # step (`SiteModule.decode_token`) serves only batches that never had any.
         self.padded = False
         self.stepper = None  # the site's token_stepper for the state held (kept while it is that state)
+        # The model's own attention function for this site, resolved on the first exact call of the
+        # sequence (attnopt.hf.interface reads it; the config is not read again every token).
+        self.exact_fn = None
 
     @property
     def state(self):
@@ -126,7 +129,8 @@ class SiteCacheLayer(CacheLayerMixin):
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """The site's output for the new tokens [B, H, Nq, Dv]; advances the state by them."""
+        """The site's output for the new tokens, [B, Nq, H, Dv] contiguous (what attention functions
+        return); advances the state by them."""
         site = self.site_module
         Nq = key.shape[-2]
         keep = None
@@ -141,7 +145,7 @@ class SiteCacheLayer(CacheLayerMixin):
             out, self.state = site.decode_from_keys(query, key, value, keep)
             self.kept = 0
             self.keys, self.values = key[..., :0, :], value[..., :0, :]
-            return out
+            return out.transpose(1, 2).contiguous()
         keep = None if keep is None else keep[:, -Nq:]
         state = self._state
         if (Nq == 1 and not self.padded and state is not None and state.prefix is None
@@ -152,7 +156,7 @@ class SiteCacheLayer(CacheLayerMixin):
             if step is None or step.state is not state.form_state or step.q_dtype != query.dtype:
                 step = self.stepper = site.token_stepper(state.form_state, query, key)
             if step is not None:
-                out = step(query, key, value)
+                out = step(query, key, value)  # [B, 1, H, Dv] already
                 state.form_state = step.state
                 self._lag += 1
                 state.columns += 1
@@ -162,9 +166,9 @@ class SiteCacheLayer(CacheLayerMixin):
                 out, state.form_state = stepped
                 self._lag += 1
                 state.columns += 1
-                return out
+                return out.transpose(1, 2).contiguous()
         out, self.state = site.decode(query, key, value, keep, self.state)
-        return out
+        return out.transpose(1, 2).contiguous()
 
     def get_seq_length(self) -> int:
         return self.columns
@@ -177,7 +181,7 @@ class SiteCacheLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.state, self.columns, self.kept, self.padded, self.exact_now = None, 0, 0, False, False
-        self.stepper = None
+        self.stepper = self.exact_fn = None
         self.keys = self.values = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -371,19 +375,33 @@ def watch_model_cache(model: nn.Module):
     layers in place and takes no graph break for them.
     """
 
+    indices: dict = {}  # id(module) -> its cache index (layer_index reads attributes; this runs every token)
+
     def hook(mod, args, kwargs):
         cache = _find_cache(kwargs)
-        if cache is not None:
-            for m in mod.__dict__["_attnopt_state"].stateful:
-                layer = bind_layer(m, cache)
-                if isinstance(layer, SiteCacheLayer):  # decode leaves this to us under torch.compile
-                    # Read as `_state`: the `state` property would flush the in-place step's row count
-                    # every token; a state settle changes has an exact prefix, which that step never runs.
-                    settled = layer.site_module.settle(layer._state)
-                    if settled is not layer._state:
+        if cache is None:
+            return
+        layers = getattr(cache, "layers", None)
+        for m in mod.__dict__["_attnopt_state"].stateful:
+            idx = indices.get(id(m), _UNSET)
+            if idx is _UNSET:
+                idx = indices[id(m)] = layer_index(m)
+            layer = layers[idx] if layers is not None and idx is not None and idx < len(layers) else None
+            if not (isinstance(layer, (SiteCacheLayer, ReuseCacheLayer)) and layer.site_module is m._modules.get(SITE)):
+                layer = bind_layer(m, cache)  # not bound yet (its first call with this cache)
+            if isinstance(layer, SiteCacheLayer):  # decode leaves this to us under torch.compile
+                # Read as `_state`: the `state` property would flush the in-place step's row count
+                # every token; a state settle changes has an exact prefix, which that step never runs.
+                held = layer._state
+                if held is not None and held.prefix is not None:
+                    settled = layer.site_module.settle(held)
+                    if settled is not held:
                         layer.state = settled
 
     return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+_UNSET = object()
 
 
 def set_cache_roles(model: nn.Module, sites: list) -> int:

@@ -195,10 +195,12 @@ def attention_forward(
         # nothing else asked; inside min_seq_len the layer is a plain KV cache and the model's own
         # attention runs.
         if not layer.exact_now:
-            return layer.attend(query, key, value, attention_mask).transpose(1, 2).contiguous(), None
-        exact = state.original if state is not None else None
-        return (exact or original_attention(module))(module, query, key, value, attention_mask, dropout=dropout,
-                                                     scaling=scaling, is_causal=is_causal, **kwargs)
+            return layer.attend(query, key, value, attention_mask), None
+        exact = layer.exact_fn
+        if exact is None:
+            exact = layer.exact_fn = (state.original if state is not None else None) or original_attention(module)
+        return exact(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+                     **kwargs)
     site_module = module._modules.get("attnopt_site")
     if site_module is None and _planner is not None and state is None:
         site_module = _planner(module, query, key, value, attention_mask, scaling, is_causal, kwargs)
@@ -224,7 +226,7 @@ def attention_forward(
         if layer.exact_now:  # every column inside min_seq_len: the layer is a plain KV cache
             return exact(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                          is_causal=is_causal, **kwargs)
-        return layer.attend(query, key, value, attention_mask).transpose(1, 2).contiguous(), None
+        return layer.attend(query, key, value, attention_mask), None
     if (layer is None and not site_module.uses_anchor_qk
             and site_module.runs_exact(query.shape[-2], key.shape[-2])):
         # Below the site's threshold: the model's own attention, with no attnopt step in between.

@@ -313,10 +313,11 @@ class SiteModule(nn.Module, abc.ABC):
         buffer made on the first step, which `decode_step` must accept), or None where the form
         has no such step (the layer then runs `decode`). Equal to `decode` up to rounding."""
         step = self.token_stepper(form_state, q, k)
-        return None if step is None else (step(q, k, v), step.state)
+        return None if step is None else (step(q, k, v).transpose(1, 2), step.state)
 
     def token_stepper(self, form_state, q, k):
-        """`decode_token` made once per sequence: a callable (q, k, v) -> out that advances
+        """`decode_token` made once per sequence: a callable (q, k, v) -> out [B, 1, H, Dv] (the
+        layout attention functions return, so the hot path needs no transpose) that advances
         `.state` (`form_state`, or the object now holding it) IN PLACE, with every static choice
         already made, and `.q_dtype`, the query dtype it was built for (q and k: the first token's,
         for their heads and dtype). The cache layer keeps it while its state is `.state`. None

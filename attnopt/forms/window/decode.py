@@ -209,25 +209,41 @@ def cache_of_ring(ring: WindowRing) -> WindowCache:
 class RingStep:
     """One decoding step from a ring, written IN PLACE (`SiteModule.token_stepper`): called with
     q [B, H, 1, D], k/v [B, Hkv, 1, ·], it writes the new column into its slot, advances the ring
-    by one and returns out [B, H, 1, Dv]: `window_decode`'s keys, read in ring order."""
+    by one and returns out [B, 1, H, Dv]: `window_decode`'s keys, read in ring order, in the layout
+    attention functions hand back."""
 
-    __slots__ = ("state", "q_dtype", "_cdt", "_scale", "_gqa")
+    __slots__ = ("state", "q_dtype", "_cdt", "_scale", "_gqa", "_slots", "_inference")
 
     def __init__(self, ring: WindowRing, q_dtype: torch.dtype, scale: Optional[float], gqa: bool):
         self.state, self.q_dtype, self._cdt, self._scale, self._gqa = ring, q_dtype, compute_dtype(q_dtype), scale, gqa
+        # Each slot's K and V column views, made on the slot's first write and kept (the ring's
+        # buffers are fixed while this step holds it): a write is then one copy.
+        self._slots: list = [None] * (ring.sinks + ring.window)
+        # A ring of inference tensors takes writes only inside inference mode (see PackedStateStep).
+        self._inference = ring.k_BHkvKD.is_inference() or torch.is_inference_mode_enabled()
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         ring = self.state
         slot = ring.sinks + ring.columns % ring.window
-        with torch._C._InferenceMode(True):  # the writes skip autograd's view tracking (no grad here)
-            ring.k_BHkvKD.narrow(2, slot, 1).copy_(k)
-            ring.v_BHkvKD.narrow(2, slot, 1).copy_(v)
+        if self._inference:
+            with torch._C._InferenceMode(True):
+                self._write(slot, k, v)
+        else:
+            self._write(slot, k, v)
         ring.columns += 1
         keys, values = ring.k_BHkvKD, ring.v_BHkvKD
         if q.dtype != self._cdt:
             q, keys, values = q.to(self._cdt), keys.to(self._cdt), values.to(self._cdt)
-        out = F.scaled_dot_product_attention(q, keys, values, scale=self._scale, enable_gqa=self._gqa)
+        out = F.scaled_dot_product_attention(q, keys, values, scale=self._scale, enable_gqa=self._gqa).transpose(1, 2)
         return out if out.dtype == self.q_dtype else out.to(self.q_dtype)
+
+    def _write(self, slot: int, k: Tensor, v: Tensor) -> None:
+        views = self._slots[slot]
+        if views is None:
+            ring = self.state
+            views = self._slots[slot] = (ring.k_BHkvKD.narrow(2, slot, 1), ring.v_BHkvKD.narrow(2, slot, 1))
+        views[0].copy_(k)
+        views[1].copy_(v)
 
 
 def window_decode(
