@@ -8,8 +8,11 @@ cache that stores nothing: the floor any decode state could reach), afresh in ev
 takes one step, both untimed (that step is where a site whose threshold the context reaches builds
 its state, once per sequence), so every round decodes at the same context; in rounds that take
 turns over the variants, each then runs `--steps` single-token decode steps through its cache
-(`model(next_id, past_key_values=cache)`), and the best round's mean per step is kept. (Before run 14 the cache
-was prefilled once, so round r decoded at N + r·steps.) State bytes are what the cache holds after
+(`model(next_id, past_key_values=cache)`), and the best round's mean per step is kept (the median
+round's beside it; who goes first rotates from round to round). (Before run 14 the cache was
+prefilled once, so round r decoded at N + r·steps.) An identical deep copy of the original runs as
+a control: the compiled models are deep copies too, and how far it lands from the original is the
+run's noise floor. State bytes are what the cache holds after
 the last round's steps (all layers, batch 1).
 Separately, each policy generates 512 tokens from a 16-token prompt and the cache is measured after
 64 and after 512 tokens (a fixed-size state stays flat; a KV cache grows 8×).
@@ -20,9 +23,11 @@ Separately, each policy generates 512 tokens from a 16-token prompt and the cach
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import json
 import os
+import statistics
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,6 +44,9 @@ POLICIES = ["linear", "ssm", "window:64+sinks:4", "linear+window:64+sinks:4"]
 CONTEXTS = [256, 1024, 4096, 8192, 16384]
 
 
+MODEL_TEXT = "Llama-style, 4 layers, hidden 128, heads 4/2, head dim 32, random weights, batch 1, fp32"
+
+
 def build_model(max_len: int):
     import transformers
 
@@ -48,10 +56,15 @@ def build_model(max_len: int):
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
+CONTROL = "original, deep copy (noise control)"
+
+
 def variants(base, dispatch: str = "off"):
     ids = torch.randint(1, 1000, (1, 64), generator=torch.Generator().manual_seed(1))
     example = {"input_ids": ids, "use_cache": False}
-    out = {"original": base}
+    # An identical deep copy of the original (the compiled models are deep copies too): how far two
+    # equal models land apart in one run, the noise floor of every ratio.
+    out = {"original": base, CONTROL: copy.deepcopy(base)}
     for policy in POLICIES:
         # Random weights: drift means nothing here, so every site is kept (no end-to-end budget).
         # dispatch off: the state alone (an automatic threshold T would add an exact prefix of up to T
@@ -201,23 +214,27 @@ def main(argv=None):
     base = build_model(max(args.contexts))
     models = variants(base, args.dispatch)
     result = {"hardware": f"{cpu_name()}, {os.cpu_count()} cores, torch threads {args.threads}",
-              "torch": torch.__version__, "model": "Llama-style, 4 layers, hidden 128, heads 4/2, head dim 32, "
-              "random weights, batch 1, fp32", "method": f"per-token decode, mean of {args.steps} steps, best of "
-              f"{args.rounds} interleaved rounds, each from a fresh prefill of the context", "dispatch": args.dispatch, "contexts": {}, "growth": {},
+              "torch": torch.__version__, "model": MODEL_TEXT, "method": f"per-token decode, mean of {args.steps} steps, best of "
+              f"{args.rounds} interleaved rounds (who goes first rotates), each from a fresh prefill of the context; "
+              "medians of the same rounds beside them", "dispatch": args.dispatch, "contexts": {}, "growth": {},
               "load_average": os.getloadavg()[0]}
     for name, model in ({} if args.no_growth else models).items():
         result["growth"][name] = growth(model)
         print(f"growth {name}: {result['growth'][name]}", flush=True)
     for n in args.contexts:
         caches = {}
-        # attnopt.bench's loop: rounds that take turns over the variants, the best round kept. Each
+        # attnopt.bench's loop: rounds that take turns over the variants (who goes first rotates, so
+        # no variant always follows the same one), the best round kept. Each
         # round prefills n tokens afresh (untimed), so every round decodes at the same context.
         runs = {name: functools.partial(decode_at, m, n, args.steps, caches, name) for name, m in models.items()}
-        best = take_turns(runs, args.rounds).best()
+        turns = take_turns(runs, args.rounds, rotate=True)
+        best, median = turns.best(), {k: statistics.median(v) for k, v in turns.values().items()}
         row = {}
         for name in models:
-            row[name] = {"ms_per_token": best[name] * 1e3, "state_bytes": sum(decode_state_bytes(caches[name]).values()),
-                         "speedup_vs_original": best["original"] / best[name]}
+            row[name] = {"ms_per_token": best[name] * 1e3, "ms_per_token_median": median[name] * 1e3,
+                         "state_bytes": sum(decode_state_bytes(caches[name]).values()),
+                         "speedup_vs_original": best["original"] / best[name],
+                         "speedup_vs_original_median": median["original"] / median[name]}
         result["contexts"][str(n)] = row
         print(n, {k: f"{v['ms_per_token']:.2f} ms, {v['state_bytes'] / 1e6:.2f} MB" for k, v in row.items()}, flush=True)
         del caches

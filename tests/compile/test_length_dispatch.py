@@ -1,12 +1,13 @@
 """Length-adaptive dispatch (attnopt.passes.crossover): thresholds from injected timings, never real ones."""
 
 import json
+import os
 
 import pytest
 import torch
 
 import attnopt
-from attnopt.passes import crossover
+from attnopt.passes import crossover, machine_load
 from attnopt.report import CompileReport
 
 transformers = pytest.importorskip("transformers")
@@ -209,6 +210,42 @@ def test_a_cache_written_under_load_is_measured_again_when_quiet(llama, cache, m
     load[0] = 0.0
     forced = attnopt.compile(llama, "linear", example_inputs=example, tolerance=0.99, e2e_tolerance=None)
     assert [r.threshold.source for r in forced.attnopt_report.sites] == ["measured", "cached"] and timer.calls == busy_calls + 2
+
+
+def test_other_work_on_the_cores_marks_an_entry_loaded_where_the_load_average_reads_quiet(llama, cache, monkeypatch):
+    # Two busy jobs started a minute before: the 1-minute load average reads 2.0 on 2 cores, what our
+    # own two timing threads give, but other work held 1.1 cores while the site was timed.
+    others = [1.1]
+    timer = LoadDependentTimer(others)
+    monkeypatch.setattr(crossover, "module_timer", timer)
+    monkeypatch.setattr(crossover, "decode_timer", LoadDependentTimer(others))
+    monkeypatch.setattr(crossover, "load_average", lambda: 2.0)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(machine_load, "cpu_mark", lambda: machine_load.CpuMark(0.0, 0.0, 0.0))
+    monkeypatch.setattr(machine_load, "others_since", lambda mark: others[0])
+    monkeypatch.setattr(crossover, "QUIET_SAMPLE_S", 0.0)
+    assert not crossover.is_loaded(2.0)  # the load average alone takes this machine for quiet
+    example = {"input_ids": _ids(64), "use_cache": False}
+    busy = attnopt.compile(llama, "linear", example_inputs=example, tolerance=0.99, e2e_tolerance=None)
+    t = busy.attnopt_report.sites[0].threshold
+    assert (t.source, t.loaded, t.load, t.others) == ("measured", True, 2.0, 1.1)
+    assert "other work holding 1.1 cores" in t.detail
+    others[0] = 0.05  # quiet now: measured again, and the entry is no longer loaded
+    quiet = attnopt.compile(llama, "linear", example_inputs=example, tolerance=0.99, e2e_tolerance=None)
+    assert [(r.threshold.min_seq_len, r.threshold.source, r.threshold.loaded, r.threshold.others)
+            for r in quiet.attnopt_report.sites] == [(256, "measured", False, 0.05), (256, "cached", False, 0.05)]
+
+
+def test_other_cores_are_the_busy_time_of_all_cores_less_our_own():
+    line = "cpu  500 20 80 9000 100 0 0 0 0 0"  # user nice system idle iowait irq softirq steal guest guest_nice
+    assert machine_load.busy_seconds(line) == pytest.approx(600 / machine_load._TICKS)
+    start, end = machine_load.CpuMark(10.0, 1.0, 100.0), machine_load.CpuMark(14.0, 3.0, 102.0)
+    assert machine_load.others_cores(start, end) == pytest.approx(1.0)  # 4 busy core-seconds, 2 of them ours, in 2 s
+    assert machine_load.others_cores(start, machine_load.CpuMark(11.0, 3.5, 102.0)) == 0.0  # never negative
+    assert machine_load.others_cores(None, end) is None and machine_load.others_cores(end, start) is None
+    if os.path.exists("/proc/stat"):  # the real first line parses (the mark itself is stubbed in tests)
+        with open("/proc/stat") as f:
+            assert machine_load.busy_seconds(f.readline()) > 0
 
 
 def test_the_decoding_crossover_raises_the_threshold_of_a_decoding_site(llama, cache, monkeypatch):

@@ -118,15 +118,22 @@ def olmo2() -> UnseenCase:
 def falcon(alibi: bool = False) -> UnseenCase:
     """Falcon, new decoder architecture: the config has 2 key/value heads for 6 query heads.
 
-    Conservative kv_heads=6: Falcon repeats k and v with `broadcast_to` in the [B, N, Hkv, G, D]
-    layout BEFORE RoPE and the head transpose, so no [B, 2, N, D] key exists anywhere in the graph
-    for a site to name; the site reports the 6 heads it is actually handed (a rewrite on them is
-    exact, it only forgoes the GQA memory saving). With ALiBi the mask is the causal mask plus a
-    per-head linear bias: causal (proven from positions) and arbitrary (only exact honours it)."""
+    Where Falcon calls SDPA itself (transformers before the 5.x releases that route it through the
+    attention interface) it repeats k and v with `broadcast_to` in the [B, N, Hkv, G, D] layout
+    BEFORE RoPE and the head transpose, so no [B, 2, N, D] key exists anywhere in the graph for a
+    site to name; the site reports the 6 heads it is actually handed (a rewrite on them is exact, it
+    only forgoes the GQA memory saving). Through the interface it hands over the 2 kv heads. With
+    ALiBi the mask is the causal mask plus a per-head linear bias: causal (proven from positions)
+    and arbitrary (only exact honours it)."""
+    import inspect
+
+    from transformers.models.falcon.modeling_falcon import FalconAttention
+
+    kv_heads = 2 if "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(FalconAttention.forward) else H
     config = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
                                        num_attention_heads=H, num_kv_heads=2, new_decoder_architecture=True,
                                        alibi=alibi, max_position_embeddings=64)
-    return _causal_lm("falcon-alibi" if alibi else "falcon", transformers.FalconForCausalLM, config, H,
+    return _causal_lm("falcon-alibi" if alibi else "falcon", transformers.FalconForCausalLM, config, kv_heads,
                       path="transformer.h.{}.self_attention", arbitrary=alibi)
 
 
