@@ -346,6 +346,13 @@ def bind_layer(module: nn.Module, cache) -> Optional[CacheLayerMixin]:
     return layers[idx]
 
 
+def bound_layer(layers, idx: Optional[int], module: nn.Module):
+    """layers[idx] when it is already `module`'s site layer, else None (the per-token check of both hooks)."""
+    layer = layers[idx] if layers is not None and idx is not None and idx < len(layers) else None
+    site = module._modules.get(SITE)
+    return layer if site is not None and getattr(layer, "site_module", None) is site else None
+
+
 def watch_cache(module: nn.Module):
     """Forward pre-hook on the first attention module to decode from a cache: bind the layers of
     every module in its state's `stateful` (itself when empty) in a cache the model made inside its
@@ -358,9 +365,7 @@ def watch_cache(module: nn.Module):
         cache = _find_cache(kwargs)
         if cache is None:
             return
-        layers = getattr(cache, "layers", None)
-        if (idx is not None and layers is not None and len(layers) > idx
-                and getattr(layers[idx], "site_module", None) is mod._modules.get(SITE) is not None):
+        if bound_layer(getattr(cache, "layers", None), idx, mod) is not None:
             return  # bound already (by the model's pre-hook): the common case, once per token
         for m in mod.__dict__["_attnopt_state"].stateful or (mod,):
             bind_layer(m, cache)
@@ -386,8 +391,8 @@ def watch_model_cache(model: nn.Module):
             idx = indices.get(id(m), _UNSET)
             if idx is _UNSET:
                 idx = indices[id(m)] = layer_index(m)
-            layer = layers[idx] if layers is not None and idx is not None and idx < len(layers) else None
-            if not (isinstance(layer, (SiteCacheLayer, ReuseCacheLayer)) and layer.site_module is m._modules.get(SITE)):
+            layer = bound_layer(layers, idx, m)
+            if layer is None:
                 layer = bind_layer(m, cache)  # not bound yet (its first call with this cache)
             if isinstance(layer, SiteCacheLayer):  # decode leaves this to us under torch.compile
                 # Read as `_state`: the `state` property would flush the in-place step's row count

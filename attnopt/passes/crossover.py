@@ -45,8 +45,8 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from attnopt import forms
-from attnopt.passes import machine_load
 from attnopt.ir.outcomes import Status
+from attnopt.passes import machine_load
 
 DISPATCH_MODES = ("auto", "off")
 ENV_DISPATCH = "ATTNOPT_DISPATCH"
