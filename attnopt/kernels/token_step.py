@@ -13,11 +13,14 @@ ones column carries the normaliser z).
 
 from __future__ import annotations
 
+import ctypes
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from attnopt.kernels import native
 
 
 def elu_plus_one(x: Tensor) -> Tensor:
@@ -36,7 +39,7 @@ class PackedStateStep:
 
     __slots__ = ("state", "q_dtype", "_cdt", "_features", "_T", "_T_upd", "_T_bmm", "_v1", "_v_in", "_nd",
                  "_num", "_den", "_prod", "_prod_M", "_decay", "_guard", "_out_scale", "_shape", "_repeat_k",
-                 "_phi", "_inference")
+                 "_phi", "_inference", "_native")
 
     def __init__(self, T_BHMW: Tensor, state, q_dtype: torch.dtype, features: Callable[[Tensor], Tensor], *,
                  kv_heads: int, per_head: bool = False, normalize: bool = True, eps: float = 0.0,
@@ -82,8 +85,14 @@ class PackedStateStep:
         # only inside that mode: then the writes run in it. Otherwise they run as they are (the
         # layer steps only without grad), which spares the mode switch on every token.
         self._inference = T_BHMW.is_inference() or torch.is_inference_mode_enabled()
+        self._native = None
+        if self._phi is not None and Hf == kv_heads and q_dtype == torch.float32:
+            self._native = NativeCall.packed(T_BHMW, self._decay, kv_heads, Dv, normalize, eps, guard_zero, out_scale)
 
     def __call__(self, q_BH1D: Tensor, k_BHkv1D: Tensor, v_BHkv1D: Tensor) -> Tensor:
+        nat = self._native
+        if nat is not None and nat.takes(q_BH1D, k_BHkv1D, v_BHkv1D):
+            return nat(q_BH1D, k_BHkv1D, v_BHkv1D)
         if q_BH1D.dtype != self._cdt:
             q_BH1D, k_BHkv1D, v_BHkv1D = q_BH1D.to(self._cdt), k_BHkv1D.to(self._cdt), v_BHkv1D.to(self._cdt)
         if self._repeat_k:
@@ -121,3 +130,65 @@ class PackedStateStep:
         self._T_upd.addcmul_(phi_k_upd, self._v1)
         torch.mul(phi_q_col, self._T_bmm, out=self._prod_M)
         torch.sum(self._prod, 1, keepdim=True, out=self._nd)
+
+
+
+
+class NativeCall:
+    """One C step (`attnopt/kernels/native/token_step.c`) bound to a state's buffers: the whole step in
+    one call, for float32 CPU inputs of the shapes it was made for (anything else takes the torch ops,
+    which compute the same). The ring's step also takes the slot to write."""
+
+    __slots__ = ("_fn", "_args", "_address", "_shapes", "_out", "_keep")
+
+    def __init__(self, fn, args, shapes: tuple, out_shape: tuple, keep: tuple):
+        self._fn, self._args, self._address = fn, args, ctypes.addressof(args)
+        self._shapes, self._keep = shapes, keep  # (keep: what the pointers point into)
+        self._out = torch.empty(out_shape)  # the output's pattern: empty_like is the cheapest allocation
+
+    @classmethod
+    def packed(cls, T_BHMW: Tensor, decay: Optional[Tensor], kv_heads: int, Dv: int, normalize: bool,
+               eps: float, guard_zero: bool, out_scale: float) -> Optional["NativeCall"]:
+        """The [S ‖ z] step (φ = ELU + 1, features per kv head), or None where the C step cannot take it."""
+        lib = native.library()
+        B, H, M, W = T_BHMW.shape
+        if lib is None or not _dense_f32_cpu(T_BHMW) or max(M, Dv) > native.MAX_DIM or H % kv_heads:
+            return None
+        gamma = None if decay is None else decay.reshape(H).to(torch.float32).contiguous()
+        args = native.PackedStep(T_BHMW.data_ptr(), None if gamma is None else gamma.data_ptr(), B, H, kv_heads, M, Dv,
+                                 int(normalize), int(guard_zero), float(eps), float(out_scale))
+        return cls(lib.attnopt_packed_step, args, ((B, H, 1, M), (B, kv_heads, 1, M), (B, kv_heads, 1, Dv)),
+                   (B, 1, H, Dv), (T_BHMW, gamma))
+
+    @classmethod
+    def ring(cls, k_BHkvSD: Tensor, v_BHkvSD: Tensor, H: int, scale: float) -> Optional["NativeCall"]:
+        """The ring's step (write the slot, softmax over every slot), or None where the C step cannot take it."""
+        lib = native.library()
+        B, Hkv, S, D = k_BHkvSD.shape
+        Dv = v_BHkvSD.shape[-1]
+        if (lib is None or not (_dense_f32_cpu(k_BHkvSD) and _dense_f32_cpu(v_BHkvSD)) or S > native.MAX_DIM
+                or H % Hkv):
+            return None
+        args = native.RingStep(k_BHkvSD.data_ptr(), v_BHkvSD.data_ptr(), B, H, Hkv, S, D, Dv, float(scale))
+        return cls(lib.attnopt_ring_step, args, ((B, H, 1, D), (B, Hkv, 1, D), (B, Hkv, 1, Dv)), (B, 1, H, Dv),
+                   (k_BHkvSD, v_BHkvSD))
+
+    def takes(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        """float32 CPU tensors of the bound shapes, each dense (Nq = 1: a [B, 1, H, D] tensor seen as
+        [B, H, 1, D] is dense too)."""
+        sq, sk, sv = self._shapes
+        return (q.dtype is k.dtype is v.dtype is torch.float32 and q.is_cpu and k.is_cpu and v.is_cpu
+                and q.shape == sq and k.shape == sk and v.shape == sv
+                and q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, *slot: int) -> Tensor:
+        """out [B, 1, H, Dv], a new tensor; the state's buffers advanced in place."""
+        out = torch.empty_like(self._out)
+        if self._fn(self._address, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *slot):
+            raise RuntimeError(f"attnopt: the native token step refused its inputs (a dimension over {native.MAX_DIM}); "
+                               f"set {native.ENV_SWITCH}=0 to run the torch step")
+        return out
+
+
+def _dense_f32_cpu(t: Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()

@@ -19,6 +19,7 @@ a step reads.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -28,6 +29,7 @@ from torch import Tensor
 
 from attnopt.forms.window.reference import first_real_keys, window_attention
 from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
+from attnopt.kernels.token_step import NativeCall
 
 __all__ = ["WindowCache", "WindowRing", "window_decode", "window_cache_from_keys", "window_step_keys", "RingStep",
            "ring_of", "cache_of_ring"]
@@ -212,7 +214,7 @@ class RingStep:
     by one and returns out [B, 1, H, Dv]: `window_decode`'s keys, read in ring order, in the layout
     attention functions hand back."""
 
-    __slots__ = ("state", "q_dtype", "_cdt", "_scale", "_gqa", "_slots", "_inference")
+    __slots__ = ("state", "q_dtype", "_cdt", "_scale", "_gqa", "_slots", "_inference", "_native")
 
     def __init__(self, ring: WindowRing, q_dtype: torch.dtype, scale: Optional[float], gqa: bool):
         self.state, self.q_dtype, self._cdt, self._scale, self._gqa = ring, q_dtype, compute_dtype(q_dtype), scale, gqa
@@ -221,10 +223,20 @@ class RingStep:
         self._slots: list = [None] * (ring.sinks + ring.window)
         # A ring of inference tensors takes writes only inside inference mode (see PackedStateStep).
         self._inference = ring.k_BHkvKD.is_inference() or torch.is_inference_mode_enabled()
+        self._native = None  # the whole step in one C call, made on the first float32 query (its H is known then)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         ring = self.state
         slot = ring.sinks + ring.columns % ring.window
+        if self.q_dtype == torch.float32:
+            nat = self._native
+            if nat is None:
+                scale = 1.0 / math.sqrt(q.shape[-1]) if self._scale is None else self._scale
+                nat = self._native = NativeCall.ring(ring.k_BHkvKD, ring.v_BHkvKD, q.shape[1], scale) or False
+            if nat and nat.takes(q, k, v):
+                out = nat(q, k, v, slot)
+                ring.columns += 1
+                return out
         if self._inference:
             with torch._C._InferenceMode(True):
                 self._write(slot, k, v)
