@@ -46,6 +46,7 @@ import torch
 
 from attnopt import forms
 from attnopt.ir.outcomes import Status
+from attnopt.kernels import native
 from attnopt.passes import machine_load
 
 DISPATCH_MODES = ("auto", "off")
@@ -188,14 +189,17 @@ def device_name(device: torch.device) -> str:
 # their speed bumps it, so every cached crossover is measured again instead of trusted.
 # 2: token steppers made once per sequence (the decoding step got about 2x cheaper).
 # 3: the causal linear scan's chunk follows the feature count; a decoding step must win by DECODE_WIN.
-TIMED_CODE_REVISION = 3
+# 4: native (C) token steps on CPU; the key also says whether they are on ("native"), since the torch
+#    step they stand in for is 2-4x dearer.
+TIMED_CODE_REVISION = 4
 
 
 def cache_key(form: str, params: Mapping, geometry: Geometry) -> str:
     timed = {k: v for k, v in sorted(params.items()) if k not in UNTIMED_PARAMS}
     args = ",".join(f"{k}={v}" for k, v in timed.items())
+    steps = " native" if geometry.device == "cpu" and native.library() is not None else ""
     return (f"{device_name(torch.device(geometry.device))} | torch {torch.__version__} | attnopt timing "
-            f"r{TIMED_CODE_REVISION} | {form}({args}) | {geometry.text()}")
+            f"r{TIMED_CODE_REVISION}{steps} | {form}({args}) | {geometry.text()}")
 
 
 def load_cache(path: Optional[Path] = None) -> dict:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import attnopt
+from attnopt.kernels import native
 from attnopt.passes import crossover, machine_load
 from attnopt.report import CompileReport
 
@@ -115,7 +116,8 @@ def test_compile_measures_caches_and_reports_the_threshold(llama, cache, monkeyp
     data = json.loads(cache.read_text())
     (key, entry), = data.items()
     assert f"torch {torch.__version__}" in key and "linear(" in key and "H=6, Hkv=2, D=8" in key
-    assert f"attnopt timing r{crossover.TIMED_CODE_REVISION} |" in key
+    steps = " native" if native.library() is not None else ""  # the C token steps time differently
+    assert f"attnopt timing r{crossover.TIMED_CODE_REVISION}{steps} |" in key
     assert entry["min_seq_len"] == 256 and [t[0] for t in entry["timings"]] == [64, 128, 256, 512]
     # report: JSON round trip, Markdown and HTML show it
     again = CompileReport.from_dict(json.loads(report.to_json()))
@@ -275,3 +277,15 @@ def test_a_result_the_cost_model_rules_out_is_measured_again():
                                     None, steps.append, "linear")
     assert entry["min_seq_len"] == 4096 and "timed twice" in entry["detail"]
     assert any("cost model rules out" in s for s in steps)
+
+
+def test_a_crossover_timed_with_the_native_steps_is_not_reused_without_them(monkeypatch):
+    """The C token steps make a decoding step 2-4x cheaper on CPU: a threshold timed with them
+    would be too low for the torch step, so the cache key says which step was timed."""
+    g = crossover.Geometry(4, 2, 32, 32, True, None, "torch.float32", "cpu")
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    off = crossover.cache_key("linear", {"feature_map": "elu"}, g)
+    monkeypatch.setenv(native.ENV_SWITCH, "1")
+    on = crossover.cache_key("linear", {"feature_map": "elu"}, g)
+    assert " native |" not in off
+    assert (on != off) == (native.library() is not None)
