@@ -4,7 +4,9 @@ Built once per sequence (per cache layer, `SiteModule.token_stepper`): the views
 [v ‖ 1] and product buffers, φ, γ and ε are fixed then, so a token costs the handful of small ops
 the sums need (φ(q), φ(k), the γ decay, one outer-product update, one product for numerator and
 denominator, the ratio) and no Python beyond them. On a CPU such a step is as fast as it has few
-ops: each one pays a fixed dispatch cost far above its arithmetic.
+ops: each one pays a fixed dispatch cost far above its arithmetic. So where the C library of
+`attnopt/kernels/native` loads, a float32 CPU step (φ = ELU + 1) is one C call instead (`NativeCall`,
+which the window's ring step uses too).
 
 Letters: B batch, H query heads, Hf heads the features are computed for (kv heads, or query heads
 for maps that differ per head), G = H / Hf, M feature count, W value columns (Dv, plus one when a
@@ -130,8 +132,6 @@ class PackedStateStep:
         self._T_upd.addcmul_(phi_k_upd, self._v1)
         torch.mul(phi_q_col, self._T_bmm, out=self._prod_M)
         torch.sum(self._prod, 1, keepdim=True, out=self._nd)
-
-
 
 
 class NativeCall:
