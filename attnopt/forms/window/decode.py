@@ -223,20 +223,20 @@ class RingStep:
         self._slots: list = [None] * (ring.sinks + ring.window)
         # A ring of inference tensors takes writes only inside inference mode (see PackedStateStep).
         self._inference = ring.k_BHkvKD.is_inference() or torch.is_inference_mode_enabled()
-        self._native = None  # the whole step in one C call, made on the first float32 query (its H is known then)
+        # The whole step in one C call: made on the first call (H is known then); False where it cannot be.
+        self._native = None if q_dtype == torch.float32 else False
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         ring = self.state
         slot = ring.sinks + ring.columns % ring.window
-        if self.q_dtype == torch.float32:
-            nat = self._native
-            if nat is None:
-                scale = 1.0 / math.sqrt(q.shape[-1]) if self._scale is None else self._scale
-                nat = self._native = NativeCall.ring(ring.k_BHkvKD, ring.v_BHkvKD, q.shape[1], scale) or False
-            if nat and nat.takes(q, k, v):
-                out = nat(q, k, v, slot)
-                ring.columns += 1
-                return out
+        nat = self._native
+        if nat is None:
+            scale = 1.0 / math.sqrt(q.shape[-1]) if self._scale is None else self._scale
+            nat = self._native = NativeCall.ring(ring.k_BHkvKD, ring.v_BHkvKD, q.shape[1], scale) or False
+        if nat and nat.takes(q, k, v):
+            out = nat(q, k, v, slot)
+            ring.columns += 1
+            return out
         if self._inference:
             with torch._C._InferenceMode(True):
                 self._write(slot, k, v)
