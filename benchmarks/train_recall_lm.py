@@ -1,0 +1,387 @@
+"""Train `recall_lm`: a small byte-level Llama-style decoder that retrieves, so attnopt's quality is measured where a cheap form can fail.
+
+`tiny_lm` models local text and never needed long-range attention: it predicts a repeated random key
+at chance. This model is trained on real text (the Python reference manual in `pydoc_data.topics` and
+the standard library's docstrings, both carried by every Python install) mixed with synthetic recall
+written into that text, so that induction and lookup heads form:
+
+* random keys (several alphabets and lengths) written twice or three times, at distances up to the
+  context;
+* spans of real text repeated later;
+* key→value lists queried later (MQAR-like);
+* pass keys in repetitive filler.
+
+Training runs short to long (256 → 512 → 1024 → 2048 tokens) on a wall-time budget, with a cosine
+learning rate over that budget. Held out from training, and measured at the end into `train_log.json`:
+every 10th pydoc topic and every 10th docstring module (`heldout.txt`), and probe formats the data
+never used: key lengths 12 and 20 (never drawn), an upper-case-only and a Greek alphabet (never drawn),
+and a filler text of its own.
+
+    python benchmarks/train_recall_lm.py --out benchmarks/data/recall_lm --minutes 85
+
+The output is a transformers directory (`config.json`, `model.safetensors`, a byte-level
+`tokenizer.json`) that `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained` load as any model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import random
+import string
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+HELD_OUT_EVERY = 10
+# (sequence length, batch) by the fraction of the time budget at which each phase ends.
+PHASES = ((0.10, 256, 32), (0.25, 512, 16), (0.50, 1024, 8), (1.00, 2048, 4))
+SEQ_LEN = PHASES[-1][1]
+
+# Key alphabets and lengths drawn in training. Lengths 12 and 20, upper-case-only and Greek keys are
+# never drawn: the probes in train_log.json use them.
+TRAIN_ALPHABETS = (
+    string.ascii_lowercase, string.digits, string.ascii_lowercase + string.digits, string.hexdigits[:16],
+    string.ascii_letters, string.ascii_letters + string.digits, string.ascii_letters + string.digits + string.punctuation,
+)
+TRAIN_KEY_LENGTHS = tuple(n for n in range(3, 33) if n not in (12, 20))
+KEY_PREFIXES = ("", " ", "key: ", "id=", "[", "\"", "code ", "#", " token ", "ref:")
+TRAIN_FILLER = (
+    "The river flows past the old mill. ", "A gentle wind moves through the tall grass. ",
+    "Clouds drift slowly over the quiet hills. ", "The market opens early on most days. ",
+    "Birds gather on the roof at dusk. ", "The library keeps its doors open until nine. ",
+)
+PASSKEY_OPENERS = ("The pass key is {k}. Remember it. {k} is the pass key. ",
+                   "Important: the secret number is {k}. Keep it in mind. ")
+PASSKEY_QUESTIONS = ("What is the pass key? The pass key is {k}",
+                     "What was the secret number? The secret number is {k}")
+# Probe-only formats (train_log.json): never produced by `Sampler`.
+PROBE_FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
+PROBE_ALPHABETS = {"upper": string.ascii_uppercase, "digits": string.digits, "lower": string.ascii_lowercase,
+                   "greek": "αβγδεζηθικλμνξοπρστυφχψω"}
+
+
+def stdlib_docstrings(min_chars: int = 300) -> list[tuple[str, str]]:
+    """(module path, docstring) for every long docstring of the standard library (tests excluded), in path order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs = []
+    for path in sorted(root.rglob("*.py")):
+        if any(part in {"test", "tests", "idlelib", "site-packages", "lib2to3"} for part in path.parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) >= min_chars:
+                    docs.append((str(path.relative_to(root)), doc))
+    return docs
+
+
+def corpus() -> tuple[str, str]:
+    """(train text, held-out text): pydoc topics and stdlib docstrings, every 10th topic / module held out."""
+    from pydoc_data.topics import topics
+
+    names = sorted(topics)
+    held = [topics[n] for i, n in enumerate(names) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
+    train = [topics[n] for i, n in enumerate(names) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
+    modules = sorted({m for m, _ in stdlib_docstrings()})
+    held_modules = {m for i, m in enumerate(modules) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1}
+    for module, doc in stdlib_docstrings():
+        (held if module in held_modules else train).append(doc)
+    return "\n\n".join(train), "\n\n".join(held)
+
+
+def config():
+    """6 layers, hidden 128, 4 query / 2 key-value heads (GQA), RoPE, byte vocabulary, context 2048."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ_LEN, tie_word_embeddings=True, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None,
+    )
+
+
+def byte_tokenizer():
+    """A `PreTrainedTokenizerFast` whose token id is the UTF-8 byte value (0-255), no special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = ByteLevel.alphabet()
+    # ByteLevel maps byte b to a printable character; rebuild that map to give character(b) the id b.
+    byte_chars = _bytes_to_unicode()
+    assert set(byte_chars.values()) == set(alphabet)
+    vocab = {byte_chars[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False,
+                                   model_max_length=SEQ_LEN)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte → printable character map (the one `ByteLevel` uses)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+class Sampler:
+    """Training sequences: a window of real text with recall events written over it."""
+
+    def __init__(self, text: bytes, seed: int):
+        self.text = text
+        self.rng = random.Random(seed)
+
+    def key(self) -> bytes:
+        alphabet = self.rng.choice(TRAIN_ALPHABETS)
+        return "".join(self.rng.choice(alphabet) for _ in range(self.rng.choice(TRAIN_KEY_LENGTHS))).encode()
+
+    def text_window(self, n: int) -> bytearray:
+        start = self.rng.randrange(0, len(self.text) - n - 1)
+        return bytearray(self.text[start:start + n])
+
+    def place(self, seq: bytearray, chunk: bytes, lo: int, hi: int) -> int | None:
+        """Write `chunk` at a random offset in [lo, hi - len(chunk)]; return the offset (None if it cannot fit)."""
+        hi = min(hi, len(seq)) - len(chunk)
+        if hi < lo:
+            return None
+        at = self.rng.randint(lo, hi)
+        seq[at:at + len(chunk)] = chunk
+        return at
+
+    def copy_event(self, seq: bytearray, chunk: bytes) -> None:
+        """`chunk` written, then written again once or twice further on."""
+        at = self.place(seq, chunk, 0, len(seq) - len(chunk) - 1)
+        for _ in range(self.rng.choice((1, 1, 1, 2))):
+            if at is None:
+                return
+            at = self.place(seq, chunk, at + len(chunk), len(seq))
+
+    def mqar(self, seq: bytearray) -> None:
+        """A key→value list, then some of its pairs asked again, in another order, further on."""
+        pairs = []
+        for _ in range(self.rng.randint(3, 10)):
+            k = "".join(self.rng.choice(string.ascii_lowercase) for _ in range(self.rng.randint(3, 6)))
+            v = "".join(self.rng.choice(self.rng.choice((string.digits, string.ascii_uppercase)))
+                        for _ in range(self.rng.randint(2, 6)))
+            pairs.append((k, v))
+        sep = self.rng.choice(("=", ": ", " -> "))
+        listing = ("; ".join(f"{k}{sep}{v}" for k, v in pairs) + ". ").encode()
+        at = self.place(seq, listing, 0, len(seq) // 2)
+        if at is None:
+            return
+        lo = at + len(listing)
+        for k, v in self.rng.sample(pairs, self.rng.randint(1, len(pairs))):
+            lo_next = self.place(seq, f" {k}{sep}{v}.".encode(), lo, len(seq))
+            if lo_next is None:
+                return
+            lo = lo_next
+
+    def passkey(self, n: int) -> bytearray:
+        """Repetitive filler with a pass key at a random depth and the question at the end."""
+        key = "".join(self.rng.choice(string.digits) for _ in range(self.rng.randint(4, 9)))
+        which = self.rng.randrange(len(PASSKEY_OPENERS))
+        question = PASSKEY_QUESTIONS[which].format(k=key).encode()
+        needle = PASSKEY_OPENERS[which].format(k=key).encode()
+        sentences = self.rng.sample(TRAIN_FILLER, self.rng.randint(2, len(TRAIN_FILLER)))
+        filler = bytearray()
+        while len(filler) < n:
+            filler += self.rng.choice(sentences).encode()
+        seq = filler[: n - len(question)] + question
+        self.place(seq, needle, 0, n - len(question) - 1)
+        return seq[:n]
+
+    def sequence(self, n: int) -> bytes:
+        r = self.rng.random()
+        if r < 0.15:
+            return bytes(self.passkey(n))
+        seq = self.text_window(n)
+        if r < 0.25:  # plain text: the model must still model language
+            return bytes(seq)
+        for _ in range(self.rng.randint(1, max(1, n // 256))):
+            kind = self.rng.random()
+            if kind < 0.45:
+                self.copy_event(seq, self.rng.choice(KEY_PREFIXES).encode() + self.key())
+            elif kind < 0.7:
+                span = self.text_window(self.rng.randint(16, max(16, min(256, n // 4))))
+                self.copy_event(seq, bytes(span))
+            else:
+                self.mqar(seq)
+        return bytes(seq)
+
+    def batch(self, batch: int, n: int):
+        import torch
+
+        return torch.tensor([list(self.sequence(n)) for _ in range(batch)], dtype=torch.long)
+
+
+def perplexity(model, ids, seq_len: int, batch: int = 4) -> tuple[float, int]:
+    """exp of the mean next-token cross-entropy over non-overlapping seq_len windows of `ids`; (ppl, windows)."""
+    import torch
+
+    n = ids.numel() // seq_len
+    chunks = ids[: n * seq_len].reshape(n, seq_len)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, n, batch):
+            x = chunks[i:i + batch]
+            logits = model(input_ids=x).logits[:, :-1]
+            total += float(torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum"))
+            count += x[:, 1:].numel()
+    return math.exp(total / count), n
+
+
+def recall_probe(model, held: bytes, *, alphabet: str, key_len: int, distance: int, filler: str | None,
+                 seq_len: int, trials: int, seed: int) -> float:
+    """Teacher-forced accuracy on the 2nd..last bytes of a key's second copy, `distance` bytes after the first.
+
+    The context is held-out text (or `filler` repeated); the key is written at a random place, then again
+    `distance` bytes after its start, ending near the end of the window. Scored on every byte of the second
+    copy after the first (the first byte of a bare key cannot be known).
+    """
+    import torch
+
+    rng = random.Random(seed)
+    hits = total = 0
+    for _ in range(trials):
+        key = "".join(rng.choice(alphabet) for _ in range(key_len)).encode()
+        if filler is None:
+            start = rng.randrange(0, len(held) - seq_len - 1)
+            ctx = bytearray(held[start:start + seq_len])
+        else:
+            ctx = bytearray((filler * (seq_len // len(filler) + 2)).encode()[:seq_len])
+        second = seq_len - len(key) - rng.randint(1, 16)
+        first = second - distance
+        ctx[first:first + len(key)] = key
+        ctx[second:second + len(key)] = key
+        x = torch.tensor([list(ctx)], dtype=torch.long)
+        with torch.no_grad():
+            pred = model(input_ids=x).logits[0].argmax(-1)
+        # pred[t] predicts token t+1; score tokens second+1 .. second+len(key)-1.
+        idx = torch.arange(second + 1, second + len(key))
+        hits += int((pred[idx - 1] == x[0, idx]).sum())
+        total += idx.numel()
+    return hits / total
+
+
+def probes(model, held: bytes, seq_len: int, trials: int) -> dict:
+    """Recall at several distances for formats the training data never drew."""
+    out = {}
+    for name, alphabet, key_len, filler in (
+            ("upper12_text", PROBE_ALPHABETS["upper"], 12, None), ("digits12_text", PROBE_ALPHABETS["digits"], 12, None),
+            ("lower20_text", PROBE_ALPHABETS["lower"], 20, None), ("greek12_text", PROBE_ALPHABETS["greek"], 12, None),
+            ("upper12_filler", PROBE_ALPHABETS["upper"], 12, PROBE_FILLER)):
+        key_bytes = len(alphabet[0].encode()) * key_len
+        distances = [d for d in (64, 256, seq_len // 4, seq_len // 2, 3 * seq_len // 4, seq_len - 128)
+                     if d <= seq_len - key_bytes - 16]
+        out[name] = {str(d): round(recall_probe(model, held, alphabet=alphabet, key_len=key_len, distance=d,
+                                                filler=filler, seq_len=seq_len, trials=trials, seed=d), 4)
+                     for d in distances}
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/data/recall_lm")
+    ap.add_argument("--minutes", type=float, default=85.0, help="wall-time budget for training")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--probe-trials", type=int, default=24)
+    args = ap.parse_args(argv)
+
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    train_text, held_text = corpus()
+    train_bytes, held_bytes = train_text.encode("utf-8"), held_text.encode("utf-8")
+    sampler = Sampler(train_bytes, args.seed)
+    model = transformers.LlamaForCausalLM(config())
+    model.config._attn_implementation = "sdpa"
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    budget_s = args.minutes * 60
+    start = time.perf_counter()
+    log, step, phase_steps = [], 0, {}
+    while True:
+        elapsed = time.perf_counter() - start
+        if elapsed > budget_s:
+            break
+        frac = elapsed / budget_s
+        _, seq_len, batch = next(p for p in PHASES if frac < p[0])
+        phase_steps[seq_len] = phase_steps.get(seq_len, 0) + 1
+        # Cosine from lr to lr/10 over the budget, so a slower machine trains fewer steps but still anneals.
+        warm = min(1.0, (step + 1) / 200)
+        lr = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x = sampler.batch(batch, seq_len)
+        model.train()
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 50 == 0:
+            log.append({"step": step, "seconds": round(time.perf_counter() - start, 1), "seq_len": seq_len,
+                        "loss": round(float(loss), 4), "lr": lr})
+            print(f"step {step} {log[-1]['seconds']:.0f}s len {seq_len} loss {float(loss):.3f} lr {lr:.2e}", flush=True)
+        if step % 400 == 0:  # a glance at recall while training: 3/4 of the current length, 4 trials
+            model.eval()
+            acc = recall_probe(model, held_bytes, alphabet=PROBE_ALPHABETS["upper"], key_len=12,
+                               distance=3 * seq_len // 4, filler=None, seq_len=seq_len, trials=4, seed=step)
+            log[-1]["recall_3/4"] = round(acc, 3)
+            print(f"  recall at {3 * seq_len // 4} bytes: {acc:.3f}", flush=True)
+    train_seconds = time.perf_counter() - start
+    model.eval()
+    held_ids = torch.tensor(list(held_bytes), dtype=torch.long)
+    ppl, windows = perplexity(model, held_ids, SEQ_LEN)
+    ppl_256, windows_256 = perplexity(model, held_ids[: 64 * 256], 256, batch=16)
+    probe_acc = probes(model, held_bytes, SEQ_LEN, args.probe_trials)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    byte_tokenizer().save_pretrained(out)
+    (out / "heldout.txt").write_text(held_text, encoding="utf-8")
+    info = {
+        "corpus": f"pydoc_data.topics and standard-library docstrings of Python {sys.version.split()[0]} "
+                  "(Python reference manual and library text, PSF License Version 2), with synthetic recall "
+                  "(random keys repeated, text spans repeated, key-value lists queried, pass keys in filler)",
+        "held_out": f"every {HELD_OUT_EVERY}th pydoc topic and every {HELD_OUT_EVERY}th docstring module "
+                    "in sorted order (heldout.txt)",
+        "train_bytes": len(train_bytes), "held_out_bytes": len(held_bytes), "seq_len": SEQ_LEN,
+        "phases": [{"until_budget_fraction": f, "seq_len": n, "batch": b, "steps": phase_steps.get(n, 0)}
+                   for f, n, b in PHASES],
+        "steps": step, "train_seconds": round(train_seconds, 1), "threads": args.threads,
+        "held_out_perplexity": ppl, "held_out_windows": windows,
+        "held_out_perplexity_256": ppl_256, "held_out_windows_256": windows_256,
+        "recall_probes": {
+            "what": "teacher-forced accuracy on bytes 2..n of a key's second copy, by distance (bytes) between "
+                    "the copies; formats never drawn in training (key lengths 12/20, upper-case-only and Greek "
+                    "alphabets, a filler text of its own), context held-out text unless '_filler'",
+            "trials_per_cell": args.probe_trials, "chance_upper": 1 / 26, "accuracy": probe_acc},
+        "log": log,
+    }
+    (out / "train_log.json").write_text(json.dumps(info, indent=1))
+    print(json.dumps({k: v for k, v in info.items() if k != "log"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
