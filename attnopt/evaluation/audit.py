@@ -1,0 +1,165 @@
+"""`attnopt.evaluate`: what a model can still do where a cheap attention form can fail.
+
+Retrieval probes over a length x depth grid (attnopt.evaluation.probes), scored by exact match of greedy
+`generate()` output and by teacher-forced accuracy, and perplexity by position, for the model and,
+side by side, its reference (the original). Every probe row is the same for both.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional, Sequence, Union
+
+from attnopt.analysis.perplexity import is_causal_lm
+from attnopt.evaluation.codec import codec_for
+from attnopt.evaluation.model_io import LanguageModel, is_transformers_model
+from attnopt.evaluation.perplexity import perplexity
+from attnopt.evaluation.probes import DEPTHS, PROBES, Haystacks, chance, grid
+from attnopt.evaluation.report import EvalReport, ModelScores, mean
+from attnopt.evaluation.scoring import calls, score_rows
+from attnopt.samples import english_passages
+
+DEFAULT_SAMPLES = 4
+BUILT_IN_TEXT = "the built-in English passages (attnopt/data/english_passages.txt)"
+
+
+def check_probes(probes: Union[None, str, Sequence[str]]) -> list:
+    if probes is None:
+        return list(PROBES)
+    names = [p.strip() for p in probes.split(",")] if isinstance(probes, str) else list(probes)
+    unknown = [p for p in names if p not in PROBES]
+    if unknown or not names:
+        raise ValueError(f"unknown probe {unknown[0]!r}; known probes: {', '.join(PROBES)}" if unknown
+                         else f"no probe given; known probes: {', '.join(PROBES)}")
+    return list(dict.fromkeys(names))
+
+
+def check_lengths(lengths: Optional[Sequence[int]], limit: Optional[int], name: str) -> list:
+    if lengths is None:
+        if limit is None:
+            raise ValueError(f"{name} states no position limit (config.max_position_embeddings); pass lengths=[...]")
+        return sorted({max(1, limit // 4), limit})
+    out = []
+    for n in lengths:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"lengths must be positive token counts; got {n!r}")
+        if limit is not None and n > limit:
+            raise ValueError(f"length {n} is beyond what {name} can embed ({limit} positions, "
+                             f"config.max_position_embeddings); use lengths of at most {limit}")
+        out.append(n)
+    if not out:
+        raise ValueError("lengths is empty; give at least one token count")
+    return sorted(set(out))
+
+
+def check_depths(depths: Optional[Sequence[float]]) -> list:
+    if depths is None:
+        return list(DEPTHS)
+    out = [float(d) for d in depths]
+    bad = [d for d in out if not 0.0 <= d <= 1.0]
+    if bad or not out:
+        raise ValueError(f"depths are fractions of the context from 0 (start) to 1 (just before the question); "
+                         f"got {bad[0] if bad else 'none'}")
+    return sorted(set(out))
+
+
+def text_of(texts: Union[None, str, Sequence[str]]) -> tuple:
+    """(text, what it is): the built-in passages by default."""
+    if texts is None:
+        return "\n\n".join(english_passages()), BUILT_IN_TEXT
+    if isinstance(texts, str):
+        texts = [texts]
+    parts = [t for t in texts if isinstance(t, str) and t.strip()]
+    if not parts:
+        raise ValueError("texts must be a string or a list of strings with some text")
+    joined = "\n\n".join(parts)
+    return joined, f"the given text ({len(joined)} characters)"
+
+
+def model_name(model: Any) -> str:
+    """A compiled model by its report (model and policy name), any other by its path or class."""
+    report = getattr(model, "attnopt_report", None)
+    if report is not None:
+        policy = report.policy_dict()
+        policy = policy.get("name") if isinstance(policy, dict) else policy
+        return f"{report.model_name} [{policy or 'compiled'}]"
+    return getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+
+
+def _scores(lm: LanguageModel, cells: dict, depths: list, samples: int, codec, text_ids: list, text_name: str,
+            window: int, tick) -> ModelScores:
+    start = time.perf_counter()
+    retrieval, forced, disagree, rows = {}, {}, 0, 0
+    for (probe, length), cell in cells.items():
+        got = score_rows(lm, cell, codec, lambda what: tick(f"{lm.name}: {probe} at {length} tokens ({what})"))
+        rows += len(got)
+        if lm.generates:
+            disagree += sum(r.generated_tokens_exact != r.forward_exact for r in got)
+        for k, d in enumerate(depths):
+            part = got[k * samples : (k + 1) * samples]
+            retrieval.setdefault(probe, {}).setdefault(length, {})[d] = mean(float(r.generated_exact) for r in part)
+            forced.setdefault(probe, {}).setdefault(length, {})[d] = mean(r.teacher_forced for r in part)
+    ppl = perplexity(lm, text_ids, window, text_name)
+    tick(f"{lm.name}: perplexity")
+    return ModelScores(lm.name, "generate" if lm.generates else "forward", retrieval, forced, disagree, rows, ppl,
+                       round(time.perf_counter() - start, 3))
+
+
+def evaluate(model: Any, *, reference: Any = None, tokenizer: Any = None, texts: Union[None, str, Sequence[str]] = None,
+             probes: Union[None, str, Sequence[str]] = None, lengths: Optional[Sequence[int]] = None,
+             depths: Optional[Sequence[float]] = None, progress: Optional[Callable] = None,
+             samples: int = DEFAULT_SAMPLES, seed: int = 0, name: Optional[str] = None,
+             reference_name: Optional[str] = None) -> EvalReport:
+    """Audit a causal LM's capability: retrieval probes and perplexity, beside `reference` when given.
+
+    tokenizer: the model's (None: UTF-8 bytes, for a byte-level model of vocabulary 256). texts: the text
+    for perplexity and for the probes' real-text haystacks (default: the built-in English passages).
+    probes: names from PROBES (default all). lengths: tokens per probe row (default a quarter of the
+    model's position limit and the limit). depths: where the fact is written, 0 (start) to 1 (just
+    before the question); default 0, .25, .5, .75, 1. samples: rows per (probe, length, depth) cell.
+    progress: a callable(text, done=None, total=None) told after each model call.
+    """
+    lm = LanguageModel(model, name or model_name(model))
+    for m in (model, reference):
+        # A transformers model either is a registered causal LM or says it generates (remote-code decoders).
+        if m is not None and is_transformers_model(m) and not (is_causal_lm(m) or m.can_generate()):
+            raise ValueError(f"{type(m).__name__} is not a causal language model (no next-token head); the audit "
+                             "reads next-token logits, so give a *ForCausalLM model")
+    ref = None if reference is None else LanguageModel(reference, reference_name or f"{model_name(reference)} (reference)")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples must be a positive number of rows per cell; got {samples!r}")
+    probe_names = check_probes(probes)
+    limits = [m.position_limit for m in (lm, ref) if m is not None and m.position_limit is not None]
+    lengths = check_lengths(lengths, min(limits) if limits else None, lm.name if not ref else f"{lm.name} / {ref.name}")
+    depths = check_depths(depths)
+    vocab = lm.vocab()
+    if ref is not None and ref.vocab() != vocab:
+        raise ValueError(f"the reference's vocabulary ({ref.vocab()}) is not the model's ({vocab}); the reference "
+                         "must be the same model before conversion")
+    codec = codec_for(tokenizer, vocab)
+    text, text_name = text_of(texts)
+    haystacks = Haystacks(codec, text)
+    cells = grid(probe_names, lengths, depths, samples, codec, haystacks, seed)
+    models = [m for m in (lm, ref) if m is not None]
+    total = sum(calls(len(c), n, m.generates) for m in models for (_, n), c in cells.items()) + len(models)
+    done = [0]
+
+    def tick(text_: str) -> None:
+        done[0] += 1
+        if progress is not None:
+            progress(text_, done[0], total)
+
+    if progress is not None:
+        progress(f"{len(cells) * len(depths) * samples} probe rows built", 0, total)
+    text_ids = list(codec.prefix) + codec.encode(text)
+    window = max(lengths)
+    scores = [_scores(m, cells, depths, samples, codec, text_ids, text_name, window, tick) for m in models]
+    notes = []
+    if not lm.generates:
+        notes.append(f"{lm.name} has no generate(): retrieval is the exact match of its full forward's greedy answer "
+                     "(teacher-forced); no decode state was exercised")
+    if scores[0].perplexity is not None and scores[0].perplexity.window < window:
+        notes.append(f"the text has only {len(text_ids)} tokens, so perplexity is over one window of "
+                     f"{scores[0].perplexity.window} tokens, shorter than the longest length {window}")
+    return EvalReport(scores[0], probe_names, lengths, depths, samples, seed, codec.name,
+                      {p: chance(p, codec) for p in probe_names}, scores[1] if ref else None, notes)
