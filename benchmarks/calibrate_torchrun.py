@@ -5,7 +5,7 @@
 
 On real MiniLM (256-token passages of benchmarks/data/passages.txt, first half calibration, second half
 held out) it checks that every rank ends with identical trained tensors and the same held-out mean
-embedding cosine, and rank 0 writes benchmarks/results/calibrate_torchrun.json.
+embedding cosine, and rank 0 writes the current result, benchmarks/results/calibrate_torchrun/<machine>.json.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ def main(argv=None) -> None:
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--backend", default="gloo")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    ap.add_argument("--out", default=str(ROOT / "results" / "calibrate_torchrun.json"))
+    ap.add_argument("--out", default=None, help="JSON path (default: the current result file, "
+                    "benchmarks/results/calibrate_torchrun/<machine>.json)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -64,11 +65,11 @@ def main(argv=None) -> None:
     if rank == 0:
         result = {"policy": args.policy, "world_size": world, "backend": args.backend, "steps": args.steps,
                   "threads_per_rank": args.threads, "calibration_texts": 4 * len(cal), "held_out_texts": 4 * len(held),
-                  "before": before, "per_rank_after": per_rank, "max_abs_tensor_difference_across_ranks": float(worst),
-                  "note": "shared 2-core machine: wall times are upper bounds"}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+                  "before": before, "per_rank_after": per_rank, "max_abs_tensor_difference_across_ranks": float(worst)}
+        from resultfile import write_result  # benchmarks/ is on sys.path when run as a script
+
         print(json.dumps(result, indent=1))
+        print("wrote", write_result("calibrate_torchrun", result, path=args.out))
     dist.destroy_process_group()
 
 

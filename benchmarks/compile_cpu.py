@@ -9,13 +9,12 @@ Two workloads:
           N = 512: wall time of compile + verify, and forward time original vs rewritten.
   --long  the same decoder with 4 layers at N = 8192, where attention dominates the forward.
 
-    python benchmarks/compile_cpu.py --out benchmarks/results/compile_cpu.json
+    python benchmarks/compile_cpu.py         # -> benchmarks/results/compile_cpu/<machine>.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -27,6 +26,7 @@ import torch  # noqa: E402
 
 import attnopt  # noqa: E402
 from attnopt.bench import take_turns, timed  # noqa: E402
+from resultfile import write_result  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
 def cpu_name() -> str:
@@ -131,7 +131,8 @@ def bench_llama(policies, seq_len=512, layers=24, tag="llama24"):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/results/compile_cpu.json")
+    ap.add_argument("--out", default=None, help="JSON path (default: the current result file, "
+                    "benchmarks/results/compile_cpu/<machine>.json)")
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--long", action="store_true", help="also a 4-layer Llama at N = 8192 (forward speed)")
     args = ap.parse_args(argv)
@@ -150,10 +151,7 @@ def main(argv=None):
     if args.long:
         result["llama4_8k"] = bench_llama(["exact", "window:256+sinks:4", "linear", "ssm"], seq_len=8192, layers=4,
                                           tag="llama4_8k")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    print(f"wrote {write_result('compile_cpu', result, path=args.out)}")
 
 
 if __name__ == "__main__":

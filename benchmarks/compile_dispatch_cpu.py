@@ -1,6 +1,6 @@
 """Compile time of a 24-layer decoder with dispatch off, default dispatch measuring, default cached.
 
-    python benchmarks/compile_dispatch_cpu.py --out benchmarks/results/compile_dispatch_cpu.json [--profile]
+    python benchmarks/compile_dispatch_cpu.py [--profile]   # -> results/compile_dispatch_cpu/<machine>.json
 
 The model is benchmarks/compile_cpu.py's llama24 (random weights, 24 layers, hidden 512, 8/4
 heads, N = 512 example) under the `linear` policy. "first" compiles against an empty crossover
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import os
 import pstats
 import tempfile
@@ -26,6 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import attnopt  # noqa: E402
+from resultfile import write_result  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
 def build(layers: int, seq_len: int):
@@ -67,7 +67,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="JSON path (default: the current result file, "
+                   "benchmarks/results/compile_dispatch_cpu/<machine>.json)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     model, inputs = build(a.layers, a.seq_len)
@@ -92,9 +93,7 @@ def main(argv=None) -> int:
         result["profile_off"] = profile(lambda: compile_once(model, inputs, a.policy, "off", tmp / "unused.json"))
         print(result["profile_cached"])
         print(result["profile_off"])
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(result, indent=1))
+    print("wrote", write_result("compile_dispatch_cpu", result, path=a.out))
     return 0
 
 

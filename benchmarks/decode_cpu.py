@@ -9,15 +9,15 @@ takes one step, both untimed (that step is where a site whose threshold the cont
 its state, once per sequence), so every round decodes at the same context; in rounds that take
 turns over the variants, each then runs `--steps` single-token decode steps through its cache
 (`model(next_id, past_key_values=cache)`), and the best round's mean per step is kept (the median
-round's beside it; who goes first rotates from round to round). (Before run 14 the cache was
-prefilled once, so round r decoded at N + r·steps.) An identical deep copy of the original runs as
+round's beside it; who goes first rotates from round to round). An identical deep copy of the original runs as
 a control: the compiled models are deep copies too, and how far it lands from the original is the
 run's noise floor. State bytes are what the cache holds after
 the last round's steps (all layers, batch 1).
 Separately, each policy generates 512 tokens from a 16-token prompt and the cache is measured after
 64 and after 512 tokens (a fixed-size state stays flat; a KV cache grows 8×).
 
-    python benchmarks/decode_cpu.py --out benchmarks/results/decode_cpu.json   # + decode_cpu.png
+    python benchmarks/decode_cpu.py --dispatch auto --rounds 40 --threads 1 --no-growth
+        # -> benchmarks/results/decode_cpu/<machine>.json and .png (decode_cpu_2threads/ at --threads 2)
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch  # noqa: E402
 
 import attnopt  # noqa: E402
 from compile_cpu import cpu_name  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from resultfile import write_result  # noqa: E402
 from attnopt.bench import take_turns  # noqa: E402
 from attnopt.hf.cache import decode_state_bytes, make_cache  # noqa: E402
 from transformers.cache_utils import CacheLayerMixin  # noqa: E402
@@ -204,10 +205,11 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--dispatch", choices=("off", "auto"), default="off",
+    ap.add_argument("--dispatch", choices=("off", "auto"), default="auto",
                     help="off: each form's state at every length; auto: the measured thresholds (exact below them)")
     ap.add_argument("--no-growth", action="store_true", help="skip the 512-token state growth check")
-    ap.add_argument("--out", default="benchmarks/results/decode_cpu.json")
+    ap.add_argument("--out", default=None, help="JSON path (default: the current result file, "
+                    "benchmarks/results/<benchmark>/<machine>.json)")
     args = ap.parse_args(argv)
     if args.table:
         with open(args.table) as f:
@@ -246,11 +248,15 @@ def main(argv=None):
         result["contexts"][str(n)] = row
         print(n, {k: f"{v['ms_per_token']:.2f} ms, {v['state_bytes'] / 1e6:.2f} MB" for k, v in row.items()}, flush=True)
         del caches
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    plot(result, args.out.replace(".json", ".png"))
-    print("wrote", args.out)
+    out = write_result(benchmark_name(args), result, path=args.out)
+    plot(result, str(out.with_suffix(".png")))
+    print("wrote", out)
+
+
+def benchmark_name(args) -> str:
+    """The result's benchmark: one per thread count and dispatch, since each is its own question."""
+    return ("decode_cpu" + ("" if args.threads == 1 else f"_{args.threads}threads")
+            + ("" if args.dispatch == "auto" else "_dispatch_off"))
 
 
 def plot(result, path):

@@ -7,12 +7,11 @@ and their sources in both phases, whether the entry was flagged as loaded, and w
 acts at a context of 8192 (its threshold at or under it) in the model compiled under load and in
 the one compiled after.
 
-    python benchmarks/dispatch_under_load.py --out benchmarks/results/dispatch_under_load.json
+    python benchmarks/dispatch_under_load.py   # -> benchmarks/results/dispatch_under_load/<machine>.json
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import decode_cpu  # noqa: E402
+from resultfile import write_result  # noqa: E402
 
 import attnopt  # noqa: E402
 from attnopt.passes import crossover  # noqa: E402
@@ -57,7 +57,8 @@ def main(argv=None) -> None:
     ap.add_argument("--busy", type=int, default=2, help="busy processes during the first phase")
     ap.add_argument("--warm", type=float, default=150.0, help="seconds the busy processes run before the compiles")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "dispatch_under_load.json"))
+    ap.add_argument("--out", default=None, help="JSON path (default: the current result file, "
+                    "benchmarks/results/dispatch_under_load/<machine>.json)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     os.environ[crossover.ENV_CACHE] = str(Path(tempfile.mkdtemp()) / "crossover.json")
@@ -84,8 +85,7 @@ def main(argv=None) -> None:
         waited += 5
     result["quiet_wait_s"], result["load_before_quiet_phase"] = waited, os.getloadavg()[0]
     result["quiet_phase"] = compile_all(base)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print("wrote", args.out)
+    print("wrote", write_result("dispatch_under_load", result, path=args.out))
 
 
 if __name__ == "__main__":

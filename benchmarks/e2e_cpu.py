@@ -1,7 +1,7 @@
 """End to end on CPU: a Llama-style decoder's forward, original against every policy and the ceiling.
 
     python benchmarks/e2e_cpu.py                       # N = 256, 1k, 4k, 16k, 32k (tens of minutes on 2 cores)
-    python benchmarks/e2e_cpu.py --lengths 256,1024 --out /tmp/e2e   # a quick check
+    python benchmarks/e2e_cpu.py --lengths 256,1024 --out /tmp/e2e   # a quick check, kept out of results/
 
 The model (8 layers, hidden 512, 8 query / 2 key-value heads, RoPE, seeded random weights) is built
 from a transformers config. Variants:
@@ -13,8 +13,9 @@ from a transformers config. Variants:
              attention rewrite can beat it.
 Each variant lives in its own worker process (so its peak RSS is its own, read from getrusage), the
 workers take turns at each length, and each time is the best of several forwards (fewer at 16k and
-32k, where one exact forward costs minutes on 2 cores). Writes e2e_cpu.json and e2e_cpu.png under
---out (default benchmarks/results/).
+32k, where one exact forward costs minutes on 2 cores). Writes the current result,
+benchmarks/results/e2e_cpu/<machine>.json and .png (through resultfile), or e2e_cpu.json and
+e2e_cpu.png under --out when one is given.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
+
+from resultfile import result_path, write_result  # benchmarks/ is on sys.path when run as a script
 
 POLICIES = ("linear", "window:256+sinks:4", "ssm", "hybrid", "linear+window:64+sinks:4")
 LENGTHS = (256, 1024, 4096, 16384, 32768)
@@ -188,7 +192,7 @@ def hardware() -> dict:
             "python": platform.python_version()}
 
 
-def run(lengths, policies, out: Path, threads=None, say=print) -> dict:
+def run(lengths, policies, out: Optional[Path], threads=None, say=print) -> dict:
     # Here, not at the top: only the driver times; a worker imports torch when it builds its model.
     from attnopt.bench import take_turns
 
@@ -251,7 +255,7 @@ def checks(rows) -> dict:
     return out
 
 
-def _write(out: Path, lengths, policies, workers, rows, start) -> dict:
+def _write(out: Optional[Path], lengths, policies, workers, rows, start) -> dict:
     load = os.getloadavg()
     data = {
         "benchmark": "Llama-style decoder forward, end to end, CPU (benchmarks/e2e_cpu.py)",
@@ -277,9 +281,8 @@ def _write(out: Path, lengths, policies, workers, rows, start) -> dict:
         "checks": checks(rows),
         "wall_seconds": time.perf_counter() - start,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "e2e_cpu.json").write_text(json.dumps(data, indent=1))
-    plot(data, out / "e2e_cpu.png")
+    path = write_result("e2e_cpu", data, path=None if out is None else out / "e2e_cpu.json")
+    plot(data, path.with_suffix(".png"))
     return data
 
 
@@ -361,21 +364,24 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="comma-separated token counts")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policies")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="directory for the JSON and PNG")
+    p.add_argument("--out", default=None, help="directory for the JSON and PNG (default: the current result file, "
+                   "benchmarks/results/e2e_cpu/<machine>.json)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: torch's own)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--table", action="store_true",
                    help="print the Markdown tables of --out's e2e_cpu.json and redraw its plot; run nothing")
     a = p.parse_args(argv)
     if a.table:
-        data = json.loads((Path(a.out) / "e2e_cpu.json").read_text())
+        path = Path(a.out) / "e2e_cpu.json" if a.out else result_path("e2e_cpu")
+        data = json.loads(path.read_text())
         print(markdown(data))
-        plot(data, Path(a.out) / "e2e_cpu.png")  # redrawn from the same data
+        plot(data, path.with_suffix(".png"))  # redrawn from the same data
         return 0
     if a.worker:
         worker(a.worker)
         return 0
-    data = run([int(x) for x in a.lengths.split(",")], [x for x in a.policies.split(",") if x], Path(a.out),
+    data = run([int(x) for x in a.lengths.split(",")], [x for x in a.policies.split(",") if x],
+               Path(a.out) if a.out else None,
                threads=a.threads)
     print(json.dumps(data["checks"], indent=1))
     return 0

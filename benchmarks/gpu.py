@@ -2,8 +2,12 @@
 
 How to run (on the CUDA machine, from the repository root):
 
-    python benchmarks/gpu.py $OUT            # writes $OUT/gpu.json (rewritten after every section)
+    python benchmarks/gpu.py                 # writes benchmarks/results/gpu/<machine>.json (after every section)
+    python benchmarks/gpu.py $OUT            # writes $OUT/gpu.json instead (a device machine's $OUT comes back)
     python benchmarks/gpu.py $OUT --quick    # correctness + one shape per benchmark (~1 min)
+
+Either file is written through benchmarks/resultfile.py (command, commit, date, fingerprint); where the
+checkout has no git history, set ATTNOPT_COMMIT to the commit it was copied from.
 
 Sections, each in its own try/except (a failing section records its error and the script goes on):
 
@@ -47,6 +51,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests", "triton"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from resultfile import result_path, write_result  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -65,8 +71,7 @@ def time_left() -> float:
 
 def save() -> None:
     RESULT["elapsed_s"] = round(time.time() - T0, 1)
-    with open(OUT_PATH, "w") as f:
-        json.dump(RESULT, f, indent=1, default=str)
+    write_result("gpu", json.loads(json.dumps(RESULT, default=str)), path=OUT_PATH)
 
 
 def section(name):
@@ -645,14 +650,20 @@ def e2e(quick: bool):
 def main(argv=None):
     global OUT_PATH, BUDGET, DEV, SMOKE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out_dir")
+    ap.add_argument("out_dir", nargs="?", help="folder for gpu.json (default: benchmarks/results/gpu/<machine>.json)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU + TRITON_INTERPRET=1, tiny shapes: checks the script only")
     ap.add_argument("--budget", type=float, default=BUDGET, help="seconds before remaining measurements are skipped")
     args = ap.parse_args(argv)
     BUDGET = args.budget
-    os.makedirs(args.out_dir, exist_ok=True)
-    OUT_PATH = os.path.join(args.out_dir, "gpu.json")
+    if args.smoke and not args.out_dir:
+        print("--smoke checks the script, not a GPU: give an out_dir for its gpu.json")
+        return 2
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+        OUT_PATH = os.path.join(args.out_dir, "gpu.json")
+    else:
+        OUT_PATH = str(result_path("gpu"))
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
             print("--smoke needs TRITON_INTERPRET=1")

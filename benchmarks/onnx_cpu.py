@@ -7,7 +7,7 @@ ORT sessions (2 intra-op threads) and the torch forwards of the same four models
 in turns, `--repeats` rounds after one warm-up call each, and the best time of each is kept: interleaving spreads any load
 from other processes over all variants alike. Writes JSON and a PNG plot.
 
-    python benchmarks/onnx_cpu.py --out benchmarks/results/onnx_cpu.json
+    python benchmarks/onnx_cpu.py            # -> benchmarks/results/onnx_cpu/<machine>.json and .png
     python benchmarks/onnx_cpu.py --sizes 512,1024 --repeats 2 --out /tmp/onnx_cpu.json   # smoke run
 """
 
@@ -24,6 +24,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
+from resultfile import write_result  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 DEFAULT_SIZES = (1024, 4096, 8192)
 # window+sinks exports the banded form; window without sinks GroupQueryAttention (behind an If on padding)
@@ -65,7 +66,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks/results/onnx_cpu.json"))
+    parser.add_argument("--out", default=None, help="JSON path (default: the current result file, "
+                        "benchmarks/results/onnx_cpu/<machine>.json)")
     parser.add_argument("--shared", action="store_true", help="record that the machine was shared with other work")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -129,9 +131,7 @@ def main(argv=None) -> int:
         "versions": {"torch": torch.__version__, "onnxruntime": ort.__version__},
         "rows": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_result("onnx_cpu", result, path=args.out)
     plot(result, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0

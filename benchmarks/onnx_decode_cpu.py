@@ -13,9 +13,9 @@ cache, and the best round's mean per token is kept (interleaving spreads other p
 all variants alike). State bytes are what the ORT state holds after the prefill (all layers,
 batch 1). Writes JSON, a PNG plot, and the README table (with every target and whether it is met).
 
-    python benchmarks/onnx_decode_cpu.py                        # full run, 2 threads
-    python benchmarks/onnx_decode_cpu.py --quick                # a tiny smoke run (results flagged quick)
-    python benchmarks/onnx_decode_cpu.py --table benchmarks/results/onnx_decode_cpu.json
+    python benchmarks/onnx_decode_cpu.py     # full run, 2 threads -> results/onnx_decode_cpu/<machine>.json
+    python benchmarks/onnx_decode_cpu.py --quick --out /tmp/q.json   # a tiny smoke run (flagged quick)
+    python benchmarks/onnx_decode_cpu.py --table benchmarks/results/onnx_decode_cpu/amd-epyc-2c.json
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
+from resultfile import write_result  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 FULL = {"contexts": [1024, 4096, 8192, 16384], "hidden": 256, "heads": 8, "kv_heads": 2, "layers": 4,
@@ -247,7 +248,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--chunk", type=int)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", help="JSON path (default benchmarks/results/onnx_decode_cpu[_quick].json)")
+    ap.add_argument("--out", help="JSON path (default: the current result file, benchmarks/results/"
+                    "onnx_decode_cpu/<machine>.json; a --quick run needs --out: it measures nothing)")
     ap.add_argument("--table", metavar="JSON", help="print the README table of an earlier run and exit")
     args = ap.parse_args(argv)
     if args.table:
@@ -255,10 +257,10 @@ def main(argv=None) -> None:
         return
     cfg = dict(QUICK if args.quick else FULL)
     cfg.update({k: getattr(args, k) for k in ("contexts", "steps", "rounds", "chunk") if getattr(args, k)})
-    out = Path(args.out or REPO_ROOT / "benchmarks" / "results" / f"onnx_decode_cpu{'_quick' if args.quick else ''}.json")
+    if args.quick and not args.out:
+        ap.error("--quick measures nothing worth keeping: give --out (e.g. --out /tmp/onnx_decode_cpu_quick.json)")
     result = run(cfg, args.threads, args.quick)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_result("onnx_decode_cpu", result, path=args.out)
     plot(result, out.with_suffix(".png"))
     print(table(result))
     print("wrote", out)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import time
 
@@ -27,6 +26,7 @@ from attnopt import forms
 from attnopt.forms.common.base import BuildContext
 from attnopt.forms.linear.reference import linear_attention
 from attnopt.kernels.feature_maps import make_feature_map
+from resultfile import write_result  # benchmarks/ is on sys.path when run as a script
 
 B, H, HKV, D = 1, 8, 2, 64
 
@@ -55,7 +55,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunks", default="", help="also time the op at these chunk sizes, e.g. 32,64 "
                                                 "(each with blocks of BLOCK_CHUNKS chunks)")
     p.add_argument("--feature-map", default=None, help="the op's map (default: the linear policy's)")
-    p.add_argument("--out", default=None, help="JSON file for the timings")
+    p.add_argument("--out", default=None, help="JSON path (default: the current result file, "
+                   "benchmarks/results/profile_linear_prefill/<machine>.json)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
@@ -101,9 +102,8 @@ def main(argv=None) -> int:
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
     load = os.getloadavg()
     print(f"load average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"n": a.n, "threads": a.threads, "best_s": best, "all_s": times, "load_average": load}, f, indent=1)
+    result = {"n": a.n, "threads": a.threads, "best_s": best, "all_s": times, "load_average": load}
+    print("wrote", write_result("profile_linear_prefill", result, path=a.out))
     return 0
 
 

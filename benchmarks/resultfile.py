@@ -91,7 +91,8 @@ def _time(fn) -> float:
 
 
 def commit() -> dict[str, Any]:
-    """The checked-out commit and whether tracked files differ from it."""
+    """The checked-out commit and whether tracked files differ from it; `$ATTNOPT_COMMIT` where the
+    copy has no git history (a device machine's copy of the work tree)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
 
@@ -99,8 +100,10 @@ def commit() -> dict[str, Any]:
         head = git("rev-parse", "HEAD")
         dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
-    return {"commit": head or None, "dirty": dirty}
+        head, dirty = "", None
+    if not head:
+        return {"commit": os.environ.get("ATTNOPT_COMMIT") or None, "dirty": None}
+    return {"commit": head, "dirty": dirty}
 
 
 def result_path(benchmark: str, machine: Optional[str] = None) -> Path:
@@ -126,8 +129,42 @@ def write_result(benchmark: str, payload: dict, *, argv: Optional[list[str]] = N
     return path
 
 
+def adopt_result(benchmark: str, payload: dict, *, command: str, commit: str, date: str, machine: str,
+                 source: str) -> Path:
+    """Move a result measured before this module existed into the layout, saying what is known of it.
+
+    `command` is rebuilt from the settings the old file records, `commit` is the commit that added the
+    old file (the run itself recorded neither), `date` is that commit's date; no fingerprint was
+    measured, so none is invented."""
+    meta = {
+        "benchmark": benchmark,
+        "command": command,
+        "command_note": "rebuilt from the settings the result records; the run did not record its command line",
+        "commit": commit,
+        "commit_note": "the commit that added the result; the run did not record the commit it measured",
+        "dirty": None,
+        "date": date,
+        "machine": machine,
+        "fingerprint": None,
+        "fingerprint_note": "not recorded (measured before benchmarks/resultfile.py existed)",
+        "adopted_from": source,
+    }
+    path = result_path(benchmark, machine)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, **payload}, indent=1, default=_jsonable) + "\n")
+    return path
+
+
 def read_result(benchmark: str, machine: Optional[str] = None) -> dict:
     return json.loads(result_path(benchmark, machine).read_text())
+
+
+def current_results() -> dict[str, dict[str, dict]]:
+    """{benchmark: {machine: result}} of every file in the layout (a folder per benchmark)."""
+    found: dict[str, dict[str, dict]] = {}
+    for path in sorted(RESULTS.glob("*/*.json")):
+        found.setdefault(path.parent.name, {})[path.stem] = json.loads(path.read_text())
+    return found
 
 
 def _relative(script: str) -> str:
