@@ -73,6 +73,24 @@ def parse_depths(text: str) -> list:
     return depths
 
 
+def parse_tolerances(tolerance: Optional[float], e2e_text: Optional[str]) -> dict:
+    """compile's tolerance options, given only when set (compile's defaults otherwise)."""
+    out: dict = {}
+    if tolerance is not None:
+        if not 0 <= tolerance < float("inf"):
+            raise EvalError(f"--tolerance must be a finite number >= 0 (relative RMS drift per site); got {tolerance}")
+        out["tolerance"] = tolerance
+    if e2e_text is not None:
+        try:
+            e2e = None if e2e_text.strip().lower() == "none" else float(e2e_text)
+        except ValueError:
+            e2e = float("nan")
+        if e2e is not None and not 0 < e2e < float("inf"):
+            raise EvalError(f"--e2e-tolerance must be a finite number > 0 or 'none'; got {e2e_text}")
+        out["e2e_tolerance"] = e2e
+    return out
+
+
 def writable(flag: str, path: Optional[str]) -> None:
     if path is None:
         return
@@ -186,7 +204,8 @@ def load_models(spec: str, policy_text: Optional[str], reference: bool, compile_
 
 def run_eval(spec: str, policy: Optional[str], reference: bool, lengths_text: Optional[str], probes_text: str,
              depths_text: str, samples: int, texts: Optional[str], tokenizer: Optional[str], html: Optional[str],
-             json_out: Optional[str], seed: int, dispatch: str, threads: Optional[int], quiet: bool) -> int:
+             json_out: Optional[str], seed: int, dispatch: str, threads: Optional[int], quiet: bool,
+             tolerance: Optional[float] = None, e2e_tolerance: Optional[str] = None) -> int:
     lengths = parse_lengths(lengths_text)
     probes = parse_probes(probes_text)
     depths = parse_depths(depths_text)
@@ -194,6 +213,9 @@ def run_eval(spec: str, policy: Optional[str], reference: bool, lengths_text: Op
         raise EvalError(f"--samples must be >= 1; got {samples}")
     if dispatch not in ("off", "auto"):
         raise EvalError(f"--dispatch must be 'off' or 'auto'; got {dispatch!r}")
+    compile_options = {"dispatch": dispatch, **parse_tolerances(tolerance, e2e_tolerance)}
+    if policy is None and len(compile_options) > 1:
+        raise EvalError("--tolerance and --e2e-tolerance are compile options: give them with --policy")
     if texts is not None and not os.path.isfile(texts):
         raise EvalError(f"--texts {texts}: no such file")
     writable("--html", html)
@@ -205,7 +227,7 @@ def run_eval(spec: str, policy: Optional[str], reference: bool, lengths_text: Op
 
         if threads is not None:
             torch.set_num_threads(threads)
-        model, ref, description = load_models(spec, policy, reference, {"dispatch": dispatch}, update)
+        model, ref, description = load_models(spec, policy, reference, compile_options, update)
         tok = _tokenizer(spec, tokenizer)
         from attnopt.evaluation.audit import evaluate
 
@@ -252,12 +274,16 @@ def eval_command(
     seed: int = typer.Option(0, "--seed", help="probe seed"),
     dispatch: str = typer.Option("off", "--dispatch", help="with --policy: 'off' (default; the forms act at every "
                                  "length) or 'auto' (compile's measured thresholds: exact below them)"),
+    tolerance: Optional[float] = typer.Option(None, "--tolerance", help="with --policy: compile's per-site drift "
+                                              "tolerance (default: per form; 10 keeps every site rewritten)"),
+    e2e_tolerance: Optional[str] = typer.Option(None, "--e2e-tolerance", metavar="FLOAT|none", help="with --policy: "
+                                                "compile's end-to-end budget (default 0.5; 'none': no budget)"),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's own)"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress on stderr"),
 ) -> int:
     try:
         return run_eval(model, policy, reference, lengths, probes, depths, samples, texts, tokenizer, html, json_out,
-                        seed, dispatch, threads, quiet)
+                        seed, dispatch, threads, quiet, tolerance, e2e_tolerance)
     except EvalError as exc:
         print(f"attnopt eval: {' '.join(str(exc).split())}", file=sys.stderr)
         return exc.code
