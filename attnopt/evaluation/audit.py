@@ -20,6 +20,7 @@ from attnopt.evaluation.scoring import calls, score_rows
 from attnopt.samples import english_passages
 
 DEFAULT_SAMPLES = 4
+PERPLEXITY_WINDOWS = 8
 BUILT_IN_TEXT = "the built-in English passages (attnopt/data/english_passages.txt)"
 
 
@@ -87,7 +88,7 @@ def model_name(model: Any) -> str:
 
 
 def _scores(lm: LanguageModel, cells: dict, depths: list, samples: int, codec, text_ids: list, text_name: str,
-            window: int, tick) -> ModelScores:
+            window: int, most: int, tick) -> ModelScores:
     start = time.perf_counter()
     retrieval, forced, disagree, rows = {}, {}, 0, 0
     for (probe, length), cell in cells.items():
@@ -99,7 +100,7 @@ def _scores(lm: LanguageModel, cells: dict, depths: list, samples: int, codec, t
             part = got[k * samples : (k + 1) * samples]
             retrieval.setdefault(probe, {}).setdefault(length, {})[d] = mean(float(r.generated_exact) for r in part)
             forced.setdefault(probe, {}).setdefault(length, {})[d] = mean(r.teacher_forced for r in part)
-    ppl = perplexity(lm, text_ids, window, text_name)
+    ppl = perplexity(lm, text_ids, window, text_name, most=most)
     tick(f"{lm.name}: perplexity")
     return ModelScores(lm.name, "generate" if lm.generates else "forward", retrieval, forced, disagree, rows, ppl,
                        round(time.perf_counter() - start, 3))
@@ -109,7 +110,7 @@ def evaluate(model: Any, *, reference: Any = None, tokenizer: Any = None, texts:
              probes: Union[None, str, Sequence[str]] = None, lengths: Optional[Sequence[int]] = None,
              depths: Optional[Sequence[float]] = None, progress: Optional[Callable] = None,
              samples: int = DEFAULT_SAMPLES, seed: int = 0, name: Optional[str] = None,
-             reference_name: Optional[str] = None) -> EvalReport:
+             reference_name: Optional[str] = None, perplexity_windows: int = PERPLEXITY_WINDOWS) -> EvalReport:
     """Audit a causal LM's capability: retrieval probes and perplexity, beside `reference` when given.
 
     tokenizer: the model's (None: UTF-8 bytes, for a byte-level model of vocabulary 256). texts: the text
@@ -117,6 +118,7 @@ def evaluate(model: Any, *, reference: Any = None, tokenizer: Any = None, texts:
     probes: names from PROBES (default all). lengths: tokens per probe row (default a quarter of the
     model's position limit and the limit). depths: where the fact is written, 0 (start) to 1 (just
     before the question); default 0, .25, .5, .75, 1. samples: rows per (probe, length, depth) cell.
+    perplexity_windows: at most this many windows of the longest length are read for perplexity.
     progress: a callable(text, done=None, total=None) told after each model call.
     """
     lm = LanguageModel(model, name or model_name(model))
@@ -153,7 +155,8 @@ def evaluate(model: Any, *, reference: Any = None, tokenizer: Any = None, texts:
         progress(f"{len(cells) * len(depths) * samples} probe rows built", 0, total)
     text_ids = list(codec.prefix) + codec.encode(text)
     window = max(lengths)
-    scores = [_scores(m, cells, depths, samples, codec, text_ids, text_name, window, tick) for m in models]
+    scores = [_scores(m, cells, depths, samples, codec, text_ids, text_name, window, perplexity_windows, tick)
+              for m in models]
     notes = []
     if not lm.generates:
         notes.append(f"{lm.name} has no generate(): retrieval is the exact match of its full forward's greedy answer "

@@ -32,7 +32,7 @@ class ByteCodec:
 
 
 class TokenizerCodec:
-    """A transformers tokenizer (anything with `__call__`/`encode` and `decode`)."""
+    """A transformers tokenizer (anything with `encode` and `decode`)."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
@@ -50,6 +50,8 @@ class TokenizerCodec:
         self.vocab_size = len(tokenizer) if hasattr(tokenizer, "__len__") else getattr(tokenizer, "vocab_size", None)
         # A tokenizer whose ids are bytes (as recall_lm's): answers compare token for token.
         self.byte_level = self.vocab_size == BYTE_VOCAB and self.encode("aé") == list("aé".encode("utf-8"))
+        if self.byte_level:
+            self.name = f"UTF-8 bytes (tokenizer {self.name})"
 
     def encode(self, text: str) -> list[int]:
         return _ids(self.tokenizer, text, add_special_tokens=False)
@@ -66,9 +68,11 @@ class TokenizerCodec:
 
 
 def _ids(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
-    if callable(getattr(tokenizer, "encode", None)):
-        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
-    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+    # verbose=False: the whole haystack text is longer than model_max_length, and is cut into rows after
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens, verbose=False))
+    except TypeError:  # a tokenizer without transformers' keywords
+        return list(tokenizer.encode(text))
 
 
 def codec_for(tokenizer: Optional[Any], vocab: Optional[int]):
@@ -79,7 +83,7 @@ def codec_for(tokenizer: Optional[Any], vocab: Optional[int]):
                              f"{BYTE_VOCAB}); this model's vocabulary is {vocab}: pass its tokenizer "
                              "(tokenizer=AutoTokenizer.from_pretrained(...))")
         return ByteCodec()
-    if not callable(getattr(tokenizer, "decode", None)):
+    if not callable(getattr(tokenizer, "decode", None)) or not callable(getattr(tokenizer, "encode", None)):
         raise ValueError(f"tokenizer must have encode/decode (a transformers tokenizer); got {type(tokenizer).__name__}")
     codec = TokenizerCodec(tokenizer)
     highest = max(codec.encode("The quick brown fox, 0123456789."), default=0)
