@@ -10,8 +10,9 @@ fail deep inside (a reshape baked with the example's sizes). The guard checks, p
   symbol in the graph (e.g. q's and k's batch) equal sizes, within the capture's range;
 
 and raises one line naming the input and the size or value the graph was captured for. The
-contract is plain data and the guard a plain module, so both survive pickling (export's own guard
-function does not: `InputGuard` drops it when pickled, keeping its own checks).
+contract is plain data (`contract_to_dict` / `contract_from_dict` write it as JSON, which is how
+`attnopt.save` keeps it) and the guard a plain module. torch.export's own guard function is Python
+source that export execs; `InputGuard` runs it where compile made it, and never keeps it on disk.
 """
 
 from __future__ import annotations
@@ -61,6 +62,74 @@ class InputContract:
         parts = [f"{r.name} {_shape_text(r)}" for r in self.rules if r.kind == "tensor"]
         return ("the captured graph takes " + "; ".join(parts) + " (* = any size; a call with another size in a "
                 "fixed dim raises)")
+
+
+# ---------------------------------------------------------------- as JSON (attnopt.save keeps the contract as data)
+
+# The constant types torch.export keeps as graph inputs, by the name JSON records them under.
+_CONSTANT_TYPES = {"none": type(None), "bool": bool, "int": int, "float": float, "str": str}
+
+
+def contract_to_dict(contract: InputContract) -> dict:
+    """The contract as JSON-able data; ValueError naming the input when a constant is of no JSON type."""
+    return {"model_name": contract.model_name,
+            "rules": [{"name": r.name, "kind": r.kind, "sizes": list(r.sizes), "value": _constant_to_json(r),
+                       "why": {str(d): w for d, w in r.why.items()}} for r in contract.rules],
+            "ranges": {sym: [lo, hi] for sym, (lo, hi) in contract.ranges.items()}}
+
+
+def contract_from_dict(d: Any) -> InputContract:
+    """The contract `contract_to_dict` wrote; ValueError naming the first field of the wrong type."""
+    if not isinstance(d, dict) or not isinstance(d.get("model_name"), str) or not isinstance(d.get("rules"), list) \
+            or not isinstance(d.get("ranges"), dict):
+        raise ValueError("the input contract is not an object with model_name, rules and ranges")
+    rules = []
+    for i, r in enumerate(d["rules"]):
+        if not isinstance(r, dict) or not isinstance(r.get("name"), str) \
+                or r.get("kind") not in ("tensor", "constant", "any") \
+                or not isinstance(r.get("sizes"), list) or not isinstance(r.get("why"), dict):
+            raise ValueError(f"input rule {i} is damaged")
+        if not all(isinstance(s, str) or (isinstance(s, int) and not isinstance(s, bool)) for s in r["sizes"]):
+            raise ValueError(f"input rule {i} ({r['name']!r}) has sizes that are neither ints nor symbols")
+        try:
+            why = {int(k): str(v) for k, v in r["why"].items()}
+        except ValueError:
+            raise ValueError(f"input rule {i} ({r['name']!r}) has a non-integer dim in 'why'") from None
+        value = _constant_from_json(r.get("value"), i) if r["kind"] == "constant" else None
+        rules.append(InputRule(r["name"], r["kind"], tuple(r["sizes"]), value, why))
+    ranges = {}
+    for sym, bounds in d["ranges"].items():
+        ints = all(b is None or (isinstance(b, int) and not isinstance(b, bool)) for b in bounds or ())
+        if not (isinstance(bounds, list) and len(bounds) == 2 and ints and bounds[0] is not None):
+            raise ValueError(f"the range of {sym!r} is not [int, int or null]")
+        ranges[sym] = (bounds[0], bounds[1])
+    return InputContract(d["model_name"], tuple(rules), ranges)
+
+
+def _constant_to_json(rule: InputRule) -> Optional[dict]:
+    if rule.kind != "constant":
+        return None
+    value = rule.value
+    kind = next((k for k, t in _CONSTANT_TYPES.items() if type(value) is t), None)
+    if kind is None:
+        raise ValueError(f"input {rule.name!r} was captured as the constant {_show(value)} of type "
+                         f"{type(value).__name__}, which has no JSON form; pass it as a tensor or a bool/int/float/str")
+    # float.hex: exact, and spells nan and inf, which JSON has no numbers for.
+    return {"type": kind, "value": value.hex() if kind == "float" else value}
+
+
+def _constant_from_json(d: Any, i: int) -> Any:
+    if not isinstance(d, dict) or d.get("type") not in _CONSTANT_TYPES:
+        raise ValueError(f"input rule {i} has no typed constant value")
+    kind, value = d["type"], d.get("value")
+    if kind == "float":
+        try:
+            return float.fromhex(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"input rule {i} has a float constant that is not a hex float") from None
+    if type(value) is not _CONSTANT_TYPES[kind]:
+        raise ValueError(f"input rule {i} has a {kind} constant holding {type(value).__name__}")
+    return value
 
 
 def contract_of(gm: fx.GraphModule, names: list, model_name: str, ranges: dict,
