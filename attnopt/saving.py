@@ -1,15 +1,20 @@
 """`attnopt.save` / `attnopt.load`: a compiled model on disk, and back in another process.
 
 A saved directory holds the files of the model's mechanism (`attnopt.targets`: transformers models
-as their own `save_pretrained` directory plus the site modules' tensors; graph-path models as one
-pickle) and `attnopt.json`: format version, versions, mechanism, policy, report, the sha256 of
-every file saved with it and of the header itself. `load` treats the directory as untrusted: it
-checks the header's fields and digests, then asks the mechanism it names to rebuild the model,
-which checks every site against the report; any damage is one `SaveError` line naming the file
-and the field. A load that succeeds computes exactly the saved model.
+as their own `save_pretrained` directory plus the site modules' tensors; graph-path models as their
+captured torch.export program plus the site modules' tensors) and `attnopt.json`: format version,
+versions, mechanism, policy, report, the sha256 of every file saved with it and of the header itself.
 
-Graph-path models are pickled (`torch.load(weights_only=False)`): load only directories you trust,
-as with any pickle.
+`load` treats the directory as untrusted: nothing in it is unpickled or executed. It reads JSON,
+safetensors and (graph path) a torch.export archive whose every member and field is checked for
+anything torch.export.load could unpickle or exec before torch reads it. The digests are not a
+seal (they are unkeyed: whoever edits a directory can recompute them); they catch damage, and the
+content checks behind them (each site module against the report) refuse a directory edited with
+care. Every refusal is one `SaveError` line naming the file and the field. A load that succeeds
+computes exactly the saved model.
+
+Format 3 is the first without a pickle; a format-2 directory (graph path: a pickle) is refused
+without reading its files.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from attnopt.version import __version__
 
 __all__ = ["save", "load", "read_header", "SaveError", "FORMAT_VERSION", "HEADER_FILE"]
 
-FORMAT_VERSION = 2  # 2: file and header digests
+FORMAT_VERSION = 3  # 2: file and header digests; 3: no pickle (graph path: a torch.export archive)
 HEADER_FILE = "attnopt.json"
 REQUIRED_FIELDS = {"versions": dict, "report": dict, "files": dict, "checksum": str}
 
@@ -117,9 +122,15 @@ def _check_version(path: Path, file: Path, header: dict) -> None:
     if version > FORMAT_VERSION:
         raise SaveError(f"attnopt.load: {path} was saved in attnopt format {version}, newer than this attnopt "
                         f"reads (up to {FORMAT_VERSION}); upgrade attnopt (saved by attnopt {saved_by})")
+    if version == 2:
+        # Format 2 pickled graph-path models: reading one could run code, so none is read at all.
+        raise SaveError(f"attnopt.load: {path} was saved in attnopt format 2 (by attnopt {saved_by}), which this "
+                        f"attnopt does not read: a format-2 directory may hold a pickle, and loading never runs one; "
+                        "compile the model again, then save it again with attnopt.save")
     if version != FORMAT_VERSION:
         raise SaveError(f"attnopt.load: {path} was saved in attnopt format {version}, which this attnopt does not "
-                        f"read (it reads format {FORMAT_VERSION}); load it with attnopt {saved_by} and save it again")
+                        f"read (it reads format {FORMAT_VERSION}); compile the model again, then save it again with "
+                        "attnopt.save")
 
 
 def _check_files(path: Path, files: dict) -> None:

@@ -85,7 +85,7 @@ def test_an_untouched_directory_loads_the_exact_saved_model(saved_llama, copy_of
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids, use_cache=False).logits, logits)
     header = _header(copy_of)
-    assert header["format_version"] == 2 and len(header["checksum"]) == 64
+    assert header["format_version"] == 3 and len(header["checksum"]) == 64
     assert {"model.safetensors", "config.json", SITE_STATE_FILE} <= set(header["files"])
     assert all(len(s["sha256"]) == 64 for s in header["sites"])
 
@@ -127,7 +127,8 @@ def test_a_form_whose_parameters_changed_is_refused(copy_of):
 
 
 @pytest.mark.parametrize("version, words", [(0, ["format 0", "does not read"]), (1, ["format 1", "save it again"]),
-                                            (99, ["format 99", "upgrade"]), ("2", ["no integer format_version"])])
+                                            (2, ["format 2", "pickle", "compile the model again"]),
+                                            (99, ["format 99", "upgrade"]), ("3", ["no integer format_version"])])
 def test_unknown_and_old_format_versions_are_refused(copy_of, version, words):
     header = _header(copy_of)
     header["format_version"] = version
@@ -170,7 +171,7 @@ def test_damaged_model_weights_are_refused(copy_of):
     weights.write_bytes(weights.read_bytes()[:100])
     _refused(copy_of, "model.safetensors", "changed after attnopt.save")
     _write(copy_of, _header(copy_of))
-    _refused(copy_of, "cannot be loaded")
+    _refused(copy_of, "model.safetensors", "cannot be read as safetensors")
 
 
 def test_a_missing_file_is_refused(copy_of):
@@ -227,16 +228,31 @@ def test_a_graph_directory_loads_exactly_or_not_at_all(saved_graph):
     path, opt, x = saved_graph
     with torch.no_grad():
         assert torch.equal(attnopt.load(path)(x), opt(x))
-    pickled = path / GraphTarget.FILE
-    pickled.write_bytes(pickled.read_bytes()[:-100])
-    _refused(path, GraphTarget.FILE, "changed after attnopt.save")
+    program = path / GraphTarget.PROGRAM_FILE
+    program.write_bytes(program.read_bytes()[:-100])
+    _refused(path, GraphTarget.PROGRAM_FILE, "changed after attnopt.save")
     _write(path, _header(path))
-    _refused(path, GraphTarget.FILE, "cannot be unpickled")
+    _refused(path, GraphTarget.PROGRAM_FILE, "not a torch.export archive")
 
 
-def test_a_graph_report_that_disagrees_with_the_pickle_is_refused(saved_graph):
+def test_a_graph_report_that_disagrees_with_the_site_modules_is_refused(saved_graph):
     path, _, _ = saved_graph
     header = _header(path)
     header["report"]["sites"][0]["outcome"]["params"]["window"] = 5
     _write(path, header)
     _refused(path, "runs window", "'window': 4", "'window': 5")
+
+
+def test_graph_site_tensors_of_another_value_are_refused(tmp_path):
+    """A stateful graph site (FAVOR+'s projection): its tensors nudged, digests rewritten."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 20, C)
+    opt = attnopt.compile(TinyAttention().eval(), "linear:favor", example_inputs=(x,), tolerance=0.99,
+                          e2e_tolerance=None, dispatch="off")
+    path = attnopt.save(opt, tmp_path / "favor")
+    file = path / GraphTarget.SITE_STATE_FILE
+    state = load_file(str(file))
+    assert list(state) == ["graph#0/feature_map.omega_DM"]
+    save_file({k: v + 1e-3 for k, v in state.items()}, str(file))
+    _write(path, _header(path))
+    _refused(path, GraphTarget.SITE_STATE_FILE, "graph#0", "sha256 differs")

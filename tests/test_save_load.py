@@ -39,7 +39,7 @@ result["plain"] = plain()
 import attnopt
 model = attnopt.load(path)
 result["plain after attnopt registered"] = plain()
-inputs = torch.load(inputs_file)
+inputs = torch.load(inputs_file, weights_only=True)
 with torch.no_grad():
     out = model(**inputs["call"])
 result["class"] = type(model).__name__
@@ -61,7 +61,7 @@ def _fresh(code, *args, timeout=120):
 def _load_fresh(tmp_path, saved, call, key, generate=None):
     torch.save({"call": call, "key": key, "generate": generate}, tmp_path / "inputs.pt")
     _fresh(FRESH_LOAD, saved, tmp_path / "inputs.pt", tmp_path / "out.pt")
-    return torch.load(tmp_path / "out.pt", weights_only=False)
+    return torch.load(tmp_path / "out.pt", weights_only=True)
 
 
 def _statuses(report):
@@ -242,7 +242,7 @@ def test_loading_a_directory_without_attnopt_json_or_from_the_future_says_so(lla
     future.mkdir()
     (future / HEADER_FILE).write_text(json.dumps({"format_version": 99, "mechanism": "hf",
                                                   "versions": {"attnopt": "9.0"}}))
-    with pytest.raises(SaveError, match="format 99, newer than this attnopt reads \\(up to 2\\); upgrade") as e:
+    with pytest.raises(SaveError, match="format 99, newer than this attnopt reads \\(up to 3\\); upgrade") as e:
         attnopt.load(future)
     _one_line(e)
 
@@ -290,18 +290,18 @@ def _x(n=37, b=2, seed=1):
     return torch.randn(b, n, C, generator=torch.Generator().manual_seed(seed))
 
 
-# The fresh process has neither HandNet nor this file: the pickle holds the rewritten graph as code.
+# The fresh process has neither HandNet nor this file: the directory holds the program as data.
 FRESH_GRAPH = r"""
 import sys, torch
-path, pickled, inputs_file, out_file = sys.argv[1:5]
+path, inputs_file, out_file = sys.argv[1:4]
 import attnopt
-inputs = torch.load(inputs_file)
+inputs = torch.load(inputs_file, weights_only=True)
+model = attnopt.load(path)
 result = {}
-for how, model in (("load", attnopt.load(path)), ("torch.load", torch.load(pickled, weights_only=False))):
-    with torch.no_grad():
-        result[how] = [model(x) for x in inputs]
-    result[how + " report"] = model.attnopt_report.to_json()
-    result[how + " class"] = type(model).__name__
+with torch.no_grad():
+    result["outputs"] = [model(x) for x in inputs]
+result["report"] = model.attnopt_report.to_json()
+result["class"] = type(model).__name__
 torch.save(result, out_file)
 """
 
@@ -317,22 +317,26 @@ def test_graph_module_loads_in_a_fresh_process_with_the_same_outputs_and_report(
     net, opt = favor_graph
     assert [s for _, s, _ in _statuses(opt.attnopt_report)] == ["rewritten"] * 2
     saved = attnopt.save(opt, tmp_path / "graph")
-    torch.save(opt, tmp_path / "compiled.pt")
     inputs = [_x(), _x(n=50, b=3, seed=2)]  # the example shape and another (the graph is dynamic)
     torch.save(inputs, tmp_path / "inputs.pt")
     with torch.no_grad():
         expected = [opt(x) for x in inputs]
-    _fresh(FRESH_GRAPH, saved, tmp_path / "compiled.pt", tmp_path / "inputs.pt", tmp_path / "out.pt")
-    got = torch.load(tmp_path / "out.pt", weights_only=False)
-    for how in ("load", "torch.load"):
-        assert got[how + " class"] == "CompiledModule"
-        assert got[how + " report"] == opt.attnopt_report.to_json()
-        for out, ref in zip(got[how], expected):
-            assert set(out) == {"probs", "hidden"}
-            assert torch.equal(out["hidden"], ref["hidden"]) and torch.equal(out["probs"], ref["probs"])
-    assert json.loads((saved / HEADER_FILE).read_text())["mechanism"] == "graph"
-    # Pickling rewrote a copy: the compiled module keeps torch.export's input guards.
-    assert "_guards_fn" in opt.graph_module._modules
+    _fresh(FRESH_GRAPH, saved, tmp_path / "inputs.pt", tmp_path / "out.pt")
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert got["class"] == "CompiledModule"
+    assert got["report"] == opt.attnopt_report.to_json()
+    for out, ref in zip(got["outputs"], expected):
+        assert set(out) == {"probs", "hidden"}
+        assert torch.equal(out["hidden"], ref["hidden"]) and torch.equal(out["probs"], ref["probs"])
+    header = json.loads((saved / HEADER_FILE).read_text())
+    assert header["mechanism"] == "graph" and header["format_version"] == 3
+    # Data only: a torch.export archive (a zip of JSON and raw tensors) and safetensors, no pickle.
+    assert sorted(p.name for p in saved.iterdir()) == [HEADER_FILE, "attnopt_program.pt2", "attnopt_sites.safetensors"]
+    assert [(e["name"], e["form"], e["state"]) for e in header["sites"]] == [
+        ("attnopt_site_0", "linear", {"feature_map.omega_DM": [8, 16]}),
+        ("attnopt_site_1", "linear", {"feature_map.omega_DM": [8, 16]})]
+    # Saving left the compiled module whole, torch.export's own guard function still in its InputGuard.
+    assert opt.graph_module._guards_fn._export_guard
 
 
 def test_graph_state_dict_has_the_original_keys(favor_graph):
@@ -358,3 +362,128 @@ def test_graph_state_dict_has_the_original_keys(favor_graph):
     assert torch.equal(opt.graph_module.head.weight, net.head.weight)
     with pytest.raises(RuntimeError, match="Unexpected key.*graph_module.stray"):
         opt.load_state_dict({**net.state_dict(), "stray": torch.zeros(1)})
+
+
+def test_a_graph_model_saves_its_current_weights_and_a_loaded_one_saves_again(favor_graph, tmp_path):
+    import copy
+    import io
+
+    _, compiled = favor_graph
+    opt = copy.deepcopy(compiled)  # the fixture's model stays as compiled
+    torch.manual_seed(5)
+    opt.load_state_dict(HandNet().state_dict(), strict=False)  # other weights after compile: those are saved
+    x = _x(n=45, b=3, seed=7)
+    once = attnopt.load(attnopt.save(opt, tmp_path / "once"))
+    twice = attnopt.load(attnopt.save(once, tmp_path / "twice"))
+    with torch.no_grad():
+        want = opt(x)["hidden"]
+        assert not torch.allclose(want, compiled(x)["hidden"])
+        assert torch.equal(once(x)["hidden"], want) and torch.equal(twice(x)["hidden"], want)
+    # A pickled copy (the user's own, trusted) drops the captured program: saving it says so.
+    buffer = io.BytesIO()
+    torch.save(opt, buffer)
+    buffer.seek(0)
+    unpickled = torch.load(buffer, weights_only=False)  # this test's own pickle
+    with pytest.raises(SaveError, match="holds no captured program .*compile the model again") as e:
+        attnopt.save(unpickled, tmp_path / "unpickled")
+    _one_line(e)
+
+
+def test_the_input_contract_round_trips_through_json_with_every_constant_type():
+    from attnopt.passes.input_guard import InputContract, InputRule, contract_from_dict, contract_to_dict
+
+    rules = (InputRule("x", "tensor", ("s0", 16), why={1: "the model reshapes by it"}),
+             InputRule("n", "any"),
+             *(InputRule(f"c{i}", "constant", value=v) for i, v in
+               enumerate([None, True, 3, 0.1, float("nan"), float("-inf"), "mean"])))
+    contract = InputContract("Net", rules, {"s0": (2, None), "s1": (0, 64)})
+    back = contract_from_dict(json.loads(json.dumps(contract_to_dict(contract), allow_nan=False)))
+    assert back.model_name == "Net" and back.ranges == contract.ranges
+    for got, want in zip(back.rules, rules):
+        assert (got.name, got.kind, got.sizes, got.why) == (want.name, want.kind, want.sizes, want.why)
+        assert type(got.value) is type(want.value)
+        assert got.value == want.value or (got.value != got.value and want.value != want.value)  # nan == nan
+    with pytest.raises(ValueError, match="input 'd' was captured as the constant torch.float16 of type dtype"):
+        contract_to_dict(InputContract("Net", (InputRule("d", "constant", value=torch.float16),)))
+    with pytest.raises(ValueError, match="input rule 0 has a int constant holding str"):
+        contract_from_dict({"model_name": "Net", "ranges": {}, "rules": [
+            {"name": "c", "kind": "constant", "sizes": [], "why": {}, "value": {"type": "int", "value": "3"}}]})
+
+
+# ---------------------------------------------------------------- every form on the graph path
+
+# Fits cut to a few steps: what is checked is that the loaded model computes what the saved one
+# computes, not the quality of the fit.
+GRAPH_FORMS = {
+    "linear": {"form": "linear"},
+    "window": {"form": "window", "params": {"window": 8, "sinks": 2}},
+    "linear+window": {"form": "linear+window", "params": {"window": 8, "fit_steps": 3}},
+    "gla": {"form": "gla", "params": {"fit_steps": 3}},
+    "gla+window": {"form": "gla+window", "params": {"window": 8, "fit_steps": 3}},
+    "delta": {"form": "delta", "params": {"fit_steps": 3}},
+    "ssm": {"form": "ssm"},
+    "reuse": {"form": "reuse", "params": {"anchor": -1, "rank": 0}, "layers": [1, 1]},
+    "exact": {"form": "exact"},
+    # exact below 24 query positions, the form past them: both branches must come back
+    "linear below 24 exact": {"form": "linear", "params": {"min_seq_len": 24}},
+}
+
+
+@pytest.mark.parametrize("form", list(GRAPH_FORMS))
+def test_every_form_round_trips_exactly_on_the_graph_path_at_other_batches_and_lengths(form, tmp_path):
+    net = _hand_net()
+    opt = attnopt.compile(net, {"rules": [GRAPH_FORMS[form]]}, example_inputs=(_x(n=37, b=2),), tolerance=10.0,
+                          e2e_tolerance=None, dispatch="off")
+    rewritten = [f for _, s, f in _statuses(opt.attnopt_report) if s == "rewritten"]
+    assert rewritten == {"reuse": ["reuse"], "exact": []}.get(form, [GRAPH_FORMS[form]["form"]] * 2)
+    # Each site tensor moved off any value a fresh build would give (sign kept: gates stay gates), so
+    # only the saved tensors can reproduce these outputs.
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for m in opt.modules():
+            if isinstance(m, attnopt.forms.SiteModule):
+                for t in m.state_dict().values():
+                    if t.is_floating_point():
+                        t.mul_(1 + 0.05 * torch.rand(t.shape, generator=gen))
+    loaded = attnopt.load(attnopt.save(opt, tmp_path / "saved"))
+    assert loaded.attnopt_report.to_json() == opt.attnopt_report.to_json()
+    assert [(m.form, m.params) for m in loaded.modules() if isinstance(m, attnopt.forms.SiteModule)] == \
+        [(m.form, m.params) for m in opt.modules() if isinstance(m, attnopt.forms.SiteModule)]
+    with torch.no_grad():
+        for b, n in ((3, 50), (1, 9), (2, 37)):  # batch and length the example did not have, and the example's
+            x = _x(n=n, b=b, seed=n)
+            got, want = loaded(x), opt(x)
+            assert torch.equal(got["hidden"], want["hidden"]) and torch.equal(got["probs"], want["probs"]), (b, n)
+    if form != "exact":  # the rewrite is what came back
+        with torch.no_grad():
+            assert not torch.allclose(loaded(_x(n=50, b=3))["hidden"], net(_x(n=50, b=3))["hidden"], atol=1e-5)
+
+
+def test_a_transformers_model_on_the_graph_path_round_trips_with_padding_and_a_constant_input(tmp_path):
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+
+    def batch(b, n, seed):
+        ids = torch.randint(1, VOCAB, (b, n), generator=torch.Generator().manual_seed(seed))
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0  # row 0 left-padded
+        return {"input_ids": ids, "attention_mask": mask, "use_cache": False}
+
+    opt = attnopt.compile(model, "linear", example_inputs=batch(2, 24, 1), tolerance=10.0, e2e_tolerance=None,
+                          method="graph", dispatch="off")
+    assert [f for _, _, f in _statuses(opt.attnopt_report)] == ["linear", "linear"]
+    saved = attnopt.save(opt, tmp_path / "llama_graph")
+    inputs = json.loads((saved / HEADER_FILE).read_text())["inputs"]
+    assert [(r["name"], r["kind"], r["value"]) for r in inputs["rules"]] == [
+        ("input_ids", "tensor", None), ("attention_mask", "tensor", None),
+        ("use_cache", "constant", {"type": "bool", "value": False})]
+    loaded = attnopt.load(saved)
+    with torch.no_grad():
+        for b, n in ((3, 40), (1, 7)):
+            call = batch(b, n, n)
+            assert torch.equal(loaded(**call).logits, opt(**call).logits), (b, n)
+    # The input contract came back: a call with another constant is named in one line.
+    with pytest.raises(attnopt.ir.errors.SpecializedInputError, match="captured with use_cache=False"):
+        loaded(**{**batch(2, 24, 1), "use_cache": True})

@@ -1,4 +1,8 @@
-"""Content digests for saved directories: a file, a set of tensors, a JSON header (sha256, hex)."""
+"""Content digests for saved directories: a file, a set of tensors, a JSON header (sha256, hex).
+
+Unkeyed on purpose: they tell a damaged or half-copied directory from the one attnopt.save wrote,
+not an edit made with care (anyone can recompute them). Loading is safe without them: attnopt.load
+reads only data and checks content against the report (see attnopt/saving.py)."""
 
 from __future__ import annotations
 

@@ -12,14 +12,16 @@ import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 from torch import nn
 
+from attnopt import forms
 from attnopt.forms.common.base import BuildContext, SiteModule
 from attnopt.ir.calls import Recording
 from attnopt.ir.detection import Detection
+from attnopt.ir.digest import tensors_digest
 from attnopt.ir.errors import SaveError
 from attnopt.ir.outcomes import Status
 from attnopt.ir.site import AttentionSite
@@ -158,6 +160,53 @@ class Target(abc.ABC):
     def extra_module_ok(self, module: SiteModule, site: AttentionSite) -> bool:
         """Whether a site the report keeps exact may still carry `module` (default: never)."""
         return False
+
+
+def read_site_state(file: Path) -> dict:
+    """Every tensor of a saved site-state file (safetensors: data only), or SaveError naming it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise SaveError(f"attnopt.load: {file} cannot be read ({exc}); the directory is damaged") from None
+
+
+def restore_site(entry: dict, site: AttentionSite, state: dict, state_file: Path, header_file: Path,
+                 build: Callable) -> SiteModule:
+    """The site module a saved entry describes: its parameters valid and complete for its form, its
+    tensors ("<site_id>/<name>" in `state`) of the declared shapes and digest, built by
+    `build(form, site, params)` and given those tensors. SaveError naming the field otherwise."""
+    sid = entry["site_id"]
+    try:
+        form = forms.get(entry["form"])
+        params = form.validate(entry["params"])
+    except ValueError as exc:
+        raise SaveError(f"attnopt.load: {header_file} field 'sites.{sid}.params' is not valid for form "
+                        f"{entry['form']!r}: {exc}") from None
+    if plain_params(params) != plain_params(entry["params"]):
+        raise SaveError(f"attnopt.load: {header_file} field 'sites.{sid}.params' is incomplete for form "
+                        f"{entry['form']!r}")
+    own = {k[len(sid) + 1:]: v for k, v in state.items() if k.startswith(sid + "/")}
+    declared = {name: list(shape) for name, shape in entry["state"].items()}
+    if {n: list(t.shape) for n, t in own.items()} != declared:
+        raise SaveError(f"attnopt.load: {state_file}: the tensors of site {sid} "
+                        f"({ {n: list(t.shape) for n, t in own.items()} }) are not the declared {declared}")
+    if tensors_digest(own) != entry["sha256"]:
+        raise SaveError(f"attnopt.load: {state_file}: the tensors of site {sid} changed after saving (sha256 differs)")
+    try:
+        module = build(form, site, params)
+    except SaveError:
+        raise
+    except ValueError as exc:  # SiteUnsupported: the saved form cannot serve the saved site
+        raise SaveError(f"attnopt.load: site {sid} cannot be rebuilt as {entry['form']} ({exc})") from None
+    # assign: the saved tensors themselves (their dtype and device), not copies into fresh ones.
+    missing, unexpected = module.load_state_dict(own, strict=False, assign=True)
+    if missing or unexpected:
+        raise SaveError(f"attnopt.load: site {sid} ({entry['form']}) state does not match its module: "
+                        f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    return module.eval()
 
 
 def plain_params(params: Any) -> Any:

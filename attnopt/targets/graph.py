@@ -1,13 +1,27 @@
 """The graph mechanism: any module is captured with torch.export, its sites are replaced in the
 captured graph, and the result (`CompiledModule`) is called like the original module.
 
-Saved as one pickle (`attnopt_graph.pt`, read with `torch.load(weights_only=False)`): the rewritten
-graph is code plus its site modules, and the pickle is the one format that keeps both.
+Saved as data, never as a pickle (format 3):
+
+    attnopt_program.pt2         the captured program before any site was replaced (torch.export.save:
+                                JSON graph + raw tensors, the compiled model's current weights), read
+                                back only after `program_archive.check_archive` refused everything
+                                torch.export.load could unpickle or exec
+    attnopt_sites.safetensors   each site module's tensors, keyed "<site_id>/<name>"
+    attnopt.json                (saving.py) the header: the input contract and one entry per site
+                                module (site id, form, params, tensor shapes, digest), in splice order
+
+`load` rebuilds what compile built: the program's graph module, attnopt's InputGuard from the
+contract, each site module from its form and parameters with its saved tensors, spliced by the
+same `splice_graph` call, so the loaded model computes exactly what the saved one did, with the
+same dynamic dims. torch.export's own guard function (Python source) is not kept: InputGuard's
+checks (fixed dims, equal dims, ranges, constant inputs) stand in for it.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,24 +31,30 @@ import torch
 from torch import nn
 
 from attnopt import forms
+from attnopt.forms.common.base import BuildContext, SiteModule
 from attnopt.ir.calls import Recording, SiteCall
 from attnopt.ir.detection import Detection
+from attnopt.ir.digest import tensors_digest
 from attnopt.ir.errors import CalibrationError, SaveError, SpecializedInputError
 from attnopt.passes.capture import capture_export
-from attnopt.passes.input_guard import guard_of
 from attnopt.passes.detect import detect
+from attnopt.passes.input_guard import contract_from_dict, contract_to_dict, guard_of, install_guard
 from attnopt.passes.record import record_graph
 from attnopt.passes.splice import splice_graph
-from attnopt.targets.base import Installed, Target
+from attnopt.targets.base import Installed, Target, read_site_state, restore_site
+from attnopt.targets.program_archive import read_program, write_program
 
 
 class CompiledModule(nn.Module):
     """A rewritten captured graph, called like the original module (same arguments, same outputs)."""
 
-    def __init__(self, graph_module: nn.Module, original_name: str):
+    def __init__(self, graph_module: nn.Module, original_name: str, program=None):
         super().__init__()
         self.graph_module = graph_module
         self.original_name = original_name
+        # The captured ExportedProgram the graph was spliced from, its tensors shared with
+        # graph_module's (attnopt.save writes it; None when unpickled, which drops it).
+        self.program = program
         # state_dict() keys are the original module's (plus each stateful site module's, as
         # "attnopt_site_<i>.<name>"), without "graph_module.": hooks rather than overrides of
         # state_dict/load_state_dict, so the names also hold inside a parent module.
@@ -54,11 +74,12 @@ class CompiledModule(nn.Module):
                 ) from exc
             raise
 
-    # -- pickling (torch.save / torch.load(weights_only=False))
+    # -- pickling: a user's own torch.save of the module (attnopt.save never pickles, attnopt.load never unpickles)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_modules"] = {**self._modules, "graph_module": picklable_graph_module(self.graph_module)}
+        state["program"] = None  # only attnopt.save needs it; an unpickled copy says so when saved
         return state
 
     def __deepcopy__(self, memo) -> "CompiledModule":
@@ -121,7 +142,8 @@ class GraphTarget(Target):
     """capture → detect → record → (plan, verify elsewhere) → splice, on a module copy."""
 
     mechanism = "graph"
-    FILE = "attnopt_graph.pt"
+    PROGRAM_FILE = "attnopt_program.pt2"
+    SITE_STATE_FILE = "attnopt_sites.safetensors"
 
     def __init__(self, model: nn.Module, name=None):
         super().__init__(model, name)
@@ -145,7 +167,8 @@ class GraphTarget(Target):
             warnings.simplefilter("ignore", FutureWarning)
             pristine = copy.deepcopy(self.captured.graph_module)
         spliced = splice_graph(pristine, sites, modules)
-        return Installed(CompiledModule(spliced.graph_module, self.name), spliced.counts)
+        program = program_sharing_tensors(self.captured.exported_program, spliced.graph_module)
+        return Installed(CompiledModule(spliced.graph_module, self.name, program), spliced.counts)
 
     # -- the compiled model
 
@@ -171,22 +194,135 @@ class GraphTarget(Target):
     # -- on disk
 
     def save(self, path: Path, report) -> dict:
-        torch.save(self.model, path / self.FILE)
-        return {"file": self.FILE}
+        from safetensors.torch import save_file
+
+        model = self.model
+        if getattr(model, "program", None) is None:
+            raise SaveError(f"attnopt.save: this compiled {model.original_name} holds no captured program (it was "
+                            "unpickled, which drops it); compile the model again and save the result")
+        guard = guard_of(model.graph_module)
+        if guard is None:
+            raise SaveError(f"attnopt.save: this compiled {model.original_name} has no input guard; compile the "
+                            "model again and save the result")
+        try:
+            inputs = contract_to_dict(guard.contract)
+        except ValueError as exc:
+            raise SaveError(f"attnopt.save: {exc}") from None
+        entries, state = [], {}
+        for name, module in spliced_sites(model.graph_module):
+            site_id = module.geometry.site_id
+            own = {k: t.detach().contiguous().clone() for k, t in module.state_dict().items()}
+            state.update({f"{site_id}/{k}": t for k, t in own.items()})
+            entries.append({"site_id": site_id, "name": name, "form": module.form, "params": dict(module.params),
+                            "state": {k: list(t.shape) for k, t in own.items()}, "sha256": tensors_digest(own)})
+        write_program(program_sharing_tensors(model.program, model.graph_module), path / self.PROGRAM_FILE)
+        save_file(state, str(path / self.SITE_STATE_FILE))
+        return {"program": self.PROGRAM_FILE, "inputs": inputs, "sites": entries}
 
     @classmethod
     def load(cls, path: Path, header: dict, report) -> nn.Module:
-        file = path / cls.FILE
-        if not file.is_file():
-            raise SaveError(f"attnopt.load: {path} has no {cls.FILE}; the directory is incomplete")
+        where = path / HEADER
+        check_listed_files(path, header, {cls.PROGRAM_FILE, cls.SITE_STATE_FILE})
+        entries = _site_entries(where, header.get("sites"))
         try:
-            model = torch.load(file, weights_only=False)
-        except Exception as exc:  # a damaged pickle fails in many ways; the digest check makes this rare
-            raise SaveError(f"attnopt.load: {file} cannot be unpickled ({type(exc).__name__}: {exc})") from None
-        if not isinstance(model, CompiledModule):
-            raise SaveError(f"attnopt.load: {file} holds a {type(model).__name__}, not a compiled graph module")
-        cls(model).check_sites_match(report, file)
+            contract = contract_from_dict(header.get("inputs"))
+        except ValueError as exc:
+            raise SaveError(f"attnopt.load: {where} field 'inputs' is damaged ({exc}); save the model again") from None
+        state = read_site_state(path / cls.SITE_STATE_FILE)
+        program = read_program(path / cls.PROGRAM_FILE)
+        try:
+            graph_module = _unlifted(program)
+        except Exception as exc:
+            raise SaveError(f"attnopt.load: {path / cls.PROGRAM_FILE} holds a program torch.export cannot rebuild "
+                            f"({type(exc).__name__}: {str(exc)[:200]})") from None
+        install_guard(graph_module, contract)
+        sites = [r.site for r in report.sites]
+        modules = {e["site_id"]: _restore_site(e, sites, state, path) for e in entries}
+        try:
+            spliced = splice_graph(graph_module, sites, modules)
+        except (KeyError, AttributeError, RuntimeError) as exc:  # a report naming nodes the program lacks
+            raise SaveError(f"attnopt.load: {where}: the report's sites do not fit the saved program "
+                            f"({type(exc).__name__}: {exc}); the directory is damaged (save the model again)") from None
+        if [n for n, _ in spliced_sites(spliced.graph_module)] != [e["name"] for e in entries]:
+            raise SaveError(f"attnopt.load: {where} field 'sites' names its modules out of splice order")
+        model = CompiledModule(spliced.graph_module, report.model_name, program)
+        cls(model).check_sites_match(report, where)
         return model
+
+
+def _unlifted(program) -> torch.fx.GraphModule:
+    """The program as a module called like the model. Without export's guard function where torch can
+    leave it out: that function is Python that `.module()` generates and execs, and attnopt's
+    InputGuard checks the inputs instead (the archive check keeps what it is generated from plain)."""
+    try:
+        return program.module(check_guards=False)
+    except TypeError:  # a torch whose .module() has no check_guards
+        return program.module()
+
+
+HEADER = "attnopt.json"
+ENTRY_FIELDS = {"site_id": str, "name": str, "form": str, "params": dict, "state": dict, "sha256": str}
+
+
+def spliced_sites(graph_module: nn.Module) -> list[tuple[str, SiteModule]]:
+    """(graph name, site module) of every site spliced into `graph_module`, in splice order (the
+    splice names them attnopt_site_<i>)."""
+    found = [(name, m) for name, m in graph_module.named_children() if isinstance(m, SiteModule)]
+    return sorted(found, key=lambda item: int(re.fullmatch(r"attnopt_site_(\d+)", item[0]).group(1)))
+
+
+def program_sharing_tensors(program, graph_module: nn.Module):
+    """`program` with its parameters, buffers and constants taken from `graph_module` (same tensors,
+    no copy): the compiled model's current weights, and no second copy of them kept in memory."""
+    shared = copy.copy(program)
+    live = {**dict(graph_module.named_parameters(remove_duplicate=False)),
+            **dict(graph_module.named_buffers(remove_duplicate=False))}
+
+    def take(name: str, old: torch.Tensor) -> torch.Tensor:
+        new = live.get(name)
+        if new is None:
+            new = getattr(graph_module, name, None) if "." not in name else None
+        if not isinstance(new, torch.Tensor):
+            return old
+        if new.shape != old.shape or new.dtype != old.dtype:
+            raise SaveError(f"attnopt.save: {name} is {tuple(new.shape)} {new.dtype} in the compiled model but "
+                            f"{tuple(old.shape)} {old.dtype} in its captured program; load weights of the captured "
+                            "shapes, or compile again")
+        return new
+
+    shared._state_dict = {k: take(k, t) for k, t in program.state_dict.items()}
+    shared._constants = {k: take(k, t) if isinstance(t, torch.Tensor) else t for k, t in program.constants.items()}
+    return shared
+
+
+def check_listed_files(path: Path, header: dict, allowed: set) -> None:
+    """SaveError for a file the header lists that this mechanism does not write (it is never read)."""
+    extra = sorted(set(header["files"]) - allowed)
+    if extra:
+        raise SaveError(f"attnopt.load: {path / HEADER} lists {extra[0]!r}, which a graph-path directory does not "
+                        f"hold (only {', '.join(sorted(allowed))}); the directory is damaged (save the model again)")
+
+
+def _site_entries(where: Path, entries) -> list:
+    if not isinstance(entries, list):
+        raise SaveError(f"attnopt.load: {where} field 'sites' is missing or not a list")
+    for i, entry in enumerate(entries):
+        for field, kind in ENTRY_FIELDS.items():
+            if not isinstance(entry, dict) or not isinstance(entry.get(field), kind):
+                raise SaveError(f"attnopt.load: {where} field 'sites[{i}].{field}' is missing or not a "
+                                f"{kind.__name__}; the directory is damaged (save the model again)")
+    if len({e["site_id"] for e in entries}) != len(entries):
+        raise SaveError(f"attnopt.load: {where} field 'sites' lists a site twice")
+    return entries
+
+
+def _restore_site(entry: dict, sites: list, state: dict, path: Path) -> SiteModule:
+    site = next((s for s in sites if s.id == entry["site_id"]), None)
+    if site is None:
+        raise SaveError(f"attnopt.load: {path / HEADER} lists site {entry['site_id']!r}, which its report does "
+                        "not have")
+    return restore_site(entry, site, state, path / GraphTarget.SITE_STATE_FILE, path / HEADER,
+                        lambda form, site, params: form.build(site, params, BuildContext(sites=sites)))
 
 
 @contextmanager

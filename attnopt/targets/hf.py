@@ -18,9 +18,15 @@ without the rewrite, since the site modules live only in attnopt's own files.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
+import shutil
+import tempfile
 from dataclasses import replace
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -39,7 +45,7 @@ from attnopt.ir.errors import SaveError
 from attnopt.ir.outcomes import Status
 from attnopt.passes.capture import capture_export, without_cache
 from attnopt.passes.detect import detect_all
-from attnopt.targets.base import Installed, LongerBatch, Target, plain_params
+from attnopt.targets.base import Installed, LongerBatch, Target, read_site_state, restore_site
 
 __all__ = ["HfTarget", "is_hf_model"]
 
@@ -264,8 +270,9 @@ class HfTarget(Target):
         from attnopt.hf.install import install  # needs transformers' cache classes
 
         entries = _site_entries(path / HEADER, header.get("sites"))
-        state = _site_state(path / SITE_STATE_FILE)
-        model = _load_pretrained(path, header)
+        state = read_site_state(path / SITE_STATE_FILE) if (path / SITE_STATE_FILE).is_file() else {}
+        with _checked_files_only(path, header["files"]) as staged:
+            model = _load_pretrained(staged, header, path)
         target = cls(model)
         # Sites as the transformers mechanism builds them (HF's mask spelling), as compile did.
         sites = [target.adapt_site(r.site) for r in report.sites]
@@ -299,59 +306,71 @@ def _site_entries(header_file: Path, entries) -> list:
     return entries
 
 
-def _site_state(file: Path) -> dict:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    if not file.is_file():
-        return {}
-    try:
-        return load_file(str(file))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise SaveError(f"attnopt.load: {file} cannot be read ({exc}); the directory is damaged") from None
-
-
 def _restore_site(entry: dict, sites: list, state: dict, path: Path) -> nn.Module:
     """The site module an entry describes, checked against the report's site and its saved tensors."""
-    where = path / HEADER
     sid = entry["site_id"]
     site = next((s for s in sites if s.id == sid), None)
     if site is None or site.module_path != entry["module_path"]:
-        raise SaveError(f"attnopt.load: {where} lists site {sid!r} at {entry['module_path']!r}, which its report "
-                        "does not have")
+        raise SaveError(f"attnopt.load: {path / HEADER} lists site {sid!r} at {entry['module_path']!r}, which its "
+                        "report does not have")
+    return restore_site(entry, site, state, path / SITE_STATE_FILE, path / HEADER,
+                        lambda form, site, params: _build_site(site, {**entry, "params": params}, sites))
+
+
+# The files save_pretrained writes for a model (no tokenizer), and attnopt's own: nothing transformers
+# would unpickle (*.bin, *.pt), import (*.py remote code) or pick up beside them (adapters).
+SAVED_FILES = re.compile(r"^(config\.json|generation_config\.json|model\.safetensors|model\.safetensors\.index\.json|"
+                         r"model-\d{5}-of-\d{5}\.safetensors|" + re.escape(SITE_STATE_FILE) + r")$")
+
+
+@contextlib.contextmanager
+def _checked_files_only(path: Path, files: dict) -> Iterator[Path]:
+    """A temporary directory holding links to exactly the files the header lists (digests already
+    checked), so transformers sees no other file of `path`: no pickle, remote code or adapter."""
+    odd = sorted(name for name in files if not SAVED_FILES.match(str(name)))
+    if odd:
+        raise SaveError(f"attnopt.load: {path / HEADER} lists {odd[0]!r}, which attnopt.save never writes for a "
+                        "transformers model (only config.json, generation_config.json, model*.safetensors and "
+                        f"{SITE_STATE_FILE}); the directory is damaged (save the model again)")
+    for name in files:
+        _check_readable(path / name)
+    with tempfile.TemporaryDirectory(prefix="attnopt-load-", ignore_cleanup_errors=True) as staged:
+        for name in files:
+            try:
+                os.symlink((path / name).resolve(), Path(staged) / name)
+            except OSError:  # no symlinks here (e.g. Windows without the privilege): copy
+                shutil.copy2(path / name, Path(staged) / name)
+        yield Path(staged)
+
+
+def _check_readable(file: Path) -> None:
+    """SaveError unless `file` is what its name says: a JSON object, or a safetensors file (its header
+    read). transformers skips a generation config it cannot parse; a damaged one is refused here."""
+    from safetensors import SafetensorError, safe_open
+
     try:
-        form = forms.get(entry["form"])
-        params = form.validate(entry["params"])
-    except ValueError as exc:
-        raise SaveError(f"attnopt.load: {where} field 'sites.{sid}.params' is not valid for form "
-                        f"{entry['form']!r}: {exc}") from None
-    if plain_params(params) != plain_params(entry["params"]):
-        raise SaveError(f"attnopt.load: {where} field 'sites.{sid}.params' is incomplete for form {entry['form']!r}")
-    own = {k[len(sid) + 1:]: v for k, v in state.items() if k.startswith(sid + "/")}
-    declared = {name: list(shape) for name, shape in entry["state"].items()}
-    if {n: list(t.shape) for n, t in own.items()} != declared:
-        raise SaveError(f"attnopt.load: {path / SITE_STATE_FILE}: the tensors of site {sid} "
-                        f"({ {n: list(t.shape) for n, t in own.items()} }) are not the declared {declared}")
-    if tensors_digest(own) != entry["sha256"]:
-        raise SaveError(f"attnopt.load: {path / SITE_STATE_FILE}: the tensors of site {sid} changed after saving "
-                        "(sha256 differs)")
-    module = _build_site(site, {**entry, "params": params}, sites)
-    # assign: the saved tensors themselves (their dtype and device), not copies into fresh ones.
-    missing, unexpected = module.load_state_dict(own, strict=False, assign=True)
-    if missing or unexpected:
-        raise SaveError(f"attnopt.load: site {sid} ({entry['form']}) state does not match its module: "
-                        f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-    return module.eval()
+        if file.suffix == ".json":
+            if not isinstance(json.loads(file.read_text(encoding="utf-8")), dict):
+                raise ValueError("not a JSON object")
+        else:
+            with safe_open(str(file), framework="pt"):
+                pass
+    except (OSError, UnicodeDecodeError, ValueError, SafetensorError) as exc:
+        kind = "JSON" if file.suffix == ".json" else "safetensors"
+        raise SaveError(f"attnopt.load: {file} cannot be read as {kind} ({str(exc)[:200]}); the directory is "
+                        "damaged (save the model again)") from None
 
 
-def _load_pretrained(path: Path, header: dict) -> nn.Module:
-    """The saved transformers model, with the mask flavour it was compiled under, pointed at attnopt."""
+def _load_pretrained(staged: Path, header: dict, path: Path) -> nn.Module:
+    """The saved transformers model, with the mask flavour it was compiled under, pointed at attnopt:
+    read from `staged` (the checked files of `path`), safetensors only, no remote code."""
     import transformers
 
     try:
-        config = transformers.AutoConfig.from_pretrained(path)
+        config = transformers.AutoConfig.from_pretrained(staged, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
-        raise SaveError(f"attnopt.load: {path / 'config.json'} cannot be read ({exc})") from None
+        text = str(exc).replace(str(staged), str(path))
+        raise SaveError(f"attnopt.load: {path / 'config.json'} cannot be read ({text})") from None
     model_class = next((getattr(transformers, n) for n in getattr(config, "architectures", None) or ()
                         if getattr(transformers, n, None) is not None), transformers.AutoModel)
     # The mask flavour the model was compiled under: attnopt's names stand for eager / sdpa; a model
@@ -359,9 +378,11 @@ def _load_pretrained(path: Path, header: dict) -> nn.Module:
     saved = header.get("attn_implementation")
     base = {IMPL_EAGER: "eager", IMPL_SDPA: "sdpa"}.get(saved, saved if isinstance(saved, str) else "sdpa")
     try:
-        model = model_class.from_pretrained(path, attn_implementation=base).eval()
+        model = model_class.from_pretrained(staged, attn_implementation=base, use_safetensors=True,
+                                            trust_remote_code=False).eval()
     except Exception as exc:  # transformers' loaders raise many kinds (SafetensorError, OSError, ...) on damage
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first.replace(str(staged), str(path))
         raise SaveError(f"attnopt.load: the transformers model in {path} cannot be loaded ({first[:300]})") from None
     if hasattr(model.config, CONFIG_NOTE_KEY):
         delattr(model.config, CONFIG_NOTE_KEY)
