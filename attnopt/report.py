@@ -81,6 +81,7 @@ class CompileReport:
     cost_multipliers: tuple = (1, 4, 16)  # the lengths (× example length) of each SiteRecord.costs_*
     exports: list = field(default_factory=list)  # one OnnxExport.to_dict() per attnopt.export_onnx call
     calibration: Optional[dict] = None  # what attnopt.calibrate did (Calibration.to_dict()), once run
+    evaluation: Optional[dict] = None  # the capability audit (EvalReport.to_dict()), from evaluate(..., attach=True)
     mechanism: str = ""  # "hf" (the model keeps its class) or "graph" (a captured graph); "" in old reports
     torch_version: str = field(default_factory=lambda: _package_version("torch"))
     attnopt_version: str = field(default_factory=lambda: _package_version("attnopt"))
@@ -177,6 +178,7 @@ class CompileReport:
             "cost_multipliers": list(self.cost_multipliers),
             "exports": list(self.exports),
             "calibration": self.calibration,
+            "evaluation": self.evaluation,
             "versions": {"torch": self.torch_version, "attnopt": self.attnopt_version},
         }
 
@@ -207,6 +209,7 @@ class CompileReport:
             cost_multipliers=tuple(d.get("cost_multipliers", (1, 4, 16))),
             exports=list(d.get("exports", [])),
             calibration=d.get("calibration"),
+            evaluation=d.get("evaluation"),
             torch_version=versions.get("torch", "unknown"),
             attnopt_version=versions.get("attnopt", "unknown"),
         )

@@ -10,6 +10,7 @@ import html
 import math
 from typing import Any, Optional
 
+from attnopt.evaluation.report import EvalReport
 from attnopt.report_text import (
     SITE_COLUMNS,
     column_titles,
@@ -319,6 +320,14 @@ def calibration_html(rep) -> str:
             f'<div class="plots"><figure>{svg}<figcaption>Loss curves per site (and LoRA).</figcaption></figure>{heat}</div>')
 
 
+def evaluation_html(rep) -> str:
+    """The capability audit stored by attnopt.evaluate(..., attach=True): its own section (heatmaps,
+    perplexity by position); nothing when there is none."""
+    if not rep.evaluation:
+        return ""
+    return EvalReport.from_dict(rep.evaluation).html_fragment()
+
+
 def render_html(rep) -> str:
     t = rep.totals
     ratio = t["flops_ratio"][-1] if t["flops_ratio"] else None
@@ -364,6 +373,7 @@ def render_html(rep) -> str:
 <h2>Sites</h2>
 {_site_table(rep)}
 {calibration_html(rep)}
+{evaluation_html(rep)}
 <h2>Near misses</h2>
 {_near_miss_table(rep)}
 <h2>Policy</h2>

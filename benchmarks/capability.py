@@ -78,11 +78,11 @@ def markdown(rows: list, probes: list) -> str:
 
 def page(reports: list) -> str:
     """Every audit's heatmaps on one page (each EvalReport's own fragment), the original first."""
-    from attnopt.evaluation.html import CSS, esc
+    from attnopt.evaluation.html import PAGE_CSS, esc
 
     body = "".join(f"<h2>{esc(title)}</h2>{rep.html_fragment()}" for title, rep in reports)
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>recall_lm capability</title>'
-            f"<style>{CSS}</style></head><body><main><h1>recall_lm: capability by form</h1>{body}</main></body></html>\n")
+            f"<style>{PAGE_CSS}</style></head><body><main><h1>recall_lm: capability by form</h1>{body}</main></body></html>\n")
 
 
 def main(argv=None) -> None:

@@ -110,7 +110,8 @@ def evaluate(model: Any, *, reference: Any = None, tokenizer: Any = None, texts:
              probes: Union[None, str, Sequence[str]] = None, lengths: Optional[Sequence[int]] = None,
              depths: Optional[Sequence[float]] = None, progress: Optional[Callable] = None,
              samples: int = DEFAULT_SAMPLES, seed: int = 0, name: Optional[str] = None,
-             reference_name: Optional[str] = None, perplexity_windows: int = PERPLEXITY_WINDOWS) -> EvalReport:
+             reference_name: Optional[str] = None, perplexity_windows: int = PERPLEXITY_WINDOWS,
+             attach: bool = False) -> EvalReport:
     """Audit a causal LM's capability: retrieval probes and perplexity, beside `reference` when given.
 
     tokenizer: the model's (None: UTF-8 bytes, for a byte-level model of vocabulary 256). texts: the text
@@ -119,8 +120,13 @@ def evaluate(model: Any, *, reference: Any = None, tokenizer: Any = None, texts:
     model's position limit and the limit). depths: where the fact is written, 0 (start) to 1 (just
     before the question); default 0, .25, .5, .75, 1. samples: rows per (probe, length, depth) cell.
     perplexity_windows: at most this many windows of the longest length are read for perplexity.
+    attach: store the audit in the compiled model's report (`model.attnopt_report.evaluation`), so its
+    HTML page shows rewrite and capability together.
     progress: a callable(text, done=None, total=None) told after each model call.
     """
+    if attach and getattr(model, "attnopt_report", None) is None:
+        raise ValueError(f"attach=True stores the audit in the compiled model's report, and this "
+                         f"{type(model).__name__} has no .attnopt_report; compile it with attnopt.compile first")
     lm = LanguageModel(model, name or model_name(model))
     for m in (model, reference):
         # A transformers model either is a registered causal LM or says it generates (remote-code decoders).
@@ -164,5 +170,8 @@ def evaluate(model: Any, *, reference: Any = None, tokenizer: Any = None, texts:
     if scores[0].perplexity is not None and scores[0].perplexity.window < window:
         notes.append(f"the text has only {len(text_ids)} tokens, so perplexity is over one window of "
                      f"{scores[0].perplexity.window} tokens, shorter than the longest length {window}")
-    return EvalReport(scores[0], probe_names, lengths, depths, samples, seed, codec.name,
-                      {p: chance(p, codec) for p in probe_names}, scores[1] if ref else None, notes)
+    report = EvalReport(scores[0], probe_names, lengths, depths, samples, seed, codec.name,
+                        {p: chance(p, codec) for p in probe_names}, scores[1] if ref else None, notes)
+    if attach:
+        model.attnopt_report.evaluation = report.to_dict()
+    return report

@@ -8,16 +8,20 @@ import math
 
 
 CELL_W, CELL_H, LEFT, TOP = 64, 26, 54, 34
-CSS = """
+PAGE_CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;color:#1f2328;margin:0;background:#fff}
-main{max-width:1100px;margin:0 auto;padding:24px}
-h1{font-size:22px;margin:0 0 4px} h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #d0d7de}
+main{max-width:1100px;margin:0 auto;padding:24px} h1{font-size:22px;margin:0 0 4px}
+"""
+# Scoped to the audit's section, so the compile report's page can carry it without restyling itself.
+AUDIT_CSS = """
+.audit h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #d0d7de} .audit h3{font-size:15px;margin:18px 0 6px}
 .audit table{border-collapse:collapse;font-size:13px} .audit td,.audit th{border:1px solid #d0d7de;padding:3px 8px}
 .audit th{background:#f6f8fa;text-align:left} .audit .num{text-align:right;font-variant-numeric:tabular-nums}
 .audit .pair{display:flex;flex-wrap:wrap;gap:18px;align-items:flex-start}
 .audit figure{margin:8px 0} .audit figcaption{font-size:12px;color:#57606a;max-width:520px}
 .audit svg text{font-size:11px;font-family:inherit} .audit .meta{color:#57606a;font-size:12px}
 """
+CSS = PAGE_CSS + AUDIT_CSS
 
 _STOPS = ((0.0, (215, 48, 39)), (0.5, (254, 224, 139)), (1.0, (26, 152, 80)))
 
@@ -132,7 +136,7 @@ def fragment(rep) -> str:
                        "forward disagree on the answer</li>" for s in (rep.model, rep.reference)
                        if s is not None and s.decode_disagreements)
     notes = "".join(f"<li>{esc(n)}</li>" for n in rep.notes) + disagree
-    return (f'<section class="audit"><h2>Capability audit</h2><p class="meta">{len(rep.probes)} probes × '
+    return (f'<section class="audit"><style>{AUDIT_CSS}</style><h2>Capability audit</h2><p class="meta">{len(rep.probes)} probes × '
             f"{len(rep.lengths)} lengths × {len(rep.depths)} depths × {rep.samples} samples per cell, seed {rep.seed}; "
             f"tokens: {esc(rep.tokenizer)}; scored by {esc(scored)}, and by teacher-forced token accuracy (hover a "
             f"cell).</p><h3>Perplexity by position</h3>{_ppl_table(rep)}{_ppl_svg(rep)}"
@@ -143,5 +147,5 @@ def fragment(rep) -> str:
 def page(rep) -> str:
     title = f"attnopt capability audit: {rep.model.name}"
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
-            f'content="width=device-width, initial-scale=1"><title>{esc(title)}</title><style>{CSS}</style></head>'
+            f'content="width=device-width, initial-scale=1"><title>{esc(title)}</title><style>{PAGE_CSS}</style></head>'
             f"<body><main><h1>{esc(title)}</h1>{fragment(rep)}</main></body></html>\n")

@@ -4,34 +4,14 @@ that forgets shows a curve that stops falling, or rises, with position)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
+from attnopt.evaluation.report import Perplexity
+
 FIRST_EDGE = 32  # buckets: [1, 32), [32, 64), [64, 128), ... up to the window
 TOKEN_BUDGET = 16384  # tokens per forward batch
-
-
-@dataclass
-class Perplexity:
-    """exp(mean next-token NLL) over `windows` windows of `window` tokens; `buckets` by the predicted
-    token's position in its window."""
-
-    overall: float
-    tokens: int  # predicted tokens
-    windows: int
-    window: int
-    text: str  # which text
-    buckets: list = field(default_factory=list)  # [{"start", "end", "perplexity", "tokens"}]
-
-    def to_dict(self) -> dict:
-        return {"overall": self.overall, "tokens": self.tokens, "windows": self.windows, "window": self.window,
-                "text": self.text, "buckets": [dict(b) for b in self.buckets]}
-
-    @classmethod
-    def from_dict(cls, d: Optional[dict]) -> Optional["Perplexity"]:
-        return None if d is None else cls(**{**d, "buckets": [dict(b) for b in d.get("buckets", [])]})
 
 
 def bucket_edges(window: int) -> list:

@@ -5,7 +5,8 @@
     report.reference.retrieval["passkey"][2048][0.5]  the same for the reference (the original)
     report.teacher_forced[...]                        teacher-forced token accuracy, same keys
 
-In JSON the length and depth keys are strings ("2048", "0.5", "1.0").
+In JSON the length and depth keys are strings ("2048", "0.5", "1.0"). No torch here: the compile
+report's page renders a stored audit with this module.
 """
 
 from __future__ import annotations
@@ -16,12 +17,32 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from attnopt.evaluation.html import fragment, page
-from attnopt.evaluation.perplexity import Perplexity
 
 SCORED_BY = {
     "generate": "exact match of greedy generate() output (decoding through the model's cache)",
     "forward": "exact match of the full forward's greedy answer (the model has no generate())",
 }
+
+
+@dataclass
+class Perplexity:
+    """exp(mean next-token NLL) over `windows` windows of `window` tokens; `buckets` by the predicted
+    token's position in its window."""
+
+    overall: float
+    tokens: int  # predicted tokens
+    windows: int
+    window: int
+    text: str  # which text
+    buckets: list = field(default_factory=list)  # [{"start", "end", "perplexity", "tokens"}]
+
+    def to_dict(self) -> dict:
+        return {"overall": self.overall, "tokens": self.tokens, "windows": self.windows, "window": self.window,
+                "text": self.text, "buckets": [dict(b) for b in self.buckets]}
+
+    @classmethod
+    def from_dict(cls, d: Optional[dict]) -> Optional["Perplexity"]:
+        return None if d is None else cls(**{**d, "buckets": [dict(b) for b in d.get("buckets", [])]})
 
 
 def _grid_to_json(grid: dict) -> dict:

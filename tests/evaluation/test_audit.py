@@ -109,6 +109,23 @@ def test_a_compiled_model_decodes_from_its_states_and_agrees_with_its_forward(ti
     assert rep.reference.name.endswith("(reference)")
 
 
+def test_attach_stores_the_audit_in_the_compile_report_and_its_page(tiny, tmp_path):
+    import attnopt
+    from attnopt.report import CompileReport
+
+    ids = torch.tensor([ByteCodec().encode(english_passages()[0])[:128]])
+    opt = attnopt.compile(tiny, "window:32", example_inputs={"input_ids": ids}, tolerance=10, e2e_tolerance=None)
+    rep = evaluate(opt, probes=["copy"], lengths=[256], depths=[0.0], samples=1, attach=True)
+    assert opt.attnopt_report.evaluation == rep.to_dict()
+    page = opt.attnopt_report.to_html()
+    assert page.count("Capability audit") == 1 and 'aria-label="copy accuracy by depth and length"' in page
+    back = CompileReport.from_dict(json.loads(opt.attnopt_report.to_json()))
+    assert back.evaluation == rep.to_dict()
+    assert "Capability audit" not in CompileReport.from_dict({**back.to_dict(), "evaluation": None}).to_html()
+    with pytest.raises(ValueError, match="attach=True stores the audit in the compiled model's report"):
+        evaluate(tiny, probes=["copy"], lengths=[256], attach=True)
+
+
 def test_the_report_round_trips_and_renders_self_contained(induction_report):
     rep = induction_report
     data = json.loads(rep.to_json())
