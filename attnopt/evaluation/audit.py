@@ -8,11 +8,12 @@ side by side, its reference (the original). Every probe row is the same for both
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
 from attnopt.analysis.perplexity import is_causal_lm
 from attnopt.evaluation.codec import codec_for
-from attnopt.evaluation.model_io import LanguageModel, is_transformers_model
+from attnopt.evaluation.model_io import LanguageModel
 from attnopt.evaluation.perplexity import perplexity
 from attnopt.evaluation.probes import DEPTHS, PROBES, Haystacks, chance, grid
 from attnopt.evaluation.report import EvalReport, ModelScores, mean
@@ -87,23 +88,81 @@ def model_name(model: Any) -> str:
     return getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
 
 
-def _scores(lm: LanguageModel, cells: dict, depths: list, samples: int, codec, text_ids: list, text_name: str,
-            window: int, most: int, tick) -> ModelScores:
+def score_model(lm: LanguageModel, plan: "AuditPlan", perplexity_windows: int, tick) -> ModelScores:
+    """One model's numbers over the plan's rows and text; `tick(what)` after each model call."""
     start = time.perf_counter()
     retrieval, forced, disagree, rows = {}, {}, 0, 0
-    for (probe, length), cell in cells.items():
-        got = score_rows(lm, cell, codec, lambda what: tick(f"{lm.name}: {probe} at {length} tokens ({what})"))
+    for (probe, length), cell in plan.cells.items():
+        got = score_rows(lm, cell, plan.codec, lambda what: tick(f"{lm.name}: {probe} at {length} tokens ({what})"))
         rows += len(got)
         if lm.generates:
             disagree += sum(r.generated_tokens_exact != r.forward_exact for r in got)
-        for k, d in enumerate(depths):
-            part = got[k * samples : (k + 1) * samples]
+        for k, d in enumerate(plan.depths):
+            part = got[k * plan.samples : (k + 1) * plan.samples]
             retrieval.setdefault(probe, {}).setdefault(length, {})[d] = mean(float(r.generated_exact) for r in part)
             forced.setdefault(probe, {}).setdefault(length, {})[d] = mean(r.teacher_forced for r in part)
-    ppl = perplexity(lm, text_ids, window, text_name, most=most)
+    ppl = perplexity(lm, plan.text_ids, max(plan.lengths), plan.text_name, most=perplexity_windows)
     tick(f"{lm.name}: perplexity")
     return ModelScores(lm.name, "generate" if lm.generates else "forward", retrieval, forced, disagree, rows, ppl,
                        round(time.perf_counter() - start, 3))
+
+
+@dataclass
+class AuditPlan:
+    """What every model of one audit reads: the same probe rows and the same text."""
+
+    probes: list
+    lengths: list
+    depths: list
+    samples: int
+    seed: int
+    codec: Any
+    cells: dict  # {(probe, length): [Sample, ...]}, depth-major
+    text_ids: list
+    text_name: str
+
+    def calls(self, lm: LanguageModel) -> int:
+        return sum(calls(len(c), n, lm.generates) for (_, n), c in self.cells.items()) + 1  # + perplexity
+
+
+def check_models(model: Any, reference: Any, name: Optional[str], reference_name: Optional[str]) -> tuple:
+    """(LanguageModel, LanguageModel or None): modules with next-token logits, of one vocabulary."""
+    lm = LanguageModel(model, name or model_name(model))
+    ref = None if reference is None else LanguageModel(reference, reference_name or f"{model_name(reference)} (reference)")
+    for m in (lm, ref):
+        # A transformers model either is a registered causal LM or says it generates (remote-code decoders).
+        if m is not None and m.transformers and not (is_causal_lm(m.model) or m.model.can_generate()):
+            raise ValueError(f"{type(m.model).__name__} is not a causal language model (no next-token head); the "
+                             "audit reads next-token logits, so give a *ForCausalLM model")
+    if ref is not None and ref.vocab() != lm.vocab():
+        raise ValueError(f"the reference's vocabulary ({ref.vocab()}) is not the model's ({lm.vocab()}); the reference "
+                         "must be the same model before conversion")
+    return lm, ref
+
+
+def plan_audit(models: list, tokenizer: Any, texts, probes, lengths, depths, samples: int, seed: int) -> AuditPlan:
+    """Check the options against the models and build every probe row once."""
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples must be a positive number of rows per cell; got {samples!r}")
+    probes = check_probes(probes)
+    limits = [m.position_limit for m in models if m.position_limit is not None]
+    lengths = check_lengths(lengths, min(limits) if limits else None, " / ".join(m.name for m in models))
+    depths = check_depths(depths)
+    codec = codec_for(tokenizer, models[0].vocab())
+    text, text_name = text_of(texts)
+    cells = grid(probes, lengths, depths, samples, codec, Haystacks(codec, text), seed)
+    return AuditPlan(probes, lengths, depths, samples, seed, codec, cells, list(codec.prefix) + codec.encode(text),
+                     text_name)
+
+
+def notes_of(plan: AuditPlan, models: list, scores: list) -> list:
+    notes = [f"{m.name} has no generate(): retrieval is the exact match of its full forward's greedy answer "
+             "(teacher-forced); no decode state was exercised" for m in models if not m.generates]
+    window = max(plan.lengths)
+    if scores[0].perplexity is not None and scores[0].perplexity.window < window:
+        notes.append(f"the text has only {len(plan.text_ids)} tokens, so perplexity is over one window of "
+                     f"{scores[0].perplexity.window} tokens, shorter than the longest length {window}")
+    return notes
 
 
 def evaluate(model: Any, *, reference: Any = None, tokenizer: Any = None, texts: Union[None, str, Sequence[str]] = None,
@@ -127,51 +186,22 @@ def evaluate(model: Any, *, reference: Any = None, tokenizer: Any = None, texts:
     if attach and getattr(model, "attnopt_report", None) is None:
         raise ValueError(f"attach=True stores the audit in the compiled model's report, and this "
                          f"{type(model).__name__} has no .attnopt_report; compile it with attnopt.compile first")
-    lm = LanguageModel(model, name or model_name(model))
-    for m in (model, reference):
-        # A transformers model either is a registered causal LM or says it generates (remote-code decoders).
-        if m is not None and is_transformers_model(m) and not (is_causal_lm(m) or m.can_generate()):
-            raise ValueError(f"{type(m).__name__} is not a causal language model (no next-token head); the audit "
-                             "reads next-token logits, so give a *ForCausalLM model")
-    ref = None if reference is None else LanguageModel(reference, reference_name or f"{model_name(reference)} (reference)")
-    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
-        raise ValueError(f"samples must be a positive number of rows per cell; got {samples!r}")
-    probe_names = check_probes(probes)
-    limits = [m.position_limit for m in (lm, ref) if m is not None and m.position_limit is not None]
-    lengths = check_lengths(lengths, min(limits) if limits else None, lm.name if not ref else f"{lm.name} / {ref.name}")
-    depths = check_depths(depths)
-    vocab = lm.vocab()
-    if ref is not None and ref.vocab() != vocab:
-        raise ValueError(f"the reference's vocabulary ({ref.vocab()}) is not the model's ({vocab}); the reference "
-                         "must be the same model before conversion")
-    codec = codec_for(tokenizer, vocab)
-    text, text_name = text_of(texts)
-    haystacks = Haystacks(codec, text)
-    cells = grid(probe_names, lengths, depths, samples, codec, haystacks, seed)
+    lm, ref = check_models(model, reference, name, reference_name)
     models = [m for m in (lm, ref) if m is not None]
-    total = sum(calls(len(c), n, m.generates) for m in models for (_, n), c in cells.items()) + len(models)
-    done = [0]
+    plan = plan_audit(models, tokenizer, texts, probes, lengths, depths, samples, seed)
+    total, done = sum(plan.calls(m) for m in models), [0]
 
-    def tick(text_: str) -> None:
+    def tick(text: str) -> None:
         done[0] += 1
         if progress is not None:
-            progress(text_, done[0], total)
+            progress(text, done[0], total)
 
     if progress is not None:
-        progress(f"{len(cells) * len(depths) * samples} probe rows built", 0, total)
-    text_ids = list(codec.prefix) + codec.encode(text)
-    window = max(lengths)
-    scores = [_scores(m, cells, depths, samples, codec, text_ids, text_name, window, perplexity_windows, tick)
-              for m in models]
-    notes = []
-    if not lm.generates:
-        notes.append(f"{lm.name} has no generate(): retrieval is the exact match of its full forward's greedy answer "
-                     "(teacher-forced); no decode state was exercised")
-    if scores[0].perplexity is not None and scores[0].perplexity.window < window:
-        notes.append(f"the text has only {len(text_ids)} tokens, so perplexity is over one window of "
-                     f"{scores[0].perplexity.window} tokens, shorter than the longest length {window}")
-    report = EvalReport(scores[0], probe_names, lengths, depths, samples, seed, codec.name,
-                        {p: chance(p, codec) for p in probe_names}, scores[1] if ref else None, notes)
+        progress(f"{sum(map(len, plan.cells.values()))} probe rows built", 0, total)
+    scores = [score_model(m, plan, perplexity_windows, tick) for m in models]
+    report = EvalReport(scores[0], plan.probes, plan.lengths, plan.depths, plan.samples, plan.seed, plan.codec.name,
+                        {p: chance(p, plan.codec) for p in plan.probes}, scores[1] if ref else None,
+                        notes_of(plan, models, scores))
     if attach:
         model.attnopt_report.evaluation = report.to_dict()
     return report
