@@ -23,6 +23,7 @@ input_ids = torch.tensor([list(text.encode("utf-8"))[:256]])  # one row of byte 
 # What attention is there (and what looked like attention but was not taken, with the reason)?
 print(attnopt.inspect(model, input_ids=input_ids))
 
+# --8<-- [start:compile]
 # Rewrite a copy: softmax over the last 64 keys plus 4 sink tokens, each site verified against the
 # original on the example; a site that drifts too far stays exact. The original model is untouched.
 # dispatch="off": the form at every length. By default each site runs exact attention below the
@@ -40,6 +41,7 @@ for site in report.sites:  # per site: the form kept, its drift where it acts, a
 with torch.no_grad():
     drift = (opt(input_ids).logits - model(input_ids).logits).norm() / model(input_ids).logits.norm()
 print(f"logits relative RMS drift: {drift:.4f}")
+# --8<-- [end:compile]
 
 # Generate: each rewritten site decodes from a fixed-size state (here 4 + 63 keys per layer).
 prompt = input_ids[:, :64]
@@ -47,9 +49,11 @@ new = opt.generate(prompt, max_new_tokens=32, do_sample=False)
 print(repr(bytes(new[0, 64:].tolist()).decode("utf-8", errors="replace")))
 
 # Save and load: a fresh process gets the same rewritten model back.
+# --8<-- [start:saveload]
 with tempfile.TemporaryDirectory() as folder:
     attnopt.save(opt, folder)
     loaded = attnopt.load(folder)
     with torch.no_grad():
         assert torch.equal(loaded(input_ids).logits, opt(input_ids).logits)
+# --8<-- [end:saveload]
 print("saved and loaded: same logits")

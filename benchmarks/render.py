@@ -1,0 +1,821 @@
+"""Write every generated table of the README and the docs from its source, so none can drift.
+
+    python benchmarks/render.py           # rewrite the generated blocks
+    python benchmarks/render.py --check   # exit 1 naming each block that differs (tests/docs runs this)
+
+A generated block sits between `<!-- NAME -->` and `<!-- /NAME -->` in a Markdown file; everything
+outside the markers is hand-written. The sources:
+
+* benchmark results: `benchmarks/results/<benchmark>/<machine>.json` (one current file per benchmark
+  and machine, written by `resultfile.write_result`), judged against `benchmarks/goals.yaml`;
+* the forms registry (`attnopt.forms`): the policy table, each form's parameters, the compatibility
+  matrix's capability columns;
+* `docs/compat_tests.yaml` (which tests cover which cell) and `docs/compat_gaps.yaml` (why a cell is a gap);
+* the CLI's own help text (typer/click).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import re
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+
+from resultfile import current_results  # noqa: E402
+
+GOALS = ROOT / "benchmarks" / "goals.yaml"
+COMPAT_TESTS = ROOT / "docs" / "compat_tests.yaml"
+COMPAT_GAPS = ROOT / "docs" / "compat_gaps.yaml"
+DECODE_FORMS = ("linear", "ssm", "window:64+sinks:4")
+
+# Every benchmark script, the command that makes its current result, and how long that takes on the
+# 2-core CPU VM: the benchmarks page lists those without a current result as "to re-run".
+SCRIPTS: dict[str, tuple[str, str]] = {
+    "decode_cpu": ("python benchmarks/decode_cpu.py --dispatch auto --rounds 40 --threads 1 --no-growth",
+                   "about 40 minutes"),
+    "decode_cpu_2threads": ("python benchmarks/decode_cpu.py --dispatch auto --rounds 40 --threads 2 "
+                            "--contexts 256 8192 --no-growth", "about 20 minutes"),
+    "e2e_cpu": ("python benchmarks/e2e_cpu.py --threads 2", "about 30 minutes (N = 256 … 32k)"),
+    "onnx_cpu": ("python benchmarks/onnx_cpu.py", "about 15 minutes; the exact file needs 13 GB at 8k"),
+    "onnx_decode_cpu": ("python benchmarks/onnx_decode_cpu.py", "about 30 minutes (contexts 1k … 16k)"),
+    "compile_cpu": ("python benchmarks/compile_cpu.py", "about 10 minutes"),
+    "compile_dispatch_cpu": ("python benchmarks/compile_dispatch_cpu.py --profile", "about 5 minutes"),
+    "calibrate_torchrun": ("torchrun --standalone --nproc_per_node=2 benchmarks/calibrate_torchrun.py",
+                           "about 10 minutes"),
+    "dispatch_under_load": ("python benchmarks/dispatch_under_load.py", "about 6 minutes"),
+    "profile_linear_prefill": ("python benchmarks/profile_linear_prefill.py --chunks 32,64 --repeats 15 --no-sdpa",
+                               "about 2 minutes"),
+    "gpu": ("python benchmarks/gpu.py", "under 6 minutes, on a CUDA machine only"),
+}
+
+
+# ---------------------------------------------------------------- small formatting helpers
+
+
+def fmt(x: Optional[float], digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    return f"{x:.{digits}g}" if abs(x) < 1000 else f"{x:,.0f}"
+
+
+def short(commit: Optional[str]) -> str:
+    return commit[:7] if commit else "not recorded"
+
+
+def table(head: list[str], rows: Iterable[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def provenance(result: dict) -> str:
+    """One line naming what produced a result: machine, commit, date, command, fingerprint."""
+    m = result.get("meta", {})
+    fp = m.get("fingerprint")
+    fingerprint = ("not recorded" if not fp else
+                   f"Python loop {fp.get('python_loop_ns_per_iter')} ns/iter, small op {fp.get('small_op_us')} µs, "
+                   f"sgemm {fp.get('sgemm_512_gflops')} GFLOP/s, {fp.get('torch_threads')} torch threads")
+    commit_note = " (the commit that added it; the run did not record its own)" if m.get("adopted_from") else ""
+    dirty = " + uncommitted changes" if m.get("dirty") else ""
+    command_note = " (rebuilt from the settings it records)" if m.get("adopted_from") else ""
+    return (f"Machine `{m.get('machine')}`, commit `{short(m.get('commit'))}`{dirty}{commit_note}, "
+            f"{str(m.get('date', ''))[:10]}. Command{command_note}: `{m.get('command')}`. "
+            f"Fingerprint: {fingerprint}.")
+
+
+# ---------------------------------------------------------------- reading results
+
+
+def decode_ratio(result: dict, n: int, variant: str, paired: bool = False) -> Optional[float]:
+    """A variant's per-token time ÷ the original's at context n (best rounds, or the paired median)."""
+    row = result.get("contexts", {}).get(str(n), {}).get(variant)
+    if row is None:
+        return None
+    key = "speedup_vs_original_paired_median" if paired else "speedup_vs_original"
+    return 1 / row[key] if row.get(key) else None
+
+
+def ceiling_name(row: dict) -> Optional[str]:
+    return next((k for k in row if k.startswith("ceiling")), None)
+
+
+def e2e_row(result: dict, n: int) -> Optional[dict]:
+    return next((r for r in result.get("rows", []) if r["N"] == n), None)
+
+
+def onnx_row(result: dict, n: int) -> Optional[dict]:
+    return next((r for r in result.get("rows", []) if r["N"] == n), None)
+
+
+def fidelity_rows(result: dict, model: str) -> list[dict]:
+    for m in result.get("models", []):
+        if m.get("model") == model:
+            return m.get("rows", [])
+    return []
+
+
+def fidelity_ratio(result: dict, policy: str) -> Optional[float]:
+    rows = fidelity_rows(result, "tiny_lm")
+    base = next((r["perplexity"] for r in rows if r.get("policy") == "original"), None)
+    row = next((r for r in rows if r.get("policy") == policy), None)
+    if not base or row is None:
+        return None
+    after = (row.get("after") or row.get("before") or {}).get("perplexity")
+    return after / base if after else None
+
+
+# ---------------------------------------------------------------- goals
+
+
+def _decode_time_ratio_8k(r):
+    return [(v, decode_ratio(r, 8192, v)) for v in DECODE_FORMS]
+
+
+def _decode_growth(r):
+    out = []
+    for v in DECODE_FORMS:
+        a, b = (r.get("contexts", {}).get(str(n), {}).get(v) for n in (8192, 256))
+        out.append((v, a["ms_per_token"] / b["ms_per_token"] if a and b else None))
+    return out
+
+
+def _decode_speed_256(r):
+    row = r.get("contexts", {}).get("256", {})
+    return [(v, x["speedup_vs_original"]) for v, x in row.items()
+            if v != "original" and not v.startswith(("ceiling", "original,"))]
+
+
+def _e2e(n, variant, key):
+    def metric(r):
+        row = e2e_row(r, n)
+        return [(variant, row[key].get(variant) if row else None)]
+    return metric
+
+
+def _e2e_short(r):
+    out = []
+    for n in (256, 1024):
+        row = e2e_row(r, n)
+        if row:
+            out += [(f"{v} at {n}", x) for v, x in row["speedup"].items() if v not in ("original", "ceiling")]
+    return out or [("256 / 1024", None)]
+
+
+def _onnx(key):
+    def metric(r):
+        row = onnx_row(r, 8192)
+        s = row["seconds"] if row else {}
+        if not s:
+            return [("linear", None)]
+        a, b = key
+        return [("linear", s[a] / s[b])]
+    return metric
+
+
+def _ort_decode(key_a, var_a, key_b, var_b):
+    def metric(r):
+        row = r.get("contexts", {}).get("8192")
+        if not row:
+            return [("linear", None)]
+        return [("linear", row[var_a][key_a] / row[var_b][key_b])]
+    return metric
+
+
+def _fidelity(policies):
+    return lambda r: [(p, fidelity_ratio(r, p)) for p in policies]
+
+
+def _ops_gated(r):
+    out = []
+    for row in r.get("results", []):
+        if row.get("op") in ("gla", "gla_head", "delta") and row.get("N") == 16384 and row.get("causal", True):
+            out.append((row["op"], row.get("ratio_sdpa_over_op")))
+    return out or [("gla / delta", None)]
+
+
+METRICS: dict[str, Callable[[dict], list]] = {
+    "decode_time_ratio_8k": _decode_time_ratio_8k,
+    "decode_growth_8k_over_256": _decode_growth,
+    "decode_speed_256": _decode_speed_256,
+    "e2e_linear_speedup_16k": _e2e(16384, "linear", "speedup"),
+    "e2e_linear_of_ceiling_16k": _e2e(16384, "linear", "of_ceiling"),
+    "e2e_hybrid_speedup_16k": _e2e(16384, "hybrid", "speedup"),
+    "e2e_short_speedups": _e2e_short,
+    "onnx_linear_over_exact_8k": _onnx(("ort_exact", "ort_linear")),
+    "onnx_linear_ort_over_torch_8k": _onnx(("ort_linear", "torch_linear")),
+    "ort_decode_linear_over_exact_8k": _ort_decode("ort_ms", "linear", "ort_ms", "exact"),
+    "ort_decode_linear_over_torch_8k": _ort_decode("ort_ms", "linear", "torch_ms", "linear"),
+    "ort_prefill_linear_over_torch_8k": _ort_decode("ort_prefill_s", "linear", "torch_prefill_s", "linear"),
+    "ort_prefill_exact_over_linear_8k": _ort_decode("ort_prefill_s", "exact", "ort_prefill_s", "linear"),
+    "fidelity_ppl_ratio_gla_window": _fidelity(["gla+window:64"]),
+    "fidelity_ppl_ratio_gla_delta": _fidelity(["gla", "delta"]),
+    "ops_gated_speedup_16k": _ops_gated,
+}
+
+
+def load_goals() -> list[dict]:
+    goals = yaml.safe_load(GOALS.read_text())["goals"]
+    for g in goals:
+        if g["metric"] not in METRICS:
+            raise ValueError(f"goals.yaml: goal {g['id']!r} names metric {g['metric']!r}, which render.py does not have")
+        if not re.fullmatch(r"(<=|>=) [0-9.]+", g["bound"]):
+            raise ValueError(f"goals.yaml: goal {g['id']!r} has bound {g['bound']!r}; write '<= x' or '>= x'")
+        if not g.get("source", {}).get("issue") or not g["source"].get("quote"):
+            raise ValueError(f"goals.yaml: goal {g['id']!r} needs a source with an issue and a quote")
+    return goals
+
+
+def judge(bound: str, value: Optional[float]) -> Optional[bool]:
+    if value is None:
+        return None
+    op, x = bound.split()
+    return value <= float(x) if op == "<=" else value >= float(x)
+
+
+def verdict(goal: dict, result: Optional[dict]) -> str:
+    """'met' / 'missed' with the values, or 'no current result'."""
+    if result is None:
+        return "no current result"
+    values = METRICS[goal["metric"]](result)
+    judged = [(name, v, judge(goal["bound"], v)) for name, v in values]
+    if all(ok is None for _, _, ok in judged):
+        return "not in the current result"
+    cells = ", ".join(f"{name} {fmt(v)}" for name, v, _ in judged if v is not None)
+    if all(ok for _, _, ok in judged if ok is not None):
+        return f"**met** ({cells})"
+    missed = ", ".join(name for name, _, ok in judged if ok is False)
+    return f"**missed** by {missed} ({cells})"
+
+
+def goals_block(results: dict) -> str:
+    rows = []
+    for g in load_goals():
+        for bench in g["benchmarks"]:
+            for machine, result in sorted(results.get(bench, {}).items()) or [(None, None)]:
+                rows.append([g["what"], f"{g['bound'].replace('<=', '≤').replace('>=', '≥')}",
+                             f"`{bench}`" + (f" on `{machine}`" if machine else ""), verdict(g, result),
+                             f"issue {g['source']['issue']}: “{g['source']['quote']}”"])
+    return table(["goal", "bound", "benchmark", "current result", "source"], rows)
+
+
+# ---------------------------------------------------------------- benchmark tables
+
+
+def decode_table(r: dict) -> str:
+    ns = list(r["contexts"])
+    names = list(r["contexts"][ns[0]])
+    rows = []
+    for name in names:
+        cells = []
+        for n in ns:
+            x = decode_ratio(r, int(n), name)
+            p = decode_ratio(r, int(n), name, paired=True)
+            cells.append(f"{fmt(x)} ({fmt(p)})")
+        rows.append([f"`{name}`"] + cells + [f"{r['contexts'][ns[-1]][name]['state_bytes'] / 1e6:.2f} MB"])
+    rows.append(["original, ms per token (best)"] + [f"{r['contexts'][n]['original']['ms_per_token']:.2f}" for n in ns]
+                + [""])
+    head = ["time ÷ original's: best (paired median)"] + [f"{int(n):,}" for n in ns] + [f"state at {int(ns[-1]):,}"]
+    return (f"{r.get('model', '')}; {r.get('hardware', '')}. {r.get('method', '')}.\n\n" + table(head, rows))
+
+
+def e2e_table(r: dict) -> str:
+    rows = r["rows"]
+    variants = list(rows[0]["seconds"])
+    head = ["N", "original s"] + [f"`{v}` speed-up" if v != "ceiling" else "ceiling speed-up" for v in variants[1:]]
+    head += ["`linear` of the ceiling"] if "linear" in variants else []
+    body = []
+    for row in rows:
+        cells = [f"{row['N']:,}", fmt(row["seconds"]["original"])]
+        cells += [f"{row['speedup'][v]:.2f}×" for v in variants[1:]]
+        if "linear" in variants:
+            cells.append(f"{row['of_ceiling']['linear']:.3f}")
+        body.append(cells)
+    medians = []
+    for row in rows:
+        med = {v: statistics.median(ts) for v, ts in row["seconds_all"].items()}
+        medians.append([f"{row['N']:,}", fmt(med["original"])] + [f"{med['original'] / med[v]:.2f}×" for v in variants[1:]]
+                       + ([f"{med['ceiling'] / med['linear']:.3f}"] if "linear" in variants else []))
+    m = r.get("model", {})
+    model = (f"Llama-style decoder, {m.get('num_hidden_layers')} layers, hidden {m.get('hidden_size')}, "
+             f"{m.get('num_attention_heads')}/{m.get('num_key_value_heads')} heads, random weights, fp32, batch 1")
+    return (f"{model}; {r.get('hardware', {}).get('threads')} torch threads per worker. Best of the repeats:\n\n"
+            + table(head, body) + "\n\nMedian of the same repeats:\n\n" + table(head, medians))
+
+
+def onnx_table(r: dict) -> str:
+    pol = r.get("policies", {})
+    keys = [k for k in pol]
+    head = ["N"] + [f"ORT `{pol[k]}`" for k in keys] + [f"torch `{pol[k]}`" for k in keys]
+    body = []
+    for row in r["rows"]:
+        s = row["seconds"]
+        body.append([f"{row['N']:,}"] + [f"{s.get('ort_' + k, float('nan')):.2f} s" for k in keys]
+                    + [f"{s.get('torch_' + k, float('nan')):.2f} s" for k in keys])
+    return (f"{r.get('model', '')}, exported at {r.get('export', {}).get('length')} tokens with "
+            f"`target=\"{r.get('export', {}).get('target')}\"`; {r.get('threads')} threads, {r.get('timing')}"
+            f" (best of {r.get('repeats')}){'; the machine was shared with other work' if r.get('machine', {}).get('shared') else ''}.\n\n"
+            + table(head, body))
+
+
+def onnx_decode_table(r: dict) -> str:
+    ns = list(r["contexts"])
+    names = list(r["contexts"][ns[0]])
+    head = ["variant"] + [f"per token {int(n):,}: ORT / torch" for n in ns] + \
+           [f"prefill {int(ns[-1]):,}: ORT / torch", f"ORT state at {int(ns[-1]):,}"]
+    body = []
+    for name in names:
+        cells = [f"{r['contexts'][n][name]['ort_ms']:.2f} / {r['contexts'][n][name]['torch_ms']:.2f} ms" for n in ns]
+        last = r["contexts"][ns[-1]][name]
+        cells.append(f"{last['ort_prefill_s']:.2f} / {last['torch_prefill_s']:.2f} s")
+        cells.append(f"{last['state_bytes'] / 1e6:.2f} MB")
+        body.append([f"`{r['policies'].get(name, name)}`"] + cells)
+    return f"{r.get('model', '')}; {r.get('hardware', '')}. {r.get('method', '')}.\n\n" + table(head, body)
+
+
+def compile_table(r: dict) -> str:
+    body = []
+    for row in r.get("minilm", []):
+        body.append([f"`{row['policy']}`", f"{row['rewritten']}/{row['sites']}",
+                     fmt(row.get("embedding_cosine")), fmt(row.get("embedding_cosine_held_out")),
+                     flops_cell(row.get("attention_flops_ratio"))])
+    return ("Real all-MiniLM-L6-v2 under the default tolerances and end-to-end budget. In-sample: compiled and "
+            "measured on the four built-in 256-token passages; held out: compiled on passages 1–2, measured on 3–4. "
+            "Mean embedding cosine against the original:\n\n"
+            + table(["policy", "sites rewritten", "cosine in-sample", "cosine held out", "attention FLOPs at 1× / 16×"],
+                    body))
+
+
+def flops_cell(ratios) -> str:
+    """Attention FLOPs after / before at 1× and at the longest multiplier (a list, or a dict by multiplier)."""
+    values = list(ratios.values()) if isinstance(ratios, dict) else list(ratios or [])
+    return " / ".join(fmt(x, 2) for x in values[:1] + values[-1:]) if values else "—"
+
+
+def calibrate_table(r: dict) -> str:
+    after = r["per_rank_after"]
+    return table(["policy", "ranks", "held-out cosine before", "after (every rank)", "largest tensor difference",
+                  "seconds per rank"],
+                 [[f"`{r['policy']}`", f"{r['world_size']} ({r['backend']})", fmt(r["before"]["embedding_cosine"]),
+                   " / ".join(fmt(a["after"]["embedding_cosine"]) for a in after),
+                   fmt(r["max_abs_tensor_difference_across_ranks"]), " / ".join(str(a["seconds"]) for a in after)]])
+
+
+def dispatch_load_table(r: dict) -> str:
+    body = []
+    for form in r["loaded_phase"]:
+        def thresholds(phase):
+            return ", ".join(sorted({str(t["min_seq_len"]) for t in r[phase][form]["thresholds"]}))
+
+        def flagged(phase):
+            return "yes" if any(t.get("loaded") for t in r[phase][form]["thresholds"]) else "no"
+        body.append([f"`{form}`", thresholds("loaded_phase"), flagged("loaded_phase"),
+                     thresholds("quiet_phase"), flagged("quiet_phase")])
+    return (f"{r.get('method', '')}. Loaded: {r.get('loaded_rule', '')}.\n\n"
+            + table(["form", "thresholds under load", "flagged loaded", "thresholds once quiet", "flagged loaded"], body))
+
+
+def compile_dispatch_table(r: dict) -> str:
+    b = r["best_seconds"]
+    return table(["dispatch off", "default, new geometry", "default, crossovers cached"],
+                 [[f"{b['off']:.2f} s", f"{b['first']:.2f} s", f"{b['cached']:.2f} s"]])
+
+
+def profile_prefill_table(r: dict) -> str:
+    return table(["variant", "best ms"], [[f"`{k}`", f"{v * 1e3:.1f}"] for k, v in r["best_s"].items()])
+
+
+def generic_table(r: dict) -> str:
+    scalars = [(k, v) for k, v in r.items() if k != "meta" and isinstance(v, (int, float, str)) and len(str(v)) < 120]
+    return table(["field", "value"], [[k, str(v)] for k, v in scalars]) if scalars else "(no scalar fields)"
+
+
+RENDERERS: dict[str, tuple[str, Callable[[dict], str]]] = {
+    "decode_cpu": ("Per-token decoding, one torch thread", decode_table),
+    "decode_cpu_2threads": ("Per-token decoding, two torch threads", decode_table),
+    "e2e_cpu": ("End to end: a Llama-style decoder's forward", e2e_table),
+    "onnx_cpu": ("ONNX Runtime forward against torch", onnx_table),
+    "onnx_decode_cpu": ("Decoding in ONNX Runtime against torch generate()", onnx_decode_table),
+    "compile_cpu": ("Compile on real MiniLM: sites kept and embedding cosine", compile_table),
+    "calibrate_torchrun": ("Calibration across processes (torchrun)", calibrate_table),
+    "dispatch_under_load": ("Dispatch thresholds measured under load", dispatch_load_table),
+    "compile_dispatch_cpu": ("Compile time with the default dispatch", compile_dispatch_table),
+    "profile_linear_prefill": ("Causal linear prefill, one layer at 16k", profile_prefill_table),
+}
+
+
+def results_block(results: dict) -> str:
+    parts = []
+    for bench in sorted(results):
+        title, render = RENDERERS.get(bench, (bench, generic_table))
+        for machine, r in sorted(results[bench].items()):
+            parts.append(f"### {title} (`{bench}`, `{machine}`)\n\n{provenance(r)}\n\n{render(r)}")
+    missing = [b for b in SCRIPTS if b not in results]
+    if missing:
+        parts.append("### To re-run (no current result)\n\n" + table(
+            ["benchmark", "command", "duration on the 2-core CPU VM"],
+            [[f"`{b}`", f"`{SCRIPTS[b][0]}`", SCRIPTS[b][1]] for b in missing]))
+    return "\n\n".join(parts)
+
+
+# ---------------------------------------------------------------- the README headline
+
+
+@dataclass
+class Headline:
+    what: str
+    value: Callable[[dict], Optional[str]]
+    benchmark: str
+    goal: Optional[str] = None
+
+
+def _decode_headline(r):
+    vals = [decode_ratio(r, 8192, v) for v in DECODE_FORMS]
+    ceiling = ceiling_name(r.get("contexts", {}).get("8192", {}))
+    if None in vals or ceiling is None:
+        return None
+    return f"{' / '.join(f'{x:.3f}' for x in vals)}× the original's time (ceiling {decode_ratio(r, 8192, ceiling):.3f})"
+
+
+def _e2e_headline(r):
+    row = e2e_row(r, 16384)
+    if not row or "linear" not in row["speedup"]:
+        return None
+    return f"{row['speedup']['linear']:.2f}× the original, {row['of_ceiling']['linear']:.3f} of the ceiling"
+
+
+def _onnx_headline(r):
+    row = onnx_row(r, 8192)
+    return None if not row else f"{row['seconds']['ort_exact'] / row['seconds']['ort_linear']:.1f}× the exact export"
+
+
+def _ort_decode_headline(r):
+    row = r.get("contexts", {}).get("8192")
+    if not row:
+        return None
+    return (f"{row['linear']['ort_ms']:.2f} ms against {row['exact']['ort_ms']:.2f} ms "
+            f"({row['linear']['ort_ms'] / row['exact']['ort_ms']:.2f}×)")
+
+
+def _minilm_headline(r):
+    row = next((x for x in r.get("minilm", []) if x["policy"] == "linear+window:64+sinks:4"), None)
+    return None if not row else (f"cosine {row['embedding_cosine_held_out']:.3f} held out "
+                                 f"({row['rewritten']}/{row['sites']} sites)")
+
+
+HEADLINES = [
+    Headline("Per-token decoding at 8k context, 1 thread: `linear` / `ssm` / `window:64+sinks:4`",
+             _decode_headline, "decode_cpu", "decode-8k"),
+    Headline("Per-token decoding at 8k context, 2 threads: `linear` / `ssm` / `window:64+sinks:4`",
+             _decode_headline, "decode_cpu_2threads", "decode-8k"),
+    Headline("Prefill end to end at 16k tokens, `linear`", _e2e_headline, "e2e_cpu", "e2e-16k-ceiling"),
+    Headline("ONNX Runtime forward at 8k tokens, `linear` export", _onnx_headline, "onnx_cpu", "onnx-prefill-vs-exact"),
+    Headline("ONNX Runtime decoding at 8k context, `linear` per token", _ort_decode_headline, "onnx_decode_cpu",
+             "ort-decode-vs-exact"),
+    Headline("Real MiniLM, `linear+window:64+sinks:4`, training-free", _minilm_headline, "compile_cpu"),
+]
+
+
+def headline_block(results: dict) -> str:
+    goals = {g["id"]: g for g in load_goals()}
+    rows = []
+    for h in HEADLINES:
+        for machine, r in sorted(results.get(h.benchmark, {}).items()):
+            value = h.value(r)
+            if value is None:
+                continue
+            g = goals.get(h.goal) if h.goal else None
+            goal = "—" if g is None else f"{g['bound'].replace('<=', '≤').replace('>=', '≥')}: {verdict(g, r).split(' (')[0]}"
+            m = r["meta"]
+            rows.append([h.what, value, goal, f"`{machine}`, `{short(m.get('commit'))}`, {str(m.get('date'))[:10]}"])
+    return table(["measured", "current result", "goal", "machine, commit, date"], rows)
+
+
+# ---------------------------------------------------------------- forms: parameters and measurements
+
+
+def form_of(policy: str) -> Optional[str]:
+    """The form a single-rule preset spells under today's registry; None for recipes and stale presets."""
+    from attnopt.ir.errors import PolicyError
+    from attnopt.policy.presets import parse_preset
+
+    try:
+        rules = parse_preset(policy).get("rules") or ()
+    except PolicyError:
+        return None
+    return rules[0].form if len(rules) == 1 else None
+
+
+def params_block(form) -> str:
+    rows = []
+    for key, p in form.params.items():
+        short_keys = [s for s, full in form.preset_keys.items() if full == key]
+        extra = ("; the preset's `:arg`" if form.preset_arg == key else "") + \
+                (f"; preset key `{short_keys[0]}`" if short_keys else "")
+        allowed = (", ".join(f"`{c}`" for c in p.choices) if p.choices else
+                   " ".join(x for x in (f"≥ {p.minimum}" if p.minimum is not None else "",
+                                        f"≤ {p.maximum}" if p.maximum is not None else "") if x) or "—")
+        rows.append([f"`{key}`", f"`{p.default!r}`", allowed, p.doc + extra])
+    presets = ", ".join(f"`{p}`" for p in form.presets) or f"`{form.name}`"
+    return (f"Presets: {presets}. Default site tolerance {form.default_tolerance}.\n\n"
+            + (table(["parameter", "default", "allowed", "meaning"], rows) if rows else "No parameters."))
+
+
+def measured_block(name: str, results: dict) -> str:
+    parts = []
+
+    def each(bench):
+        return sorted(results.get(bench, {}).items())
+
+    for machine, r in each("compile_cpu"):
+        rows = [[f"`{x['policy']}`", f"{x['rewritten']}/{x['sites']}", fmt(x.get("embedding_cosine")),
+                 fmt(x.get("embedding_cosine_held_out"))] for x in r.get("minilm", []) if form_of(x["policy"]) == name]
+        if rows:
+            parts.append("Quality on real MiniLM, training-free, default budget "
+                         f"(`compile_cpu`, `{machine}`, commit `{short(r['meta'].get('commit'))}`):\n\n"
+                         + table(["policy", "sites kept", "cosine in-sample", "cosine held out"], rows))
+    for bench in ("decode_cpu", "decode_cpu_2threads"):
+        for machine, r in each(bench):
+            variants = [v for v in r["contexts"][next(iter(r["contexts"]))] if form_of(v) == name]
+            rows = [[f"`{v}`"] + [f"{fmt(decode_ratio(r, int(n), v))}" for n in r["contexts"]] for v in variants]
+            if rows:
+                parts.append(f"Per-token decode time ÷ the original's, best rounds (`{bench}`, `{machine}`, commit "
+                             f"`{short(r['meta'].get('commit'))}`):\n\n"
+                             + table(["policy"] + [f"{int(n):,}" for n in r["contexts"]], rows))
+    for machine, r in each("e2e_cpu"):
+        variants = [v for v in r["rows"][0]["speedup"] if form_of(v) == name]
+        rows = [[f"`{v}`"] + [f"{row['speedup'][v]:.2f}×" for row in r["rows"]] for v in variants]
+        if rows:
+            parts.append(f"End-to-end forward, speed-up over the original (`e2e_cpu`, `{machine}`, commit "
+                         f"`{short(r['meta'].get('commit'))}`):\n\n"
+                         + table(["policy"] + [f"{row['N']:,}" for row in r["rows"]], rows))
+    for machine, r in each("onnx_decode_cpu"):
+        keys = [k for k, p in r.get("policies", {}).items() if form_of(p) == name]
+        rows = [[f"`{r['policies'][k]}`"] + [f"{r['contexts'][n][k]['ort_ms']:.2f} / {r['contexts'][n][k]['torch_ms']:.2f}"
+                                              for n in r["contexts"]] for k in keys]
+        if rows:
+            parts.append(f"Decoding, ms per token, ONNX Runtime / torch (`onnx_decode_cpu`, `{machine}`, commit "
+                         f"`{short(r['meta'].get('commit'))}`):\n\n"
+                         + table(["policy"] + [f"{int(n):,}" for n in r["contexts"]], rows))
+    for machine, r in each("fidelity"):
+        rows = [[f"`{x['policy']}`", fmt((x.get("before") or {}).get("perplexity")),
+                 fmt((x.get("after") or {}).get("perplexity"))]
+                for x in fidelity_rows(r, "tiny_lm") if form_of(x.get("policy", "")) == name]
+        if rows:
+            parts.append(f"Held-out perplexity per byte of the tiny LM (`fidelity`, `{machine}`, commit "
+                         f"`{short(r['meta'].get('commit'))}`):\n\n"
+                         + table(["policy", "training-free", "calibrated"], rows))
+    if not parts:
+        return "No current result measures this form yet (see [Benchmarks](../benchmarks.md))."
+    return "\n\n".join(parts)
+
+
+# ---------------------------------------------------------------- compatibility matrix
+
+COLUMNS = {
+    "generate": "generate()",
+    "threads": "threads",
+    "save_load": "save / load",
+    "onnx_prefill": "ONNX prefill",
+    "onnx_decode": "ONNX decode",
+    "genai": "onnxruntime-genai",
+    "triton": "Triton",
+    "tensorrt": "TensorRT",
+}
+# Columns whose code has only run against a stand-in: the Triton interpreter, a fake torch-tensorrt API.
+STAND_IN = {"triton": "Triton interpreter on CPU; never run on a GPU",
+            "tensorrt": "a fake torch-tensorrt API; TensorRT never run"}
+
+
+def capability(form, column: str) -> Optional[bool]:
+    """What the registry says of a form for a column; None where the registry has no hook for it."""
+    if column == "onnx_prefill":
+        return form.onnx_lowering() is not None or form.name == "exact"  # exact exports as the model would
+    if column == "onnx_decode":
+        return form.graph_step() is not None
+    if column == "triton":
+        import importlib.util
+
+        package = type(form).__module__.rpartition(".")[0]
+        return importlib.util.find_spec(f"{package}.triton") is not None
+    if column == "tensorrt":
+        return form.onnx_lowering() is not None  # a plugin is generated from the form's custom op
+    return None
+
+
+@dataclass
+class Cell:
+    form: str
+    column: str
+    status: str  # "yes" | "stand-in" | "gap"
+    tests: list
+    reason: Optional[str]
+
+
+def compat_cells() -> list[Cell]:
+    from attnopt import forms
+
+    tests = yaml.safe_load(COMPAT_TESTS.read_text()) or {}
+    gaps = yaml.safe_load(COMPAT_GAPS.read_text()) or {}
+    cells = []
+    for name, form in forms.registry().items():
+        for column in COLUMNS:
+            listed = list((tests.get(name) or {}).get(column) or [])
+            reason = (gaps.get(name) or {}).get(column)
+            able = capability(form, column)
+            ok = bool(listed) and able is not False
+            status = ("stand-in" if column in STAND_IN else "yes") if ok else "gap"
+            cells.append(Cell(name, column, status, listed, reason))
+    return cells
+
+
+def compat_problems() -> list[str]:
+    """What makes the matrix untrue: a gap without a reason, a reason on a covered cell, a test that
+    does not exist or does not name the form, a form or column the data files invent."""
+    from attnopt import forms
+
+    problems = []
+    for cell in compat_cells():
+        where = f"{cell.form} × {cell.column}"
+        if cell.status == "gap" and not cell.reason:
+            problems.append(f"{where}: a gap with no reason in docs/compat_gaps.yaml")
+        if cell.status != "gap" and cell.reason:
+            problems.append(f"{where}: covered by tests, yet docs/compat_gaps.yaml gives a reason; remove it")
+        if cell.tests and cell.status == "gap":
+            problems.append(f"{where}: docs/compat_tests.yaml lists tests, yet the forms registry says the form has "
+                            "no such capability; remove them")
+        for test in cell.tests:
+            problems += [f"{where}: {p}" for p in check_test(test, cell.form)]
+    for path in (COMPAT_TESTS, COMPAT_GAPS):
+        data = yaml.safe_load(path.read_text()) or {}
+        for name, cols in data.items():
+            if name not in forms.registry():
+                problems.append(f"{path.name}: {name!r} is not a registered form")
+            for column in cols or {}:
+                if column not in COLUMNS:
+                    problems.append(f"{path.name}: {name} has column {column!r}; columns are {', '.join(COLUMNS)}")
+    return problems
+
+
+def check_test(node_id: str, form: str) -> list[str]:
+    """A test id `tests/path.py::test_name` exists and its file names the form."""
+    path, _, func = node_id.partition("::")
+    file = ROOT / path
+    if not file.is_file():
+        return [f"{node_id}: no such test file"]
+    src = file.read_text()
+    names = {n.name for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef)}
+    if func not in names:
+        return [f"{node_id}: no such test function"]
+    spelled = {form, form.replace("+", "_")}
+    if "every_form" not in func and not any(s in src for s in spelled):
+        return [f"{node_id}: the test file never names the form {form!r}"]
+    return []
+
+
+def compat_block() -> str:
+    from attnopt import forms
+
+    cells = {(c.form, c.column): c for c in compat_cells()}
+    notes: list[str] = []
+    body = []
+    for name in forms.registry():
+        row = [f"[`{name}`](forms/{name.replace('+', '_')}.md)"]
+        for column in COLUMNS:
+            c = cells[(name, column)]
+            if c.status == "gap":
+                notes.append(f"{name} × {COLUMNS[column]}: {c.reason}")
+                row.append(f"❌ [{len(notes)}]")
+            else:
+                row.append("🔶" if c.status == "stand-in" else "✅")
+        body.append(row)
+    legend = ("✅ tested here on CPU · 🔶 the code path exists and is tested against a stand-in "
+              f"({'; '.join(f'{COLUMNS[k]}: {v}' for k, v in STAND_IN.items())}) · ❌ a gap, its reason below.")
+    gaps = "\n".join(f"{i}. {n}" for i, n in enumerate(notes, 1))
+    tests = "\n".join(f"- {name} × {COLUMNS[col]}: " + ", ".join(f"`{t}`" for t in c.tests)
+                      for (name, col), c in cells.items() if c.tests and c.status != "gap")
+    return (table(["form"] + list(COLUMNS.values()), body) + f"\n\n{legend}\n\n**Gaps.**\n\n{gaps}\n\n"
+            f"<details><summary>Which test covers each ✅ and 🔶</summary>\n\n{tests}\n\n</details>")
+
+
+# ---------------------------------------------------------------- CLI reference
+
+
+def cli_block() -> str:
+    """Each command's `--help` as the CLI prints it, at a fixed width and without colour."""
+    import typer
+    from typer.testing import CliRunner
+
+    from attnopt.cli import app
+
+    env = {"COLUMNS": "100", "TERMINAL_WIDTH": "100", "NO_COLOR": "1", "TERM": "dumb"}
+
+    def help_of(args: list) -> str:
+        result = CliRunner().invoke(app, [*args, "--help"], env=env, prog_name="attnopt")
+        if result.exit_code != 0:
+            raise RuntimeError(f"attnopt {' '.join(args)} --help exited {result.exit_code}: {result.output[-500:]}")
+        return "\n".join(line.rstrip() for line in result.output.strip("\n").splitlines()).strip("\n")
+
+    group = typer.main.get_command(app)
+    parts = [f"### `attnopt`\n\n```text\n{help_of([])}\n```"]
+    for name in sorted(group.commands):
+        if not group.commands[name].hidden:
+            parts.append(f"### `attnopt {name}`\n\n```text\n{help_of([name])}\n```")
+    return "\n\n".join(parts)
+
+
+# ---------------------------------------------------------------- writing the blocks
+
+
+QUICKSTART = ROOT / "examples" / "quickstart.py"
+
+
+def quickstart_block() -> str:
+    """examples/quickstart.py as a Python block (GitHub shows no snippet includes), less its
+    snippet section markers."""
+    lines = [line for line in QUICKSTART.read_text(encoding="utf-8").splitlines() if "--8<--" not in line]
+    return "```python\n" + "\n".join(lines) + "\n```"
+
+
+def policy_block() -> str:
+    from attnopt.policy.presets import policy_reference
+
+    return policy_reference()
+
+
+def blocks() -> dict[Path, dict[str, str]]:
+    """{file: {block name: body}} of everything generated."""
+    from attnopt import forms
+
+    results = current_results()
+    out: dict[Path, dict[str, str]] = {
+        ROOT / "README.md": {"headline": headline_block(results), "policy-table": policy_block(),
+                             "quickstart": quickstart_block()},
+        ROOT / "docs" / "guides" / "policies.md": {"policy-table": policy_block()},
+        ROOT / "docs" / "benchmarks.md": {"headline": headline_block(results), "goals": goals_block(results),
+                                          "results": results_block(results)},
+        ROOT / "docs" / "compatibility.md": {"compat-matrix": compat_block()},
+        ROOT / "docs" / "reference" / "cli.md": {"cli-help": cli_block()},
+    }
+    for name, form in forms.registry().items():
+        out[ROOT / "docs" / "forms" / f"{name.replace('+', '_')}.md"] = {
+            "form-params": params_block(form), "form-measured": measured_block(name, results)}
+    return out
+
+
+def fill(text: str, name: str, body: str, path: Path) -> str:
+    start, end = f"<!-- {name} -->", f"<!-- /{name} -->"
+    if start not in text or end not in text:
+        raise ValueError(f"{path.relative_to(ROOT)}: no {start} … {end} markers for the generated block {name!r}")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{body}\n{end}{tail}"
+
+
+def rendered() -> dict[Path, str]:
+    """{file: its full text with every generated block as the sources make it now}."""
+    out = {}
+    for path, named in blocks().items():
+        if not path.is_file():
+            raise ValueError(f"{path.relative_to(ROOT)} is missing: it holds generated blocks {', '.join(named)}")
+        text = path.read_text(encoding="utf-8")
+        for name, body in named.items():
+            text = fill(text, name, body, path)
+        out[path] = text
+    return out
+
+
+def stale() -> list[str]:
+    """The files whose generated blocks differ from what the sources make now."""
+    return [str(p.relative_to(ROOT)) for p, text in rendered().items() if p.read_text(encoding="utf-8") != text]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each file that differs")
+    args = ap.parse_args(argv)
+    if args.check:
+        differ = stale()
+        for path in differ:
+            print(f"{path}: a generated block differs from its source; run `python benchmarks/render.py`")
+        return 1 if differ else 0
+    for path, text in rendered().items():
+        if path.read_text(encoding="utf-8") != text:
+            path.write_text(text, encoding="utf-8")
+            print("wrote", path.relative_to(ROOT))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
