@@ -762,6 +762,7 @@ def blocks() -> dict[Path, dict[str, str]]:
     out: dict[Path, dict[str, str]] = {
         ROOT / "README.md": {"headline": headline_block(results), "policy-table": policy_block(),
                              "quickstart": quickstart_block()},
+        ROOT / "docs" / "index.md": {"headline": headline_block(results)},
         ROOT / "docs" / "guides" / "policies.md": {"policy-table": policy_block()},
         ROOT / "docs" / "benchmarks.md": {"headline": headline_block(results), "goals": goals_block(results),
                                           "results": results_block(results)},
