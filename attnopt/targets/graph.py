@@ -245,7 +245,8 @@ class GraphTarget(Target):
                             f"({type(exc).__name__}: {exc}); the directory is damaged (save the model again)") from None
         if [n for n, _ in spliced_sites(spliced.graph_module)] != [e["name"] for e in entries]:
             raise SaveError(f"attnopt.load: {where} field 'sites' names its modules out of splice order")
-        model = CompiledModule(spliced.graph_module, report.model_name, program)
+        model = CompiledModule(spliced.graph_module, report.model_name,
+                               program_sharing_tensors(program, spliced.graph_module))
         cls(model).check_sites_match(report, where)
         return model
 
@@ -268,7 +269,12 @@ def spliced_sites(graph_module: nn.Module) -> list[tuple[str, SiteModule]]:
     """(graph name, site module) of every site spliced into `graph_module`, in splice order (the
     splice names them attnopt_site_<i>)."""
     found = [(name, m) for name, m in graph_module.named_children() if isinstance(m, SiteModule)]
-    return sorted(found, key=lambda item: int(re.fullmatch(r"attnopt_site_(\d+)", item[0]).group(1)))
+
+    def order(item):
+        index = re.fullmatch(r"attnopt_site_(\d+)", item[0])
+        return (0, int(index.group(1))) if index else (1, 0)
+
+    return sorted(found, key=order)
 
 
 def program_sharing_tensors(program, graph_module: nn.Module):
@@ -280,8 +286,12 @@ def program_sharing_tensors(program, graph_module: nn.Module):
 
     def take(name: str, old: torch.Tensor) -> torch.Tensor:
         new = live.get(name)
-        if new is None:
-            new = getattr(graph_module, name, None) if "." not in name else None
+        if new is None:  # a lifted constant: a plain attribute of the unlifted module
+            owner, _, attr = name.rpartition(".")
+            try:
+                new = getattr(graph_module.get_submodule(owner), attr, None)
+            except AttributeError:
+                return old
         if not isinstance(new, torch.Tensor):
             return old
         if new.shape != old.shape or new.dtype != old.dtype:
