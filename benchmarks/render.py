@@ -58,6 +58,12 @@ SCRIPTS: dict[str, tuple[str, str]] = {
     "profile_linear_prefill": ("python benchmarks/profile_linear_prefill.py --chunks 32,64 --repeats 15 --no-sdpa",
                                "about 2 minutes"),
     "gpu": ("python benchmarks/gpu.py", "under 6 minutes, on a CUDA machine only"),
+    # Scripts whose owners move them to resultfile.py in this round; their durations are their docstrings' words.
+    "ops_cpu": ("python benchmarks/ops_cpu.py", "a long while on a small CPU (its docstring's words)"),
+    "fidelity": ("python benchmarks/fidelity.py --threads 1", "about an hour (its last MiniLM calibrations alone took "
+                 "over 20 minutes)"),
+    "gla_window_mixing": ("python benchmarks/gla_window_mixing.py", "not recorded"),
+    "capability": ("python benchmarks/capability.py", "hours on 2 cores (its docstring's words)"),
 }
 
 
