@@ -161,8 +161,8 @@ def test_delta_convolution_taps_and_their_absence_load_exactly(tmp_path):
         assert torch.equal(loaded(input_ids=ids, use_cache=False).logits, opt(input_ids=ids, use_cache=False).logits)
 
 
-def test_a_model_that_slides_its_own_window_loads_with_attnopt_running_the_band(tmp_path):
-    # Mistral: install() takes the model's window over, so its exact sites run as window modules too.
+def test_a_model_that_slides_its_own_window_loads_with_its_window(tmp_path):
+    # Mistral: the exact layer keeps the model's own window (no site module); the rewritten one its form.
     cfg = transformers.MistralConfig(vocab_size=89, hidden_size=40, intermediate_size=56, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                      sliding_window=16)
@@ -174,7 +174,7 @@ def test_a_model_that_slides_its_own_window_loads_with_attnopt_running_the_band(
                           e2e_tolerance=None)
     saved = attnopt.save(opt, tmp_path / "mistral")
     entries = json.loads((saved / HEADER_FILE).read_text())["sites"]
-    assert [(e["form"], e["accepted"]) for e in entries] == [("window", False), ("linear", True)]
+    assert [(e["form"], e["accepted"]) for e in entries] == [("linear", True)]
     loaded = attnopt.load(saved)
     assert _statuses(loaded.attnopt_report) == _statuses(opt.attnopt_report)
     # Decoding past the 16-key window: the same tokens and logits step by step.

@@ -28,7 +28,8 @@ from typing import Optional
 
 import torch
 from torch import nn
-from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
+import transformers.cache_utils as hf_cache
+from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from attnopt.forms.common.decoding import (
     index_batch,
@@ -46,7 +47,9 @@ SITE = "attnopt_site"
 class SiteCacheLayer(CacheLayerMixin):
     """The cache layer of one rewritten site: its decode state, O(1) or O(window) in the context."""
 
-    is_sliding = False  # masks are built full-length, as for every other full-attention layer
+    # Not a sliding layer: a mask type's length comes from its first sliding layer (HF's own, holding
+    # W - 1 keys) or, with none left, from layer 0; `attend` reads only the new tokens' columns of it.
+    is_sliding = False
     is_compileable = False
     decodes = True  # the attention function decodes from this layer (attnopt.hf.interface)
 
@@ -109,7 +112,7 @@ class SiteCacheLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         Nq = key_states.shape[-2]
-        self.exact_now = self._state is None and self.columns + Nq <= self.site_module.min_seq_len
+        self.exact_now = self._state is None and self.columns + Nq <= self._exact_limit()
         if self.exact_now:
             if self.kept and self.keys.shape[0] == key_states.shape[0]:
                 self.keys = torch.cat([self.keys, key_states], dim=-2)
@@ -126,6 +129,15 @@ class SiteCacheLayer(CacheLayerMixin):
         self.columns += Nq
         hand_over(self, kwargs, key_states)
         return key_states, value_states
+
+    def _exact_limit(self) -> int:
+        """Columns this layer may hold as a plain KV cache for the model's own attention: min_seq_len,
+        and on a layer that slides its own window W at most W - 1. HF sizes such a layer's mask like
+        its other sliding layers, which hold the last W - 1 keys; below W they hold every key, so the
+        mask covers every kept column and shows each one's padding (the band hides none of them)."""
+        site = self.site_module
+        window = site.geometry.model_window
+        return site.min_seq_len if window is None else min(site.min_seq_len, window - 1)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -232,14 +244,15 @@ def refusal_line(layers: list) -> str:
             f"(policy rule {rule}) to use them, or generate without them")
 
 
-class ReuseCacheLayer(DynamicLayer):
-    """HF's growing K/V of a reuse site, plus the layer inputs x of the same tokens, which the reuse
-    residual reads for every key (its x·B replaces a K cache of its own); cropped together."""
+class LayerInputs:
+    """The layer inputs x of the tokens a reuse site's K/V cache layer holds, kept and cut with its keys:
+    the reuse residual reads x for every key (its x·B replaces a K cache of its own). Mixed into HF's
+    own layer classes, so the keys are kept exactly as the model keeps them (all, or the last W - 1)."""
 
     decodes = False
 
     def __init__(self, site_module: nn.Module, **kwargs):
-        super().__init__()
+        super().__init__(**kwargs)
         self.site_module = site_module
         self.inputs: Optional[torch.Tensor] = None  # [B, N, C] layer inputs of every cached token
 
@@ -249,21 +262,23 @@ class ReuseCacheLayer(DynamicLayer):
         return keys, values
 
     def layer_inputs(self, x: torch.Tensor, nk: int) -> torch.Tensor:
-        """Append this call's x; the inputs of every key so far (as many as the keys, or an error)."""
+        """Append this call's x; the inputs of every key this call sees (as many as the keys, or an error)."""
         prev = self.inputs
         if prev is not None and prev.shape[0] != x.shape[0]:
             prev = None
-        self.inputs = x if prev is None else torch.cat([prev, x], dim=1)
-        if self.inputs.shape[1] != nk:
+        seen = x if prev is None else torch.cat([prev, x], dim=1)
+        if seen.shape[1] != nk:
             raise RuntimeError(
-                f"reuse residual: the cache holds the layer inputs of {self.inputs.shape[1]} tokens but {nk} keys "
+                f"reuse residual: the cache holds the layer inputs of {seen.shape[1]} tokens but {nk} keys "
                 "(was the KV cache built by another model or edited?); run the prompt through this compiled model first")
-        return self.inputs
+        self.inputs = _last_columns(seen, self.keys.shape[-2])
+        return seen
 
     def crop(self, tokens_to_remove: int) -> None:
         super().crop(tokens_to_remove)
-        if tokens_to_remove < 0 and self.inputs is not None:
-            self.inputs = self.inputs[:, :tokens_to_remove]
+        if self.inputs is not None:
+            kept = self.inputs if tokens_to_remove >= 0 else self.inputs[:, :tokens_to_remove]
+            self.inputs = _last_columns(kept, self.keys.shape[-2])
 
     def reset(self) -> None:
         super().reset()
@@ -295,6 +310,18 @@ class ReuseCacheLayer(DynamicLayer):
             self.inputs = self.inputs.to(self.device, non_blocking=True)
 
 
+def _last_columns(x_BNC: torch.Tensor, n: int) -> torch.Tensor:
+    return x_BNC[:, x_BNC.shape[1] - n:] if n < x_BNC.shape[1] else x_BNC
+
+
+class ReuseCacheLayer(LayerInputs, DynamicLayer):
+    """HF's growing K/V of a reuse site on a full-attention layer, plus the layer inputs of the same tokens."""
+
+
+class SlidingReuseCacheLayer(LayerInputs, DynamicSlidingWindowLayer):
+    """HF's K/V of a reuse site on a layer that slides its window (the last W - 1 tokens), plus their inputs."""
+
+
 def decoding_modules(model: nn.Module) -> list[nn.Module]:
     """The attention modules whose site keeps a cache layer of its own (a decode state, or reuse inputs)."""
     out = []
@@ -315,6 +342,13 @@ def _find_cache(kwargs: dict):
     return None
 
 
+# The cache layers that hold only keys and values, every one or a sliding window's: the layers a
+# site's own layer may replace (names across transformers 4.56-5.x).
+_PLAIN_KV = tuple(c for c in (getattr(hf_cache, n, None) for n in (
+    "DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer", "StaticSlidingWindowLayer", "SlidingWindowLayer"))
+    if c is not None)
+
+
 def bind_layer(module: nn.Module, cache) -> Optional[CacheLayerMixin]:
     """The cache layer of `module`'s site in `cache`, swapped in for the empty layer the cache made."""
     site = module._modules.get(SITE)
@@ -330,17 +364,21 @@ def bind_layer(module: nn.Module, cache) -> Optional[CacheLayerMixin]:
         while len(layers) <= idx:
             layers.append(replicate())
     layer = layers[idx]
-    if isinstance(layer, (SiteCacheLayer, ReuseCacheLayer)):
+    if isinstance(layer, (SiteCacheLayer, LayerInputs)):
         if layer.site_module is not site:
             raise ValueError(f"attnopt: cache layer {idx} belongs to another compiled model's site; "
                              "make a new cache for each model (attnopt.hf.make_cache(model))")
         return layer
     if cache.get_seq_length(idx) > 0:  # prefilled by something else: keep its keys, recompute over them
         return None
+    if type(layer) not in _PLAIN_KV:
+        return None  # a layer that also keeps other state (conv, recurrent, an indexer) stays HF's own
     if state.cache_role == "state":
         layers[idx] = SiteCacheLayer(site, state.crop_refusal)
-    elif type(layer) is DynamicLayer:  # reuse: HF's plain layer only (a sliding one keeps its own band)
+    elif type(layer) is DynamicLayer:  # reuse: the model's own kind of K/V layer, with the inputs beside it
         layers[idx] = ReuseCacheLayer(site)
+    elif type(layer) is DynamicSlidingWindowLayer:
+        layers[idx] = SlidingReuseCacheLayer(site, sliding_window=layer.sliding_window)
     else:
         return None
     return layers[idx]

@@ -1,16 +1,24 @@
-"""Describe a site from what transformers passes its attention function (when export cannot show it)."""
+"""Describe a site from what transformers passes its attention function (when export cannot show it),
+and what the model's layer says about it (its layer type, shared caches, learned sinks)."""
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import nn
 
-from attnopt.hf.interface import CallInfo
+from attnopt.hf.interface import CallInfo, layer_index
 from attnopt.ir.calls import SiteCall
 from attnopt.ir.masks import ADDITIVE_HIDE_BELOW, keep_mask
 from attnopt.ir.site import AttentionSite, MaskInfo, SiteNodes
+
+# Layer types whose mask a rewritten site reads for key padding (a band hides no key from its own
+# query) and whose cache layer holds only keys and values, which the site's own layer replaces.
+# Any other type (chunked, compressed, a hybrid that keeps a recurrent state beside its keys) stays
+# exact: its mask or its cache means something a form does not reproduce.
+REWRITABLE_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def site_from_call(path: str, module: nn.Module, call: SiteCall, info: CallInfo, layer: int) -> AttentionSite:
@@ -66,3 +74,29 @@ def _classify_hf_mask(mask, Nq, Nk, declared_causal):
             if bool((keep == (real & pat)).all()):
                 return True, w, bool((~key_keep).any()), False, form
     return False, None, False, True, form
+
+
+def model_keeps_exact(module: nn.Module) -> Optional[tuple]:
+    """(run-time inputs, reason) when the model's own layer makes this attention module's exact
+    attention the only correct one; None when a form may replace it. Read from the layer, before
+    any site is built, so such sites cost compile nothing."""
+    config, idx = getattr(module, "config", None), layer_index(module)
+    if isinstance(getattr(module, "sinks", None), nn.Parameter):
+        # GPT-OSS hands the attention function `s_aux`: a learned logit per head in every softmax.
+        return ("s_aux",), "learned attention sinks, one logit per head that every softmax includes"
+    if config is None or idx is None:
+        return None
+    types = getattr(config, "layer_types", None)
+    kind = types[idx] if isinstance(types, (list, tuple)) and idx < len(types) else None
+    if kind is not None and kind not in REWRITABLE_LAYER_TYPES:
+        return ("layer_type",), (f"layer {idx} is a {kind!r} layer, whose mask or cache carries more than causality, "
+                                 f"a band and padding; attnopt rewrites {' and '.join(REWRITABLE_LAYER_TYPES)} layers")
+    try:
+        sharing = getattr(config, "kv_sharing_modes", None)
+    except (AttributeError, TypeError, ValueError):
+        sharing = None
+    mode = sharing[idx] if isinstance(sharing, (list, tuple)) and idx < len(sharing) else None
+    if mode is not None:
+        return ("shared_kv",), (f"layer {idx} shares its keys and values with other layers (kv sharing {mode!r}); "
+                                "a decode state of its own would take them from the layers that read them")
+    return None

@@ -500,6 +500,11 @@ def resolve_thresholds(sites: Sequence, outcomes: Sequence, modules: Mapping, mo
                           tuple(tuple(x) for x in entry["timings"]), entry.get("decode"),
                           tuple(tuple(x) for x in entry.get("decode_timings", ())), entry.get("load"),
                           is_loaded(entry.get("load"), entry.get("others")), entry.get("others"))
+        window = getattr(by_id.get(outcome.site_id), "window", None)
+        if window is not None and t.min_seq_len > window:
+            # Below the model's own sliding window its band hides no key, so "exact" there is the model's
+            # attention in a prefill and in decoding alike; past it the two would differ.
+            t = replace(t, min_seq_len=int(window), detail=f"{t.detail}; capped at the model's sliding window {window}")
         thresholds[outcome.site_id] = t
         module.params["min_seq_len"] = t.min_seq_len
         module.min_seq_len = t.min_seq_len

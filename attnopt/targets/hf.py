@@ -37,7 +37,7 @@ from attnopt.forms.reuse.form import ReuseSite, find_anchor
 from attnopt.hf.interface import IMPL_EAGER, IMPL_SDPA, layer_index
 from attnopt.hf.recording import call_model, qk_projections, record_calls
 from attnopt.hf.routes import INTERFACE, MODULE, is_hf_model, reached, route, route_kind
-from attnopt.hf.sites import site_from_call
+from attnopt.hf.sites import model_keeps_exact, site_from_call
 from attnopt.ir.calls import Recording
 from attnopt.ir.detection import Detection
 from attnopt.ir.digest import tensors_digest
@@ -111,12 +111,14 @@ class HfTarget(Target):
         rec = Recording(outputs=outputs, notes=_route_notes(routed, found.sites, recorded))
         for j, site in enumerate(found.sites):
             calls = recorded.get(site.module_path, [])
-            found.sites[j] = site = _with_call_info(site, [info for _, info in calls])
+            found.sites[j] = site = _with_layer(_with_call_info(site, [info for _, info in calls]),
+                                                modules[site.module_path])
             per_module = sum(1 for s in found.sites if s.module_path == site.module_path)
             if per_module == 1 and len(calls) == len(batches):
                 rec.calls[site.id] = [c for c, _ in calls]
             elif calls:
                 rec.notes.append(f"site {site.id}: {len(calls)} attention-interface calls for {per_module} sites; not rewritten")
+        rec.notes += _window_notes(found.sites)
         rec.counts = {"batches": len(batches), "sites": len(found.sites), "calls": sum(len(c) for c in rec.calls.values())}
         return rec
 
@@ -405,6 +407,26 @@ def _with_call_info(site, infos: list):
         site = replace(site, runtime_inputs=site.runtime_inputs + ("position_bias",),
                        runtime_reason="a position bias the model adds to the scores: a relative position bias or ALiBi")
     return site
+
+
+def _with_layer(site, module: nn.Module):
+    """The site kept exact, with the reason, where the model's own layer requires it (hf.sites)."""
+    kept = model_keeps_exact(module)
+    if kept is None or site.runtime_inputs:
+        return site
+    inputs, reason = kept
+    return replace(site, runtime_inputs=inputs, runtime_reason=reason)
+
+
+def _window_notes(sites: list) -> list:
+    """Say where the model slides its own window: what exact and rewritten sites do with it."""
+    windowed = sorted({s.window for s in sites if s.window is not None})
+    if not windowed:
+        return []
+    n = sum(s.window is not None for s in sites)
+    return [f"{n} of {len(sites)} sites sit on layers that slide their own window "
+            f"({', '.join(map(str, windowed))} keys): exact sites keep the model's window, mask and cache as they are; "
+            "a rewritten site replaces it (a window form keeps the narrower band) and decodes from its own state"]
 
 
 def _route_notes(routed, sites: list, recorded: dict) -> list:

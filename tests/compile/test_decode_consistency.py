@@ -51,11 +51,9 @@ def _assert_sites_decode_from_their_state(opt, cache):
         if r.outcome.final_form in ("linear", "ssm", "window", "linear+window"):
             assert isinstance(layer, SiteCacheLayer) and layer.get_seq_length() == PROMPT + NEW - 1, r.site.id
             stateful += 1
-        elif r.site.window is not None and opt.attnopt_report.counts["splice"]["model_window_taken_over"]:
-            # An exact site of a windowed model runs the model's own band, from a band-sized cache.
-            assert isinstance(layer, SiteCacheLayer) and layer.site_module.form == "window", r.site.id
-        else:
+        else:  # an exact site keeps HF's own cache layer (a sliding one where the model slides its window)
             assert not isinstance(layer, SiteCacheLayer), r.site.id
+            assert getattr(layer, "is_sliding", False) == (r.site.window is not None), r.site.id
     assert stateful >= 1
 
 
@@ -92,11 +90,18 @@ def test_cached_steps_equal_a_full_forward_and_padding_changes_nothing(model, po
         assert not torch.allclose(opt(input_ids=seq, use_cache=False).logits, base(input_ids=seq, use_cache=False).logits)
 
 
-def test_mistral_window_is_taken_over_and_says_so():
+def test_mistral_keeps_its_own_window():
+    # attnopt changes no layer's type or window: rewritten sites decode from their own state, exact
+    # ones keep the model's band and its sliding cache (attnopt.hf.install).
     base = _model("mistral")
     ids, am = _prompt()
-    opt = attnopt.compile(base, "linear", example_inputs={"input_ids": ids, "attention_mask": am, "use_cache": False})
-    rep = opt.attnopt_report
-    assert rep.counts["splice"]["model_window_taken_over"] == 4
-    assert any("sliding window" in n for n in rep.notes)
-    assert base.config.sliding_window == 16  # the user's model keeps its own
+    policy = {"rules": [{"layers": "1", "form": "linear"}]}
+    opt = attnopt.compile(base, policy, example_inputs={"input_ids": ids, "attention_mask": am, "use_cache": False},
+                          e2e_tolerance=None)
+    assert [r.outcome.final_form for r in opt.attnopt_report.sites] == ["exact", "linear", "exact", "exact"]
+    assert opt.config.sliding_window == base.config.sliding_window == 16
+    pos = (am.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():  # layer 0, before the rewritten one, is the original's bit for bit
+        got, want = (m(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=False,
+                       output_hidden_states=True).hidden_states for m in (opt, base))
+    assert torch.equal(got[1], want[1]) and not torch.allclose(got[2], want[2])
