@@ -111,13 +111,14 @@ def result_path(benchmark: str, machine: Optional[str] = None) -> Path:
 
 
 def write_result(benchmark: str, payload: dict, *, argv: Optional[list[str]] = None,
-                 machine: Optional[str] = None, path: Optional[Path] = None) -> Path:
+                 machine: Optional[str] = None, path: Optional[Path] = None, launcher: str = "python") -> Path:
     """Write `payload` under `meta` (command, commit, date, machine, fingerprint) to the benchmark's
-    current file for this machine, replacing the previous run's; returns the path."""
+    current file for this machine, replacing the previous run's; returns the path. `launcher` is what
+    ran the script (e.g. "torchrun --nproc_per_node=2")."""
     argv = sys.argv if argv is None else argv
     meta = {
         "benchmark": benchmark,
-        "command": "python " + " ".join(shlex.quote(a) for a in [_relative(argv[0]), *argv[1:]]),
+        "command": launcher + " " + " ".join(shlex.quote(a) for a in [_relative(argv[0]), *argv[1:]]),
         **commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": machine or machine_name(),
