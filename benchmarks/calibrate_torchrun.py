@@ -69,8 +69,9 @@ def main(argv=None) -> None:
         from resultfile import write_result  # benchmarks/ is on sys.path when run as a script
 
         print(json.dumps(result, indent=1))
+        # The launcher's other options (--standalone, --nnodes) are not visible from here.
         print("wrote", write_result("calibrate_torchrun", result, path=args.out,
-                                    launcher=f"torchrun --nproc_per_node={world}"))  # its other options are not visible here
+                                    launcher=f"torchrun --nproc_per_node={world}"))
     dist.destroy_process_group()
 
 
