@@ -37,9 +37,11 @@ def token_nll(lm, rows: list) -> torch.Tensor:
     out = []
     for i in range(0, len(rows), per_batch):
         ids = torch.tensor(rows[i : i + per_batch], dtype=torch.long)
-        logits = lm.logits(ids, n)[:, :-1].double()
-        out.append(torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:].to(logits.device),
-                                                     reduction="none").cpu())
+        logits = lm.logits(ids, n)[:, :-1]
+        # rows of [tokens, vocab], contiguous: cross_entropy over a transposed [B, V, N] is many times slower
+        flat = logits.reshape(-1, logits.shape[-1]).double()
+        nll = torch.nn.functional.cross_entropy(flat, ids[:, 1:].reshape(-1).to(flat.device), reduction="none")
+        out.append(nll.reshape(ids.shape[0], n - 1).cpu())
     return torch.cat(out)
 
 

