@@ -243,6 +243,10 @@ def load_goals() -> list[dict]:
     return goals
 
 
+def bound_text(bound: str) -> str:
+    return bound.replace("<=", "≤").replace(">=", "≥")
+
+
 def judge(bound: str, value: Optional[float]) -> Optional[bool]:
     if value is None:
         return None
@@ -270,7 +274,7 @@ def goals_block(results: dict) -> str:
     for g in load_goals():
         for bench in g["benchmarks"]:
             for machine, result in sorted(results.get(bench, {}).items()) or [(None, None)]:
-                rows.append([g["what"], f"{g['bound'].replace('<=', '≤').replace('>=', '≥')}",
+                rows.append([g["what"], bound_text(g["bound"]),
                              f"`{bench}`" + (f" on `{machine}`" if machine else ""), verdict(g, result),
                              f"issue {g['source']['issue']}: “{g['source']['quote']}”"])
     return table(["goal", "bound", "benchmark", "current result", "source"], rows)
@@ -322,6 +326,7 @@ def e2e_table(r: dict) -> str:
 
 def onnx_table(r: dict) -> str:
     pol = r.get("policies", {})
+    shared = "; the machine was shared with other work" if r.get("machine", {}).get("shared") else ""
     keys = [k for k in pol]
     head = ["N"] + [f"ORT `{pol[k]}`" for k in keys] + [f"torch `{pol[k]}`" for k in keys]
     body = []
@@ -331,7 +336,7 @@ def onnx_table(r: dict) -> str:
                     + [f"{s.get('torch_' + k, float('nan')):.2f} s" for k in keys])
     return (f"{r.get('model', '')}, exported at {r.get('export', {}).get('length')} tokens with "
             f"`target=\"{r.get('export', {}).get('target')}\"`; {r.get('threads')} threads, {r.get('timing')}"
-            f" (best of {r.get('repeats')}){'; the machine was shared with other work' if r.get('machine', {}).get('shared') else ''}.\n\n"
+            f" (best of {r.get('repeats')}){shared}.\n\n"
             + table(head, body))
 
 
@@ -502,7 +507,7 @@ def headline_block(results: dict) -> str:
             if value is None:
                 continue
             g = goals.get(h.goal) if h.goal else None
-            goal = "—" if g is None else f"{g['bound'].replace('<=', '≤').replace('>=', '≥')}: {verdict(g, r).split(' (')[0]}"
+            goal = "—" if g is None else f"{bound_text(g['bound'])}: {verdict(g, r).split(' (')[0]}"
             m = r["meta"]
             rows.append([h.what, value, goal, f"`{machine}`, `{short(m.get('commit'))}`, {str(m.get('date'))[:10]}"])
     return table(["measured", "current result", "goal", "machine, commit, date"], rows)
