@@ -461,8 +461,7 @@ def test_every_form_round_trips_exactly_on_the_graph_path_at_other_batches_and_l
 
 class OddNet(nn.Module):
     """What a captured program may hold besides weights: a no_grad region (a higher-order op), float
-    and str constant inputs, a lifted tensor constant, tied weights, a buffer viewing a larger
-    storage, a bf16 parameter."""
+    and str constant inputs, a lifted tensor constant, tied weights, a bf16 parameter."""
 
     def __init__(self):
         super().__init__()
@@ -494,6 +493,25 @@ def test_a_graph_program_with_constants_ties_views_and_a_no_grad_region_round_tr
     assert loaded.graph_module.bias.dtype == torch.bfloat16
     with pytest.raises(attnopt.ir.errors.SpecializedInputError, match="captured with mode='minus'"):
         loaded(_x(), scale=0.5, mode="plus")
+
+
+def test_a_parameter_viewing_a_larger_storage_is_written_as_its_own_bytes_and_read_back(tmp_path):
+    from attnopt.targets.program_archive import read_program, write_program
+
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.arange(12.0).reshape(3, 4)[1])
+
+        def forward(self, x):
+            return x * self.w
+
+    program = torch.export.export(Scale(), (torch.ones(4),))
+    assert program.state_dict["w"].untyped_storage().nbytes() == 48  # still a view after export
+    write_program(program, tmp_path / "scale.pt2")
+    back = read_program(tmp_path / "scale.pt2")
+    assert isinstance(back.state_dict["w"], nn.Parameter) and back.state_dict["w"].untyped_storage().nbytes() == 16
+    assert torch.equal(back.module()(torch.ones(4)), torch.arange(4.0, 8.0))
 
 
 def test_a_transformers_model_on_the_graph_path_round_trips_with_padding_and_a_constant_input(tmp_path):

@@ -101,7 +101,8 @@ def _exact_storages(tensors: dict) -> dict:
         whole = (isinstance(t, torch.Tensor) and t.storage_offset() == 0 and t.is_contiguous()
                  and t.untyped_storage().nbytes() == t.numel() * t.element_size())
         if isinstance(t, torch.Tensor) and not whole:
-            t = t.detach().clone(memory_format=torch.contiguous_format)
+            copy_ = t.detach().clone(memory_format=torch.contiguous_format)
+            t = torch.nn.Parameter(copy_, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else copy_
         out[name] = t
     return out
 
