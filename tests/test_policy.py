@@ -58,13 +58,15 @@ def test_simple_presets_are_one_rule_each():
     assert Policy.parse("window:64+min_seq_len:128").rules[0].params["min_seq_len"] == 128
 
 
-def test_reuse_preset_skips_the_first_layer():
+def test_reuse_preset_keeps_the_first_and_last_layers_exact():
     p = Policy.parse("reuse")
     r = p.rules[0]
-    assert (r.form, r.params["anchor"], r.params["rank"]) == ("reuse", -1, 8)
-    assert forms_by_layer(p, 4) == [None, "reuse", "reuse", "reuse"]
+    assert (r.form, r.params["top_k"], r.params["block"], r.params["anchor"], r.params["every"]) == \
+        ("reuse", 16, 64, None, None)  # anchors measured
+    assert forms_by_layer(p, 5) == [None, "reuse", "reuse", "reuse", None]
+    assert Policy.parse("reuse:8+every:3").rules[0].params["top_k"] == 8
     # anchor two layers back: layers 0 and 1 have nothing to reuse
-    assert forms_by_layer(Policy.parse("reuse:-2"), 4) == [None, None, "reuse", "reuse"]
+    assert forms_by_layer(Policy.parse("reuse+anchor:-2"), 5) == [None, None, "reuse", "reuse", None]
 
 
 def test_hybrid_preset_layers():
@@ -264,6 +266,49 @@ def test_invalid_policies_name_field_value_and_allowed(spec, needles):
     message = str(info.value)
     for needle in needles:
         assert needle in message, f"{needle!r} missing from {message!r}"
+
+
+@pytest.mark.parametrize("spec, suggestion", [
+    ("linaer", "'linear'"),  # a form name
+    ("Hybird", "'hybrid'"),  # a recipe, any case
+    ("gla+windw:16", "'gla+window:16'"),  # a form whose name holds a '+', parsed as gla plus a key
+    ("windo:64+sinks:4", "'window:64+sinks:4'"),  # the rest of the preset kept
+    ("window:64+sinkz:4", "'window:64+sinks:4'"),  # a parameter
+    ("linear:favr", "'linear:favor'"),  # a value with fixed choices
+    ("linear+window:64+map:hedgehg", "'linear+window:64+map:hedgehog'"),  # a short preset key's value
+    ("auto+tolernce:0.2", "'auto+tolerance:0.2'"),  # a recipe's key
+    ({"rules": [{"form": "lineer"}]}, "'linear'"),
+    ({"rules": [{"form": "window", "sinkz": 4}]}, "'sinks'"),
+    ({"rules": [{"form": "window", "params": {"windw": 4}}]}, "'window'"),
+    ({"rules": [{"form": "exact", "layer": 3}]}, "'layers'"),
+    ({"rules": [{"form": "linear", "feature_map": "hedgehg"}]}, "'hedgehog'"),
+    ({"rules": [{"form": "exact", "source": "spda"}]}, "'sdpa'"),
+    ({"rulez": []}, "'rules'"),
+])
+def test_a_typo_names_the_closest_spelling(spec, suggestion):
+    with pytest.raises(PolicyError) as info:
+        Policy.parse(spec)
+    assert f"(did you mean {suggestion}?)" in str(info.value), str(info.value)
+    if isinstance(spec, str):  # the preset it suggests is one that parses
+        Policy.parse(suggestion.strip("'"))
+
+
+def test_a_typo_with_nothing_close_suggests_nothing():
+    for spec in ("zzz", "window:64+qqq:1", "linear:cosine", {"rules": [{"form": "window", "zz": 1}]}):
+        with pytest.raises(PolicyError) as info:
+            Policy.parse(spec)
+        assert "did you mean" not in str(info.value)
+    # 'windw' is close to 'window', but window given twice does not parse: no suggestion that fails
+    with pytest.raises(PolicyError) as info:
+        Policy.parse("linear+window:64+windw:3")
+    assert "did you mean" not in str(info.value)
+
+
+def test_a_rule_built_in_python_names_the_closest_form_and_parameter():
+    with pytest.raises(PolicyError, match=r"unknown form 'widnow' \(did you mean 'window'\?\)"):
+        Rule(form="widnow")
+    with pytest.raises(PolicyError, match=r"no parameter 'sink' \(did you mean 'sinks'\?\)"):
+        Rule(form="window", params={"window": 8, "sink": 2})
 
 
 def test_parse_rejects_other_types():

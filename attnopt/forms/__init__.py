@@ -12,9 +12,10 @@ read it, so adding a folder is all a new form needs.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import pkgutil
-from typing import Optional
+from typing import Any, Iterable, Optional
 
 from attnopt.forms.common.base import (
     COMMON_PARAMS,
@@ -29,7 +30,7 @@ from attnopt.forms.common.base import (
 from attnopt.ir.errors import PolicyError, SiteUnsupported
 
 __all__ = ["Form", "Param", "SiteModule", "SiteGeometry", "SiteUnsupported", "BuildContext", "FitResult", "CostAt",
-           "COMMON_PARAMS", "registry", "get", "names", "aliases", "policy_table"]
+           "COMMON_PARAMS", "registry", "get", "names", "aliases", "policy_table", "closest", "did_you_mean"]
 
 # The folder in this package that holds shared pieces, not a form.
 _SHARED = "common"
@@ -72,15 +73,33 @@ def aliases() -> dict[str, str]:
 
 
 def get(name: str) -> Form:
-    """The form called `name` (or one of its aliases); PolicyError listing the forms otherwise."""
+    """The form called `name` (or one of its aliases); PolicyError naming the closest name and listing
+    the forms otherwise."""
     reg = registry()
     if not isinstance(name, str):
         raise PolicyError(f"a form name must be a string; got {name!r}; allowed forms: {', '.join(reg)}")
     key = aliases().get(name, name)
     if key not in reg:
         extra = f" (aliases: {', '.join(aliases())})" if aliases() else ""
-        raise PolicyError(f"unknown form {name!r}; allowed forms: {', '.join(reg)}{extra}")
+        hint = did_you_mean(name, [*reg, *aliases()])
+        raise PolicyError(f"unknown form {name!r}{hint}; allowed forms: {', '.join(reg)}{extra}")
     return reg[key]
+
+
+def closest(word: Any, choices: Iterable[str]) -> Optional[str]:
+    """The choice a misspelt `word` most likely meant (difflib's ratio >= 0.6, case ignored); None
+    when none is that close or `word` is not text."""
+    if not isinstance(word, str) or not word.strip():
+        return None
+    by_lower = {c.lower(): c for c in choices if isinstance(c, str)}
+    match = difflib.get_close_matches(word.strip().lower(), list(by_lower), n=1, cutoff=0.6)
+    return by_lower[match[0]] if match else None
+
+
+def did_you_mean(word: Any, choices: Iterable[str]) -> str:
+    """" (did you mean 'linear'?)" for an error message about `word`, or "" when nothing is close."""
+    match = closest(word, choices)
+    return f" (did you mean {match!r}?)" if match is not None and match != word else ""
 
 
 def policy_table() -> str:

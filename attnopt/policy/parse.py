@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Union
 
+from attnopt import forms
 from attnopt.ir.errors import PolicyError
 from attnopt.policy.presets import parse_preset
 from attnopt.policy.rules import rule_from_dict
@@ -18,7 +19,8 @@ def parse_dict(d: Mapping) -> dict[str, Any]:
     """The Policy fields (name, rules, auto, tolerance) of a policy mapping; PolicyError on any bad key."""
     for key in d:
         if key not in POLICY_KEYS:
-            raise PolicyError(f"policy: unknown key {key!r}; allowed keys: {', '.join(POLICY_KEYS)}")
+            raise PolicyError(f"policy: unknown key {key!r}{forms.did_you_mean(key, POLICY_KEYS)}; allowed keys: "
+                              f"{', '.join(POLICY_KEYS)}")
     rules_raw = d.get("rules", [])
     if rules_raw is None:
         rules_raw = []

@@ -62,7 +62,17 @@ def _split_form(raw: str) -> tuple[str, str]:
 
 
 def parse_preset(raw: str) -> dict[str, Any]:
-    """The Policy fields (name, rules, auto, tolerance) a preset string spells."""
+    """The Policy fields (name, rules, auto, tolerance) a preset string spells. A misspelt form name,
+    key or value is an error that names the nearest preset that parses ("did you mean
+    'gla+window:16'?")."""
+    return _parse(raw, hints=True)
+
+
+def _parse(raw: str, hints: bool) -> dict[str, Any]:
+    def hint() -> str:
+        fix = suggest_preset(raw) if hints else None
+        return f" (did you mean {fix!r}?)" if fix else ""
+
     form_name, rest = _split_form(raw)
     arg: Optional[str] = None
     if rest.startswith(":"):
@@ -73,7 +83,8 @@ def parse_preset(raw: str) -> dict[str, Any]:
         key, sep, value = extra.partition(":")
         key = key.strip()
         if not sep or not key:
-            raise PolicyError(f"preset {raw!r}: extra {extra!r} is not 'key:value' (e.g. 'window:64+sinks:4')")
+            raise PolicyError(f"preset {raw!r}: extra {extra!r} is not 'key:value' (e.g. 'window:64+sinks:4')"
+                              f"{hint()}")
         if key in params:
             raise PolicyError(f"preset {raw!r}: {key!r} given twice; give it once")
         params[key] = preset_value(value.strip())
@@ -82,7 +93,7 @@ def parse_preset(raw: str) -> dict[str, Any]:
             raise PolicyError(f"preset {raw!r}: {form_name!r} takes no ':arg'; allowed extras: +tolerance:<float>")
         unknown = set(params) - {"tolerance"}
         if unknown:
-            raise PolicyError(f"preset {raw!r}: unknown key {sorted(unknown)[0]!r}; allowed: tolerance")
+            raise PolicyError(f"preset {raw!r}: unknown key {sorted(unknown)[0]!r}{hint()}; allowed: tolerance")
         tol = params.get("tolerance")
         if form_name == "hybrid":
             return {"name": "hybrid", "rules": hybrid_rules(), "tolerance": tol}
@@ -91,7 +102,7 @@ def parse_preset(raw: str) -> dict[str, Any]:
         spec = forms.get(form_name)
     except PolicyError:
         raise PolicyError(
-            f"unknown preset {raw!r}; allowed presets: {', '.join(preset_names())} "
+            f"unknown preset {raw!r}{hint()}; allowed presets: {', '.join(preset_names())} "
             f"(grammar form[:arg][+key:value...], e.g. 'window:256+sinks:4')"
         ) from None
     if arg is not None:
@@ -104,12 +115,75 @@ def parse_preset(raw: str) -> dict[str, Any]:
             raise PolicyError(f"preset {raw!r}: {spec.preset_arg!r} given twice; give it once")
         params = {spec.preset_arg: preset_value(arg.strip()), **params}
     params = {spec.preset_keys.get(k, k): v for k, v in params.items()}
+    allowed = spec.all_params()
+    for key, value in params.items():
+        if key not in allowed:
+            raise PolicyError(f"preset {raw!r}: form {spec.name!r} has no parameter {key!r}{hint()}; allowed: "
+                              f"{', '.join(sorted(allowed))}")
+        choices = allowed[key].choices
+        if choices is not None and isinstance(value, str) and value not in choices:
+            raise PolicyError(f"preset {raw!r}: form {spec.name!r}: parameter {key!r} got {value!r}{hint()}; "
+                              f"allowed values: {', '.join(repr(c) for c in choices)}")
     params, layers = spec.preset_rule(params)
     try:
         rule = Rule(form=spec.name, params=params, layers=layers)
     except PolicyError as e:
         raise PolicyError(f"preset {raw!r}: {e}") from None
     return {"name": raw.strip(), "rules": (rule,)}
+
+
+def suggest_preset(raw: str) -> Optional[str]:
+    """The nearest preset that parses with one misspelt word corrected (the form name, '+' and all, a
+    key, or a value with a fixed set of choices); None when no single correction gives one."""
+    for candidate in _corrections(raw.strip()):
+        try:
+            _parse(candidate, hints=False)
+        except PolicyError:
+            continue
+        return candidate
+    return None
+
+
+def _corrections(text: str):
+    """Candidate presets, each `text` with one word replaced by the closest known one."""
+    name, sep, rest = text.partition(":")
+    # The name part as one form name: 'gla+windw:16' -> 'gla+window:16' (a '+' may be inside a name).
+    match = forms.closest(name, preset_names())
+    if match is not None and match != name.lower():
+        yield match + sep + rest
+    head, tail = _split_form(text)
+    if head in RECIPES:
+        spec, keys = None, ["tolerance"]
+    else:
+        try:
+            spec = forms.get(head)
+        except PolicyError:
+            return
+        keys = [*spec.all_params(), *spec.preset_keys]
+    prefix, parts = text[: len(text) - len(tail)], tail.split("+")  # parts[0]: ":arg" or ""
+    for i, part in enumerate(parts):
+        if i == 0:
+            if part.startswith(":") and spec is not None and spec.preset_arg is not None:
+                for value in _value_fixes(spec, spec.preset_arg, part[1:]):
+                    yield prefix + "+".join([":" + value] + parts[1:])
+            continue
+        key, colon, value = part.partition(":")
+        options = []
+        fixed_key = forms.closest(key, keys)
+        if fixed_key is not None and fixed_key != key:
+            options.append(fixed_key + colon + value)
+        if spec is not None:
+            options += [key + colon + v for v in _value_fixes(spec, spec.preset_keys.get(key, key), value)]
+        for option in options:
+            yield prefix + "+".join(parts[:i] + [option] + parts[i + 1:])
+
+
+def _value_fixes(spec, key: str, value: str):
+    param = spec.all_params().get(key)
+    if param is not None and param.choices is not None:
+        fixed = forms.closest(value, [str(c) for c in param.choices])
+        if fixed is not None and fixed != value:
+            yield fixed
 
 
 def preset_value(text: str) -> Any:

@@ -121,7 +121,8 @@ def _parse_source(value: Any, where: str) -> Optional[frozenset]:
         raise PolicyError(f"{where}: field 'source' got {value!r}; allowed values: {', '.join(SOURCES)} (or a list of them)")
     for s in items:
         if s not in SOURCES:
-            raise PolicyError(f"{where}: field 'source' got {s!r}; allowed values: {', '.join(SOURCES)}")
+            raise PolicyError(f"{where}: field 'source' got {s!r}{forms.did_you_mean(s, SOURCES)}; allowed values: "
+                              f"{', '.join(SOURCES)}")
     return frozenset(items)
 
 
@@ -156,6 +157,7 @@ class Rule:
     def __post_init__(self) -> None:
         spec = forms.get(self.form)
         object.__setattr__(self, "form", spec.name)
+        check_names(spec, self.params, "rule")
         given = spec.validate(dict(self.params))
         # Canonical order (the form's own knobs first, then the common ones) keeps describe() stable.
         params = {k: _plain(given[k]) for k in spec.all_params()}
@@ -232,6 +234,23 @@ class Rule:
         return d
 
 
+def check_names(spec, params: Mapping, where: str) -> None:
+    """PolicyError for a parameter the form does not have, or a value outside its fixed choices, naming
+    the closest one (the form's `validate` checks everything else)."""
+    allowed = spec.all_params()
+    for key, value in params.items():
+        full = spec.preset_keys.get(key, key)
+        if full not in allowed:
+            hint = forms.did_you_mean(key, [*allowed, *spec.preset_keys])
+            raise PolicyError(f"{where}: form {spec.name!r} has no parameter {key!r}{hint}; allowed: "
+                              f"{', '.join(sorted(allowed))}")
+        choices = allowed[full].choices
+        if choices is not None and isinstance(value, str) and value not in choices:
+            hint = forms.did_you_mean(value, [str(c) for c in choices])
+            raise PolicyError(f"{where}: form {spec.name!r}: parameter {full!r} got {value!r}{hint}; allowed values: "
+                              f"{', '.join(repr(c) for c in choices)}")
+
+
 def rule_from_dict(raw: Any, index: int) -> Rule:
     where = f"rule {index}"
     if not isinstance(raw, Mapping):
@@ -249,13 +268,15 @@ def rule_from_dict(raw: Any, index: int) -> Rule:
     inline = {spec.preset_keys.get(k, k): v for k, v in raw.items() if k not in RULE_KEYS}
     for key in inline:
         if key not in param_names:
+            hint = forms.did_you_mean(key, [*RULE_KEYS, *param_names, *spec.preset_keys])
             raise PolicyError(
-                f"{where}: unknown key {key!r}; allowed keys: {', '.join(RULE_KEYS)}, "
+                f"{where}: unknown key {key!r}{hint}; allowed keys: {', '.join(RULE_KEYS)}, "
                 f"or parameters of form {spec.name!r}: {', '.join(param_names)}"
             )
     nested = raw.get("params") or {}
     if not isinstance(nested, Mapping):
         raise PolicyError(f"{where}: field 'params' got {nested!r}; expected a mapping of {', '.join(param_names)}")
+    check_names(spec, {**nested, **inline}, where)
     both = set(inline) & set(nested)
     if both:
         raise PolicyError(f"{where}: parameter {sorted(both)[0]!r} given both inline and under 'params'; give it once")
