@@ -7,7 +7,7 @@ than on one; untimed warm-up rounds come first; the best (fastest) of the timed 
 
 - `take_turns(runs, repeats, warmups, rotate, progress) -> Turns`: the loop, for any zero-argument
   callables that return their seconds (or a dict of measurements); `Turns.best()` is the best-of;
-- `timed(fn, clock)`: a run that returns the seconds `fn()` took;
+  `timed(fn, clock)`: a run that returns the seconds `fn()` took (both from attnopt.analysis.timing);
 - `build_subjects(model, policies, example_inputs, ...)`: {"original": model, policy: compiled, ...};
 - `time_forward(subjects, lengths, inputs, repeats, ...) -> [Timing]`;
 - `time_generate(subjects, ids, new_tokens, repeats, ...) -> DecodeTiming`;
@@ -24,83 +24,22 @@ import itertools
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
+from attnopt.analysis.timing import Clock, Run, Turns, take_turns, timed
 from attnopt.compiler import compile as attnopt_compile
 
-Clock = Callable[[], float]
-Measurement = Union[float, Mapping[str, Any]]  # seconds, or named measurements ("prefill", "per_token")
-Run = Callable[[], Measurement]
+__all__ = ["take_turns", "timed", "Turns", "build_subjects", "time_forward", "time_generate", "compare", "Workload",
+           "Timing", "DecodeTiming", "BenchResult", "build_decoder", "decoder_workload", "random_ids"]
+
 Progress = Callable[..., None]  # update(text, done=None, total=None), as compile's progress and the CLI's bar
 Inputs = tuple  # (args, kwargs) of one forward
 
 DEFAULT_POLICIES = ("linear", "window:256+sinks:4")
 DECODER_EXAMPLE_TOKENS = 128  # compile's verification adds a longer input where a window needs one
 SEED = 0
-
-
-# ---------------------------------------------------------------- the loop
-
-
-@dataclass
-class Turns:
-    """Every timed round of a take_turns: per subject (in the order given), one dict of measurements
-    per round ({"seconds": s} for a run that returns a number)."""
-
-    samples: dict[str, list[dict[str, Any]]]
-
-    def values(self, metric: str = "seconds") -> dict[str, list]:
-        """Per subject, `metric` of every round that measured it."""
-        return {name: [s[metric] for s in rounds if metric in s] for name, rounds in self.samples.items()}
-
-    def best(self, metric: str = "seconds") -> dict[str, float]:
-        """The fastest round per subject (inf where no round measured `metric`)."""
-        return {name: min(v, default=float("inf")) for name, v in self.values(metric).items()}
-
-    def worst(self, metric: str = "seconds") -> dict[str, float]:
-        """The slowest round per subject (0 where no round measured `metric`)."""
-        return {name: max(v, default=0.0) for name, v in self.values(metric).items()}
-
-    def spread(self, metric: str = "seconds") -> dict[str, float]:
-        """Slowest / fastest round per subject: how steady the machine was."""
-        best, worst = self.best(metric), self.worst(metric)
-        return {name: worst[name] / best[name] if best[name] > 0 else float("nan") for name in best}
-
-
-def take_turns(runs: Mapping[str, Run], repeats: int, warmups: int = 0, rotate: bool = False,
-               progress: Optional[Callable[[str], None]] = None) -> Turns:
-    """Call every run once per round: `warmups` untimed rounds, then `repeats` timed ones. rotate:
-    timed round r starts at the r-th subject (who goes first changes); progress(name) is told
-    before every call."""
-    names = list(runs)
-    samples: dict[str, list] = {name: [] for name in names}
-    for r in range(warmups + repeats):
-        shift = (r - warmups) % len(names) if rotate and r >= warmups else 0
-        for name in names[shift:] + names[:shift]:
-            if progress is not None:
-                progress(name)
-            measured = runs[name]()
-            if r >= warmups:
-                samples[name].append(dict(measured) if isinstance(measured, Mapping) else {"seconds": measured})
-    return Turns(samples)
-
-
-def timed(fn: Callable[[], Any], clock: Clock = time.perf_counter,
-          keep: Optional[Callable[[Any], None]] = None) -> Callable[[], float]:
-    """A run for take_turns: calls `fn` and returns the seconds it took; its result is dropped (or
-    handed to keep) after the clock is read."""
-
-    def run() -> float:
-        start = clock()
-        result = fn()
-        seconds = clock() - start
-        if keep is not None:
-            keep(result)
-        return seconds
-
-    return run
 
 
 # ---------------------------------------------------------------- subjects

@@ -17,10 +17,12 @@ import torch
 from torch import nn
 
 from attnopt.analysis.cost import cost_curve
+from attnopt.analysis.timing import Conditions, forward_time, input_shape, longest_batch
 from attnopt.compile_options import CompileOptions
 from attnopt.ir.batch import as_batch, attention_mask_of
 from attnopt.ir.calls import Recording
 from attnopt.ir.outcomes import Status
+from attnopt.passes import machine_load
 from attnopt.passes.budget import E2E_TOLERANCE, hold_budget, within_budget
 from attnopt.passes.crossover import resolve_thresholds
 from attnopt.passes.plan import plan_sites
@@ -33,11 +35,16 @@ __all__ = ["compile", "backend", "as_batch", "within_budget", "E2E_TOLERANCE", "
 
 
 class _Timer:
-    """Seconds per step, in pipeline order, for the report."""
+    """Seconds per step, in pipeline order, and the conditions they were taken under, for the report."""
 
     def __init__(self):
         self.timings: dict = {}
         self._t = time.perf_counter()
+        self._mark = machine_load.cpu_mark()
+
+    def conditions(self, device: torch.device) -> Conditions:
+        """Threads, cores, load, and the cores other work held since the compile started."""
+        return Conditions.now(machine_load.others_since(self._mark), str(device))
 
     def lap(self, step: str) -> None:
         now = time.perf_counter()
@@ -106,6 +113,9 @@ def compile(
     dispatch_result = resolve_thresholds(found.sites, budget.outcomes, budget.modules, opts.dispatch,
                                          device=_device_of(budget.model), step=say, max_len=_position_limit(model))
     timer.lap("dispatch")
+    say("timing the forward, original against rewritten")
+    forward = time_forward(target, model, budget.model, recorded, dispatch_result.thresholds)
+    timer.lap("time_forward")
     timer.timings["total"] = sum(timer.timings.values())
     _warn_if_nothing_rewritten(opts.name, planning.plans, dispatch_result.outcomes, budget.steps, opts.e2e_tolerance)
     counts = {"detect": found.counts, "record": recorded.recording.counts, "plan": planning.counts,
@@ -115,8 +125,18 @@ def compile(
         model_name=opts.name, policy=opts.policy, found=found, plans=planning.plans, outcomes=dispatch_result.outcomes,
         end_to_end=budget.end_to_end, timings=timer.timings, counts=counts, budget_steps=budget.steps,
         thresholds=dispatch_result.thresholds, mechanism=target.mechanism, installs=target.installs(found.sites),
-        notes=compile_notes(found, recorded, budget.install_counts, dispatch_result.thresholds))
+        notes=compile_notes(found, recorded, budget.install_counts, dispatch_result.thresholds),
+        forward_time=forward, conditions=timer.conditions(_device_of(budget.model)))
     return budget.model
+
+
+def time_forward(target: Target, model: nn.Module, compiled: nn.Module, recorded: "Recorded", thresholds: dict):
+    """The measured time of the report: both models' forward on the input verification checked the
+    forms on (the longest), taking turns (`attnopt.analysis.timing.forward_time`)."""
+    index, length = longest_batch(recorded.batches, recorded.recording.calls)
+    batch = recorded.batches[index]
+    return forward_time(lambda: target.run(model, [batch]), lambda: target.run(compiled, [batch]), input_shape(batch),
+                        length, [t.min_seq_len for t in thresholds.values()])
 
 
 def _warn_if_no_attention(found, name: str) -> None:
@@ -231,7 +251,7 @@ def _position_limit(model: nn.Module) -> Optional[int]:
 
 
 def build_report(*, model_name, policy, found, plans, outcomes, end_to_end, timings, notes, counts, budget_steps=(),
-                 thresholds=None, mechanism="", installs=None):
+                 thresholds=None, mechanism="", installs=None, forward_time=None, conditions=None):
     """The report is assembled from exactly what the passes returned; only costs are computed here."""
     example_len = next((s.q_len for s in found.sites if isinstance(s.q_len, int)), None)
     records = []
@@ -249,7 +269,8 @@ def build_report(*, model_name, policy, found, plans, outcomes, end_to_end, timi
     return CompileReport(
         model_name=model_name, policy=policy, capture=found.capture, sites=records, near_misses=found.near_misses,
         end_to_end=end_to_end, timings=timings, notes=notes, counts=counts,
-        budget_steps=[s.to_dict() for s in budget_steps], mechanism=mechanism,
+        budget_steps=[s.to_dict() for s in budget_steps], mechanism=mechanism, forward_time=forward_time,
+        conditions=conditions,
     )
 
 

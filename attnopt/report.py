@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from attnopt.analysis.decode_memory import decode_memory
+from attnopt.analysis.timing import Conditions, ForwardTime
 from attnopt.ir.outcomes import Cost, Drift, OutputDrift, SiteOutcome, SitePlan, Status
 from attnopt.ir.site import AttentionSite, MaskInfo, NearMiss, SiteNodes
 from attnopt.passes.crossover import Threshold
@@ -75,6 +76,9 @@ class CompileReport:
     near_misses: list = field(default_factory=list)  # list[NearMiss]
     end_to_end: Optional[OutputDrift] = None
     timings: dict = field(default_factory=dict)  # pass name -> seconds
+    # The whole model's forward on the verification input, original against rewritten (None: not measured).
+    forward_time: Optional[ForwardTime] = None
+    conditions: Optional[Conditions] = None  # what the step timings were taken under
     notes: list = field(default_factory=list)
     counts: dict = field(default_factory=dict)  # pass name -> what that pass counted
     budget_steps: list = field(default_factory=list)  # sites reverted to hold the end-to-end budget, in order
@@ -171,6 +175,8 @@ class CompileReport:
             "end_to_end": self.end_to_end.to_dict() if self.end_to_end is not None else None,
             "totals": self.totals,
             "timings": dict(self.timings),
+            "conditions": None if self.conditions is None else self.conditions.to_dict(),
+            "forward_time": None if self.forward_time is None else self.forward_time.to_dict(),
             "notes": list(self.notes),
             "counts": dict(self.counts),
             "budget_steps": list(self.budget_steps),
@@ -203,6 +209,8 @@ class CompileReport:
             near_misses=[NearMiss(**n) for n in d.get("near_misses", [])],
             end_to_end=_output_drift_from_dict(d.get("end_to_end")),
             timings=dict(d.get("timings", {})),
+            conditions=Conditions.from_dict(d.get("conditions")),
+            forward_time=ForwardTime.from_dict(d.get("forward_time")),
             notes=list(d.get("notes", [])),
             counts=dict(d.get("counts", {})),
             budget_steps=list(d.get("budget_steps", [])),

@@ -12,9 +12,12 @@ from typing import Any, Optional
 
 from attnopt.evaluation.report import EvalReport
 from attnopt.report_text import (
+    CROSSOVER_NOTE,
+    CROSSOVER_TITLES,
     SITE_COLUMNS,
     column_titles,
-    decode_memory_rows,
+    crossover_rows,
+    decode_memory_table,
     fmt_flops,
     fmt_num,
     site_row,
@@ -233,15 +236,41 @@ def _e2e_table(rep) -> str:
     return table
 
 
+def _table(titles, rows, numeric_from: int = 0) -> str:
+    """A plain table of text cells; cells from column `numeric_from` on are right-aligned numbers."""
+    num = ' class="num"'
+    head = "".join(f"<th>{esc(t)}</th>" for t in titles)
+    body = "".join("<tr>" + "".join(f"<td{num if i >= numeric_from else ''}>{esc(c)}</td>" for i, c in enumerate(r))
+                   + "</tr>" for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
 def _decode_table(rep) -> str:
-    rows = decode_memory_rows(rep)
+    titles, rows, note = decode_memory_table(rep)
     if not rows:
         return ""
-    body = "".join("<tr>" + "".join(f'<td class="num">{esc(c)}</td>' for c in r) + "</tr>" for r in rows)
     return ("<h2>Decode memory</h2><p>Bytes each batch row holds while generating: the rewritten sites' decode "
             "states (fixed-size for linear and ssm, window-sized for window forms) against the KV cache of the "
-            "same sites left exact.</p><table><thead><tr><th>context</th><th>decode state</th><th>original KV "
-            f"cache</th><th>ratio</th></tr></thead><tbody>{body}</tbody></table>")
+            f"same sites left exact.</p>{_table(titles, rows)}" + (f"<p>{esc(note)}</p>" if note else ""))
+
+
+def measured_time_html(rep) -> str:
+    """The "Measured time" section: the forward original against rewritten, compile's step times, and
+    the crossover timings behind the dispatch thresholds, each with the conditions it was taken under."""
+    forward, conditions, crossovers = rep.forward_time, rep.conditions, crossover_rows(rep)
+    if forward is None and conditions is None and not crossovers and not rep.timings:
+        return ""
+    parts = ["<h2>Measured time</h2>"]
+    if forward is not None:
+        parts.append(f"<p>{esc(forward.text())}; the two taking turns after a warm-up, "
+                     f"{esc(forward.conditions.text())}.</p>")
+    if rep.timings:
+        rows = [[k, f"{v:.3f} s"] for k, v in rep.timings.items()]
+        where = f" ({esc(conditions.text())})" if conditions is not None else ""
+        parts.append(f"<p>Compile steps{where}:</p>{_table(['step', 'time'], rows, numeric_from=1)}")
+    if crossovers:
+        parts.append(f"<p>{esc(CROSSOVER_NOTE)}</p>{_table(CROSSOVER_TITLES, crossovers, numeric_from=2)}")
+    return "".join(parts)
 
 
 def _totals_table(rep) -> str:
@@ -332,6 +361,7 @@ def render_html(rep) -> str:
     t = rep.totals
     ratio = t["flops_ratio"][-1] if t["flops_ratio"] else None
     worst = rep.end_to_end.worst.rel_rms if rep.end_to_end is not None and rep.end_to_end.worst is not None else None
+    speedup = rep.forward_time.speedup if rep.forward_time is not None else None
     cards = "".join(
         [
             _card(t["sites"], "attention sites"),
@@ -343,12 +373,9 @@ def render_html(rep) -> str:
             _card(t["near_misses"], "near misses"),
             _card(fmt_num(ratio), f"FLOPs ratio @{rep.cost_multipliers[-1]}×" if rep.cost_multipliers else "FLOPs ratio"),
             _card(fmt_num(worst), "end-to-end worst rel RMS"),
+            _card("—" if speedup is None else f"{speedup:.2f}×", "forward speed-up (measured)"),
         ]
     )
-    timings = ""
-    if rep.timings:
-        items = "".join(f'<tr><td>{esc(k)}</td><td class="num">{v:.3f} s</td></tr>' for k, v in rep.timings.items())
-        timings = f"<h2>Timings</h2><table><thead><tr><th>pass</th><th>time</th></tr></thead><tbody>{items}</tbody></table>"
     notes = ""
     if rep.notes:
         notes = "<h2>Notes</h2><ul>" + "".join(f"<li>{esc(n)}</li>" for n in rep.notes) + "</ul>"
@@ -368,6 +395,7 @@ def render_html(rep) -> str:
 <h2>Totals</h2>
 {_totals_table(rep)}
 {_decode_table(rep)}
+{measured_time_html(rep)}
 <h2>End-to-end drift</h2>
 {_e2e_table(rep)}
 <h2>Sites</h2>
@@ -378,7 +406,6 @@ def render_html(rep) -> str:
 {_near_miss_table(rep)}
 <h2>Policy</h2>
 <pre>{esc(rep.policy_text())}</pre>
-{timings}
 {notes}
 </main></body></html>
 """

@@ -26,22 +26,103 @@ def fmt_flops(x: float) -> str:
     return f"{x:.3g} "
 
 
-def decode_memory_rows(rep) -> list[tuple[str, str, str, str]]:
-    """(context, decode state, original KV cache, ratio) per context, per batch row; [] for encoders."""
+def decode_memory_table(rep) -> tuple[list[str], list[list[str]], str]:
+    """(titles, rows, note) of the decode-memory table, per batch row; ([], [], "") for encoders. With
+    dispatch thresholds it also shows what the sites hold once the context is past them, and the
+    note says why the two differ."""
     mem = rep.decode_memory
     if mem is None:
-        return []
-    return [(f"{n:,}", f"{fmt_flops(t)}B", f"{fmt_flops(o)}B", fmt_num(r, 4))
-            for n, t, o, r in zip(mem.contexts, mem.total, mem.original, mem.ratio)]
+        return [], [], ""
+    titles = ["context", "decode state", "original KV cache", "ratio"]
+    shown = bool(mem.thresholds) and any(mem.prefix_counted)
+    if shown:
+        titles += ["decode state past the threshold", "ratio past the threshold"]
+    rows = []
+    for i, (n, t, o, r) in enumerate(zip(mem.contexts, mem.total, mem.original, mem.ratio)):
+        mark = " *" if shown and mem.prefix_counted[i] else ""
+        row = [f"{n:,}", f"{fmt_flops(t)}B", f"{fmt_flops(o)}B", fmt_num(r, 4) + mark]
+        if shown:
+            row += [f"{fmt_flops(mem.past_threshold[i])}B", fmt_num(mem.ratio_past_threshold[i], 4)]
+        rows.append(row)
+    return titles, rows, decode_memory_note(mem) if shown else ""
+
+
+def decode_memory_note(mem) -> str:
+    """Why the decode state can exceed the original below a dispatch threshold (the rows marked *)."""
+    ts = ", ".join(f"{t:,}" for t in mem.thresholds)
+    return (f"* Below its dispatch threshold (min_seq_len: {ts} tokens here) a rewritten site runs exact attention, so "
+            "until the context reaches the threshold it keeps the exact KV cache besides its own state; the decode "
+            "state counts both, and can exceed the original's there. Past the threshold only the form's state is "
+            "kept (the last two columns). Set min_seq_len in the policy, or compile(dispatch='off'), to use the "
+            "form from the first token.")
 
 
 def decode_memory_lines(rep) -> list[str]:
-    rows = decode_memory_rows(rep)
+    titles, rows, note = decode_memory_table(rep)
     if not rows:
         return []
     out = ["", "## Decode memory (per batch row, all causal sites)", "",
-           "| context | decode state | original KV cache | ratio |", "|---|---|---|---|"]
-    return out + [f"| {' | '.join(r)} |" for r in rows]
+           "| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
+    out += [f"| {' | '.join(r)} |" for r in rows]
+    return out + (["", note] if note else [])
+
+
+def crossover_groups(rep) -> list[tuple[list[str], Any]]:
+    """([site ids], threshold) per distinct set of dispatch timings: sites of one geometry, form and
+    parameters share one measurement (one cache entry), shown once."""
+    groups: dict = {}
+    for r in rep.sites:
+        t = r.threshold
+        if t is None or not (t.timings or t.decode_timings):
+            continue
+        key = (t.form, tuple(t.timings), tuple(t.decode_timings))
+        groups.setdefault(key, ([], t))[0].append(r.site.id)
+    return list(groups.values())
+
+
+CROSSOVER_TITLES = ("sites", "form", "tokens", "form ms", "exact ms", "form speed-up", "exact below (source)")
+
+
+def crossover_rows(rep) -> list[list[str]]:
+    """One row per timed length of each crossover group: the form against exact attention (SDPA) in
+    one attention op; the decoding step's timings follow, marked so."""
+    rows = []
+    for ids, t in crossover_groups(rep):
+        sites = ids[0] if len(ids) == 1 else f"{ids[0]} and {len(ids) - 1} more"
+        taken = t.source + ("" if t.load is None else f", load {t.load:.1f}") + (", loaded machine" if t.loaded else "")
+        timed = [(str(n), f, e) for n, f, e in t.timings] + [(f"{n} (decode step)", f, e) for n, f, e in t.decode_timings]
+        for i, (n, form_s, exact_s) in enumerate(timed):
+            rows.append([sites if i == 0 else "", t.form if i == 0 else "", n, fmt_num(form_s * 1e3),
+                         fmt_num(exact_s * 1e3), f"{fmt_num(exact_s / form_s)}x" if form_s > 0 else "—",
+                         f"{t.min_seq_len} ({taken})" if i == 0 else ""])
+    return rows
+
+
+CROSSOVER_NOTE = ("Dispatch crossover timings: one attention op on random inputs (batch 1, the site's heads and head "
+                  "dims), the form against exact attention (SDPA), best of 3; a site runs exact below the first "
+                  "length from which its form stays faster. Cached timings were measured by an earlier compile on "
+                  "this machine, under the load shown.")
+
+
+def measured_time_lines(rep) -> list[str]:
+    """The Markdown "Measured time" section: the conditions, the forward original against rewritten,
+    compile's own step times, and the crossover timings behind the dispatch thresholds."""
+    forward, conditions = rep.forward_time, rep.conditions
+    crossovers = crossover_rows(rep)
+    if forward is None and conditions is None and not crossovers and not rep.timings:
+        return []
+    out = ["", "## Measured time", ""]
+    if forward is not None:
+        out.append(f"- {_md_cell(forward.text())}; the two taking turns after a warm-up, "
+                   f"{_md_cell(forward.conditions.text())}.")
+    if rep.timings:
+        steps = ", ".join(f"{_md_cell(k)} {v:.2f}" for k, v in rep.timings.items())
+        where = f", {_md_cell(conditions.text())}" if conditions is not None else ""
+        out.append(f"- compile steps (s): {steps}{where}.")
+    if crossovers:
+        out += ["", CROSSOVER_NOTE, "", "| " + " | ".join(CROSSOVER_TITLES) + " |", "|" + "---|" * len(CROSSOVER_TITLES)]
+        out += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in crossovers]
+    return out
 
 
 def _md_cell(text: Any) -> str:
@@ -114,6 +195,7 @@ def markdown(rep) -> str:
     for m, b, a, ratio in zip(rep.cost_multipliers, t["flops_before"], t["flops_after"], t["flops_ratio"]):
         out.append(f"- attention FLOPs at {m}× length: {fmt_flops(b)}FLOP → {fmt_flops(a)}FLOP (ratio {fmt_num(ratio)})")
     out += decode_memory_lines(rep)
+    out += measured_time_lines(rep)
     out += ["", "## End-to-end drift", ""]
     e2e = rep.end_to_end
     if e2e is None:
@@ -152,9 +234,6 @@ def markdown(rep) -> str:
     else:
         out.append("None.")
     out += ["", "## Policy", "", "```", rep.policy_text().replace("```", "'''"), "```"]
-    if rep.timings:
-        out += ["", "## Timings", ""]
-        out += [f"- {_md_cell(k)}: {v:.3f} s" for k, v in rep.timings.items()]
     if rep.notes:
         out += ["", "## Notes", ""]
         out += [f"- {_md_cell(n)}" for n in rep.notes]

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 
 import pytest
+from dataclasses import replace
 
 from attnopt.analysis.cost import cost_curve
 from attnopt.ir.outcomes import Attempt, Drift, OutputDrift, SiteOutcome, SitePlan, Status, Verdict
@@ -146,3 +147,96 @@ def test_preview_screenshot(report):
                     "--window-size=1280,1600", "file://" + path], check=True, timeout=60, capture_output=True)
     with open(shot, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- measured time and decode memory
+
+
+def _timed_report():
+    from attnopt.analysis.timing import Conditions, ForwardTime
+    from attnopt.passes.crossover import Threshold
+
+    quiet = Conditions(threads=2, cores=2, load=0.3, others=0.1)
+    busy = Conditions(threads=2, cores=2, load=6.0, others=1.4)
+    sites = [record(i, f"enc.layer.{i}.attn", "linear", "linear", "rewritten", "ok", Drift(0.1, 0.99, 0.5), 0.8,
+                    {"feature_map": "elu"}) for i in range(3)]
+    timings = ((64, 2e-4, 1e-4), (128, 3e-4, 3e-4), (256, 4e-4, 8e-4))
+    for i, r in enumerate(sites):  # sites 0 and 1 share one measurement; site 2 has its own
+        r.threshold = Threshold(r.site.id, "linear", 256, "measured" if i < 2 else "cached", "timed",
+                                timings if i < 2 else ((64, 1e-4, 5e-4),), load=6.0 if i < 2 else 0.2,
+                                loaded=i < 2, others=1.4 if i < 2 else 0.0)
+    forward = ForwardTime((4, 128), 128, 0.0125, 0.0100, 3, 3, 2, quiet)
+    return CompileReport(model_name="timed", policy="linear", capture="torch.export", sites=sites,
+                         timings={"capture+detect": 1.25, "total": 4.5}, forward_time=forward, conditions=busy)
+
+
+def test_measured_time_is_in_markdown_json_and_html_with_its_conditions():
+    rep = _timed_report()
+    md = rep.to_markdown()
+    section = md[md.index("## Measured time"):md.index("## End-to-end drift")]
+    assert ("forward on the verification input [4×128], 128 queries at the sites: 12.5 ms original, 10 ms "
+            "rewritten (1.25x), best of 3; 2 of 3 rewritten sites ran exact attention") in section
+    assert "2 torch threads on 2 cores (cpu), load average 0.3, other work holding 0.1 cores." in section
+    assert "capture+detect 1.25, total 4.50, 2 torch threads on 2 cores (cpu), load average 6.0" in section
+    assert "a loaded machine, times are noisy" in section
+    # one crossover group per measurement: the shared one's rows, then site 2's single row
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "sites" not in line]
+    assert rows[0] == "| enc.layer.0.attn#0 and 1 more | linear | 64 | 0.2 | 0.1 | 0.5x | 256 (measured, load 6.0, loaded machine) |"
+    assert rows[2] == "|  |  | 256 | 0.4 | 0.8 | 2x |  |"
+    assert rows[3].startswith("| enc.layer.2.attn#0 | linear | 64 | 0.1 | 0.5 | 5x | 256 (cached, load 0.2) |")
+    assert len(rows) == 4
+
+    data = json.loads(rep.to_json())
+    assert data["forward_time"]["original_s"] == 0.0125 and data["forward_time"]["speedup"] == pytest.approx(1.25)
+    assert data["forward_time"]["conditions"] == {"threads": 2, "cores": 2, "load": 0.3, "others": 0.1,
+                                                  "device": "cpu", "loaded": False}
+    assert data["conditions"]["loaded"] is True
+    again = CompileReport.from_dict(data)
+    assert again.forward_time == rep.forward_time and again.conditions == rep.conditions
+    assert again.to_markdown() == md
+
+    page = rep.to_html()
+    section = page[page.index("<h2>Measured time</h2>"):page.index("<h2>End-to-end drift</h2>")]
+    assert "12.5 ms original, 10 ms rewritten (1.25x)" in section and "load average 6.0" in section
+    assert '<td class="num">0.5x</td>' in section and '<td class="num">1.250 s</td>' in section
+    assert "<b>1.25×</b><span>forward speed-up (measured)</span>" in page
+
+
+def test_a_forward_too_slow_to_time_says_so():
+    from attnopt.analysis.timing import Conditions, ForwardTime
+
+    rep = CompileReport(model_name="big", policy="linear", capture="torch.export", forward_time=ForwardTime(
+        (1, 4096), 4096, None, None, 0, 4, 0, Conditions(8, 8, 1.0), "one forward took 9.0 s"))
+    assert "forward on the verification input [1×4096], 4096 queries at the sites: not timed (one forward took 9.0 s)" \
+        in rep.to_markdown()
+    assert "<b>—</b><span>forward speed-up (measured)</span>" in rep.to_html()
+
+
+def _causal_record(layer, form, params):
+    site = replace(make_site(layer, f"dec.layer.{layer}.attn"), causal=True,
+                   mask=MaskInfo(form="is_causal", causal=True))
+    outcome = SiteOutcome(site_id=site.id, planned_form=form, final_form=form, params=params,
+                          status=Status.REWRITTEN, reason="ok", tolerance=0.8, drift=Drift(0.1, 0.99, 0.5))
+    plan = SitePlan(site_id=site.id, form=form, params=params, rule="r", reason="r", candidates=((form, params),))
+    return SiteRecord(site, plan, outcome)
+
+
+def test_decode_memory_explains_the_exact_prefix_below_the_threshold():
+    # Two linear sites, exact below 2048 tokens: at 1k each keeps its KV cache AND its state (> original).
+    rep = CompileReport(model_name="dec", policy="linear", capture="torch.export",
+                        sites=[_causal_record(i, "linear", {"feature_map": "elu", "min_seq_len": 2048}) for i in (0, 1)])
+    mem = rep.decode_memory
+    kv_1k = 2 * (2 * 1024 * 8 * 2 * 4)  # two sites, [Hkv=2, N, D=8] keys and values, fp32
+    state = 2 * (2 * 8 * (8 + 1) * 4)  # two sites, H=2, elu map: D=8 features x (Dv + 1) fp32 accumulators
+    assert mem.original[0] == kv_1k and mem.total[0] == kv_1k + state and mem.past_threshold[0] == state
+    assert mem.prefix_counted == [True, False, False] and mem.thresholds == (2048,)
+    md = rep.to_markdown()
+    table = md[md.index("## Decode memory"):md.index("## Measured time") if "## Measured time" in md else None]
+    assert "| context | decode state | original KV cache | ratio | decode state past the threshold |" in table
+    assert f"| 1,024 | {(kv_1k + state) / 1e3:.3g} kB | {kv_1k / 1e3:.3g} kB | {(kv_1k + state) / kv_1k:.4g} * |" in table
+    assert "(min_seq_len: 2,048 tokens here)" in table and "exact KV cache besides its own state" in table
+    assert "min_seq_len: 2,048 tokens here" in rep.to_html()
+    # No threshold: no extra columns and no note.
+    plain = CompileReport(model_name="dec", policy="linear", capture="torch.export",
+                          sites=[_causal_record(0, "linear", {"feature_map": "elu", "min_seq_len": 0})])
+    assert "past the threshold" not in plain.to_markdown() and "*" not in plain.to_markdown().split("## Decode")[1]
