@@ -171,23 +171,22 @@ def load_models(spec: str, policy_text: Optional[str], reference: bool, compile_
     if reference and policy_text is None:
         raise EvalError("--reference audits the model before conversion beside the converted one: give --policy, "
                         "or MODEL as an attnopt.save directory")
+    from attnopt.compiler import compile as attnopt_compile
+    from attnopt.ir.errors import CaptureError, PolicyError
+    from attnopt.policy import Policy
     from attnopt.samples import english_passages
 
+    try:  # before the model loads: a typo costs nothing
+        policy = Policy.parse(policy_text) if policy_text is not None else None
+    except PolicyError as exc:
+        raise EvalError(f"bad --policy: {exc}") from exc
     say(f"loading {spec}")
     try:
         model, args, kwargs, description = load_model(spec, texts=english_passages(), max_length=256)
     except ModelSpecError as exc:
         raise EvalError(f"bad MODEL: {exc}") from exc
-    if policy_text is None:
+    if policy is None:
         return model, None, description
-    from attnopt.compiler import compile as attnopt_compile
-    from attnopt.ir.errors import CaptureError, PolicyError
-    from attnopt.policy import Policy
-
-    try:
-        policy = Policy.parse(policy_text)
-    except PolicyError as exc:
-        raise EvalError(f"bad --policy: {exc}") from exc
     say(f"compiling {description} with {policy_text}")
     try:
         opt = attnopt_compile(model, policy, example_inputs=(args, kwargs), name=description,
