@@ -41,7 +41,7 @@ class LanguageModel:
 
     def __init__(self, model: Any, name: str):
         if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"evaluate: {name} must be a torch.nn.Module (a causal LM); got {type(model).__name__}")
+            raise TypeError(f"{name} must be a torch.nn.Module (a causal LM); got {type(model).__name__}")
         self.model, self.name = model, name
         self.transformers = is_transformers_model(model)
         can = getattr(model, "can_generate", None)
@@ -81,22 +81,27 @@ class LanguageModel:
             else:
                 logits = self._plain_call(ids_BN)
         if logits is None or logits.dim() != 3 or logits.shape[0] != ids_BN.shape[0]:
-            raise ValueError(f"evaluate: {self.name} must return next-token logits [batch, tokens, vocab]; got "
+            raise ValueError(f"{self.name} must return next-token logits [batch, tokens, vocab]; got "
                              f"{None if logits is None else tuple(logits.shape)}")
         return logits[:, -keep:].float()
 
     def _plain_call(self, ids_BN: torch.Tensor) -> Optional[torch.Tensor]:
-        styles = [self._call_style] if self._call_style else ["positional", "keyword"]
-        for i, style in enumerate(styles):
+        if self._call_style is not None:
+            out = self.model(ids_BN) if self._call_style == "positional" else self.model(input_ids=ids_BN)
+            return _logits_of(out)
+        failure = None
+        for style in ("positional", "keyword"):
             try:
                 out = self.model(ids_BN) if style == "positional" else self.model(input_ids=ids_BN)
-            except TypeError:
-                if i == len(styles) - 1:
-                    raise
+            except Exception as exc:  # whatever a module raises on input it does not take
+                failure = failure or exc
                 continue
             self._call_style = style
             return _logits_of(out)
-        return None
+        first = str(failure).strip().splitlines()[0] if str(failure).strip() else ""
+        raise ValueError(f"{self.name} cannot be called with token ids [batch, tokens] "
+                         f"({type(failure).__name__}: {first}); the audit needs a causal LM that takes token ids "
+                         "and returns next-token logits")
 
     def greedy(self, prompts: list, new: int, pad_id: int) -> list:
         """Greedy `generate()` of `new` tokens after each prompt (left-padded into one batch)."""

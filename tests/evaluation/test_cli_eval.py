@@ -9,6 +9,7 @@ import pytest
 from attnopt.cli import main
 
 TINY = str(Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "tiny_lm")
+FACTORY = f"{Path(__file__).resolve().parents[2] / 'examples' / 'custom_model.py'}:build"  # embeddings in, not ids
 SMALL = ["--lengths", "256", "--probes", "copy,passkey", "--depths", "0,1", "--samples", "1"]
 
 
@@ -77,6 +78,7 @@ def test_a_compiled_and_a_saved_model_beside_their_original(tmp_path, capsys):
     ([TINY, "--lengths", "100"], "length 100 is too short for probe 'passkey': it needs at least"),
     (["minilm", "--lengths", "128"], "BertModel is not a causal language model"),
     (["no/such/dir"], "bad MODEL: unknown MODEL 'no/such/dir'"),
+    ([f"{FACTORY}", "--lengths", "256"], f"{FACTORY} cannot be called with token ids [batch, tokens] (ValueError: "),
 ])
 def test_bad_arguments_are_one_line_errors(args, message, capsys):
     assert main(["eval", *args, "--quiet"]) == 2
