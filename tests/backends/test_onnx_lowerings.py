@@ -151,3 +151,69 @@ def test_reuse_with_a_low_rank_residual():
     m = Op(lambda q, k, v, keep: call(q, k, v, keep, reuse_attention),
            lambda q, k, v, keep: call(q, k, v, keep, reuse_attention_reference), [x_of])
     _check(m, reuse.LOWERING, "onnx-std")
+
+
+def _exact_below_oracle(q, k, v, keep, form_out, T, scale):
+    """numpy: a query among its row's first T real tokens attends, by softmax, to the real tokens up to
+    itself; every other query keeps the form's output."""
+    q, k, v, keep, out = (np.asarray(x, np.float64) if x.dtype != bool else np.asarray(x)
+                          for x in (q, k, v, keep, form_out))
+    B, H, N, _ = q.shape
+    G = H // k.shape[1]
+    for b in range(B):
+        real = np.flatnonzero(keep[b])
+        for i in range(N):
+            p = int(keep[b, :i + 1].sum()) - 1  # the query's real position (a pad: its predecessor's)
+            if p >= T:
+                continue
+            seen = real[real <= i]
+            for h in range(H):
+                if not len(seen):
+                    out[b, h, i] = 0.0
+                    continue
+                s = scale * k[b, h // G, seen] @ q[b, h, i]
+                w = np.exp(s - s.max())
+                out[b, h, i] = (w / w.sum()) @ v[b, h // G, seen]
+    return out
+
+
+@pytest.mark.parametrize("target", ["ort", "onnx-std"])
+def test_exact_prefix_step_over_calls_of_any_length(target):
+    """The exact prefix of a site under min_seq_len = T, driven as a decode graph drives it: a prompt in two
+    chunks then single tokens, left padding, T reached inside a chunk and while decoding (GQA 4/2)."""
+    from attnopt.forms.exact import onnx as exact_onnx
+    from attnopt.forms.exact import step as exact_step  # noqa: F401  (registers the op)
+
+    T, scale = 7, 0.3
+
+    class Prefix(torch.nn.Module):
+        def forward(self, q, k, v, mask, prefix, form_out):
+            return torch.ops.attnopt.exact_prefix_step(q, k, v, mask, prefix, form_out, scale)
+
+    B, N = 2, 14
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(B, H, N, D, generator=g), torch.randn(B, HKV, N, D, generator=g), torch.randn(B, HKV, N, DV,
+                                                                                                          generator=g)
+    form_out = torch.randn(B, H, N, DV, generator=g)
+    keep = torch.ones(B, N, dtype=torch.bool)
+    keep[1, :4] = False  # row 1: 4 pads, its T-th real token comes 4 columns later
+    example = tuple(t.clone() for t in (q[:, :, :3], k[:, :, :3], v[:, :, :3], keep[:, :5],
+                                        torch.zeros(B, HKV, T, D + DV), form_out[:, :, :3]))
+    Bd, Td, Nd = torch.export.Dim("B"), torch.export.Dim("T", min=1), torch.export.Dim("N", min=1)
+    spec = ({0: Bd, 2: Td},) * 3 + ({0: Bd, 1: Nd}, {0: Bd}, {0: Bd, 2: Td})
+    program = torch.export.export(Prefix(), example, dynamic_shapes=spec, strict=False)
+    lowering = exact_onnx.PREFIX_LOWERING
+    proto = torch.onnx.export(program, dynamo=True, verbose=False,
+                              custom_translation_table={lowering.torch_op(): lowering.by_target[target]}).model_proto
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [i.name for i in sess.get_inputs()]
+    want = _exact_below_oracle(q.numpy(), k.numpy(), v.numpy(), keep.numpy(), form_out.numpy(), T, scale)
+    prefix = np.zeros((B, HKV, T, D + DV), np.float32)
+    bounds = [0, 5, 9, *range(10, N + 1)]
+    for a, b in zip(bounds, bounds[1:]):
+        feeds = [t[:, :, a:b].numpy() for t in (q, k, v)] + [keep[:, :b].numpy(), prefix, form_out[:, :, a:b].numpy()]
+        out, prefix = sess.run(None, dict(zip(names, feeds)))
+        assert _rel(out, torch.as_tensor(want[:, :, a:b])) <= 1e-5, (a, b)
+    real = [np.flatnonzero(keep[r].numpy())[:T] for r in range(B)]  # the slots: each row's first T real tokens
+    for r in range(B):
+        assert np.array_equal(prefix[r, :, :, :D], k[r][:, real[r]].numpy())

@@ -3,7 +3,8 @@ generates from.
 
     folder/model.onnx           one graph for prefill and decoding: T ≥ 1 new tokens after any past ≥ 0
                                 (chunked prefill too); its I/O contract in metadata_props["attnopt.decode"]
-    folder/genai_config.json    for onnxruntime-genai 0.18 (genai.py: what it can and cannot drive)
+    folder/genai_config.json    for onnxruntime-genai 0.18, where it runs the folder as torch does
+                                (genai.py; packing.py lays the states out as genai needs them)
     folder/tokenizer.json, ...  the tokenizer's files, when the model came with one
 
     checks (torch and the graph) → compile (given an original model and a policy) → probe the
@@ -14,8 +15,9 @@ generates from.
 
 Every site runs its form's step op (forms/<form>/step.py; exact sites too), whose lowering is the
 form folder's onnx.py DECODE_LOWERING. Fixed-size forms keep states whose size never depends on
-the context; exact (and reuse) K/V grow. Measured dispatch thresholds are dropped (said in a
-warning), policy-given ones refused, as for the prefill file.
+the context; exact (and reuse) K/V grow. A site's dispatch threshold (min_seq_len, measured or
+given) is kept: below it the compiled model runs exact attention, and so does the graph, from a
+fixed exact prefix of min_seq_len slots (forms/exact/step.py), so ORT generates what torch does.
 """
 
 from __future__ import annotations
@@ -42,14 +44,12 @@ from attnopt.backends.onnx.common import (
     PARITY_TOLERANCE,
     OnnxExport,
     check_target,
-    dispatch_dropped,
     histogram,
     quiet_export,
     require_packages,
-    run_time_switches,
     translation_table,
 )
-from attnopt.backends.onnx.graph_model import CannotGenerate, DecoderGraph, Layout, graph_copy, probe
+from attnopt.backends.onnx.graph_model import CannotGenerate, DecoderGraph, Layout, context_of, graph_copy, probe
 from attnopt.hf.routes import is_hf_model
 from attnopt.onnx.contract import CONTRACT_KEY
 
@@ -58,6 +58,7 @@ GENAI_FILE = "genai_config.json"
 DECODE_TARGETS = ("ort", "onnx-std")
 STATE_CONTEXTS = (1024, 32768)  # report.exports' state bytes per site, at these contexts
 EXAMPLE = {"batch": 2, "sequence": 3, "past": 2}  # torch.export specialises sizes 0 and 1
+PREFIX_OP = "attnopt::exact_prefix_step"  # forms/exact/onnx.py PREFIX_LOWERING's op
 
 
 @dataclass
@@ -135,11 +136,6 @@ def export_decoder(model: nn.Module, path, example_inputs: Any = None, *, target
     if why:
         raise ValueError(f"export_onnx(decode=True): {why}")
     opt = compiled_for_export(model, policy, example_inputs)
-    dropped = run_time_switches(opt.attnopt_report)
-    if dropped:
-        warnings.warn(f"export_onnx: the measured dispatch thresholds of {len(dropped)} site(s) are dropped: the graph "
-                      f"runs each site's form at every length (min_seq_len {sorted(set(dropped.values()))})",
-                      stacklevel=3)
     args, kwargs = example_args(opt, example_inputs)
     ids = kwargs.get("input_ids", args[0] if args else None)
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
@@ -148,12 +144,10 @@ def export_decoder(model: nn.Module, path, example_inputs: Any = None, *, target
     prompt = decode_checks.prompt_of(opt, ids)
     if tokenizer is None:
         tokenizer = getattr(model, "attnopt_tokenizer", None) or getattr(opt, "attnopt_tokenizer", None)
-    with dispatch_dropped(opt, dropped):
-        try:
-            result = _build(opt, folder, prompt, target, opset, tokenizer)
-        except CannotGenerate as exc:
-            raise ValueError(f"export_onnx(decode=True): {exc}") from None
-    result.dispatch_dropped = dropped
+    try:
+        result = _build(opt, folder, prompt, target, opset, tokenizer)
+    except CannotGenerate as exc:
+        raise ValueError(f"export_onnx(decode=True): {exc}") from None
     result.seconds = time.perf_counter() - started
     opt.attnopt_report.exports.append(result.to_dict())
     return result
@@ -162,6 +156,8 @@ def export_decoder(model: nn.Module, path, example_inputs: Any = None, *, target
 def _build(opt: nn.Module, folder: Path, prompt, target: str, opset, tokenizer) -> DecodeExport:
     with graph_copy(opt) as twin:
         layout = probe(twin, opt.attnopt_report, prompt.batch)
+        genai.choose_layout(layout)  # packed states where that lets onnxruntime-genai drive the graph
+        prompt = decode_checks.crossing(prompt, max(p.prefix_slots for p in layout.layers), context_of(opt))
         calls: list = []
         table = translation_table(target, calls, _decode_lowerings(layout))
         program = trace(twin, layout, table, opset)
@@ -178,7 +174,9 @@ def _build(opt: nn.Module, folder: Path, prompt, target: str, opset, tokenizer) 
             files = _move_into(staging, folder)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    sites = [{"site": p.site_id, "form": p.form, "lowering": c["lowering"]} for p, c in zip(layout.layers, calls)]
+    steps = [c for c in calls if c["op"] != PREFIX_OP]  # one step call per layer, in graph order
+    sites = [{"site": p.site_id, "form": p.form, "lowering": c["lowering"], "exact_below": p.prefix_slots}
+             for p, c in zip(layout.layers, steps)]
     return DecodeExport(path=str(folder / MODEL_FILE), target=target, opset=program.model.opset_imports[""],
                         sites=sites, ops_after=histogram(program.model), parity=parity, folder=str(folder),
                         files=files, contract=contract, state_bytes=state_bytes(layout), genai=outcome)
@@ -191,6 +189,10 @@ def _decode_lowerings(layout: Layout) -> list:
         if lowering is None:
             raise CannotGenerate(f"form {name!r} has no ONNX lowering of its decode step")
         found.append((name, lowering))
+    if any(p.prefix_slots for p in layout.layers):
+        from attnopt.forms.exact.onnx import PREFIX_LOWERING  # onnxscript: imported once exporting
+
+        found.append(("exact", PREFIX_LOWERING))
     return found
 
 
@@ -227,9 +229,13 @@ def contract_of(model: nn.Module, layout: Layout) -> dict:
         value = getattr(gen, name, None) if gen is not None else None
         return value if value is not None else getattr(cfg, name, None)
 
-    states = [{"past": past, "present": present, "dtype": str(spec.dtype).replace("torch.", ""),
-               "shape": list(spec.shape), "init": "zeros", "site": plan.site_id, "form": plan.form}
-              for plan, spec, past, present in layout.states()]
+    states = []
+    for plan, spec, past, present in layout.states():
+        entry = {"past": past, "present": present, "dtype": str(spec.dtype).replace("torch.", ""),
+                 "shape": list(spec.shape), "init": "zeros", "site": plan.site_id, "form": plan.form}
+        if layout.packed(plan):  # which of the site's states it holds, where (informative: a runtime feeds it back)
+            entry["packs"] = layout.packing.describe(plan)[spec.name]
+        states.append(entry)
     return {"format": CONTRACT_KEY, "version": 1,
             "inputs": {"input_ids": "int64 [batch, T]", "attention_mask": "int64 [batch, past + T], 1 = real token",
                        "position_ids": "int64 [batch, T]: cumsum(attention_mask) - 1, 0 at pads"},
@@ -282,11 +288,11 @@ def _rename_dims(model, symbols: dict) -> None:
 
 
 def state_bytes(layout: Layout) -> dict:
-    """Bytes one batch row of each site holds at the STATE_CONTEXTS."""
+    """Bytes one batch row of each site holds at the STATE_CONTEXTS (packed: its pair, padding included)."""
     out = {}
     for plan in layout.layers:
         row = {"form": plan.form}
-        row.update({str(c): sum(s.row_bytes(c) for s in plan.states) for c in STATE_CONTEXTS})
+        row.update({str(c): sum(s.row_bytes(c) for s in layout.io_specs(plan)) for c in STATE_CONTEXTS})
         out[plan.site_id] = row
     return out
 
@@ -295,19 +301,24 @@ def state_bytes(layout: Layout) -> dict:
 
 
 def _write_extras(opt, layout: Layout, contract: dict, staging: Path, tokenizer, prompt, tokens) -> dict:
-    """genai_config.json and the tokenizer files into `staging`; genai's greedy tokens checked when it can."""
-    reason = genai.unsupported(layout)
-    (staging / GENAI_FILE).write_text(json.dumps(genai.config(opt, layout, contract, reason), indent=2))
+    """genai_config.json (only where onnxruntime-genai runs the folder as torch does, when it is
+    installed to check) and the tokenizer files into `staging`; a folder genai cannot run is said
+    in one warning and gets no config."""
     if tokenizer is not None:
         tokenizer.save_pretrained(str(staging))
+    reason = genai.unsupported(layout)
     outcome = {"supported": reason is None, "why": reason}
     if reason is None:
+        (staging / GENAI_FILE).write_text(json.dumps(genai.config(opt, layout, contract), indent=2))
         outcome.update(genai.check(staging, prompt.real_tokens(0), tokens[0], contract.get("eos_token_id")))
-        if outcome["status"] == "differs":
-            warnings.warn(f"onnxruntime-genai generates {outcome['tokens']} where torch generates {outcome['torch']}; "
-                          "the folder is written for attnopt.onnx.Generator", stacklevel=4)
-        elif outcome["status"] == "skipped":
+        if outcome["status"] == "skipped":
             warnings.warn(f"export_onnx: {outcome['note']}", stacklevel=4)
+        elif outcome["status"] != "same tokens":
+            (staging / GENAI_FILE).unlink()
+            outcome.update(supported=False, why=outcome["note"])
+    if not outcome["supported"]:
+        warnings.warn(f"export_onnx: onnxruntime-genai cannot run this folder ({outcome['why']}), so it gets no "
+                      f"{GENAI_FILE}; generate with attnopt.onnx.Generator", stacklevel=4)
     return outcome
 
 
@@ -337,7 +348,7 @@ class _StepAlone(nn.Module):
     def forward(self, q, k, v, mask, *rest):
         pasts, more = list(rest[:self.n_pasts]), rest[self.n_pasts:]
         extra = {"anchor": (more[0], more[1]), "x": more[2] if self.has_x else None} if more else {}
-        out, presents = self.plan.step.call(self.plan.site, q, k, v, mask, pasts, **extra)
+        out, presents = self.plan.call(q, k, v, mask, pasts, **extra)
         return (out, *presents)
 
 

@@ -7,6 +7,10 @@ call and again in two chunks, then one call per new token, fed torch's tokens (s
 flips a token cannot hide a logit error later). Each step's logits must match torch's within
 relative RMS PARITY_TOLERANCE. A failure is localised to the first site whose step op, exported
 alone, differs from its torch implementation on the same inputs.
+
+Sites under a dispatch threshold (an exact prefix of T slots) are checked across it: the prompt is
+stretched to T + 2 tokens and row 1 gets 4 pads, so row 0 passes T inside the prompt and row 1
+during the greedy steps (`crossing`), where T + 2 + GREEDY_STEPS fits the context and CROSS_LIMIT.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from attnopt.ir.errors import ParityError
 from attnopt.onnx.generator import Session
 
 GREEDY_STEPS = 8
+CROSS_LIMIT = 4096  # the longest prompt the check stretches to cross an exact prefix
+CROSS_PADS = 4
 
 
 @dataclass
@@ -55,6 +61,20 @@ def prompt_of(model, input_ids: torch.Tensor) -> Prompt:
     mask = torch.ones_like(ids)
     mask[1, :pads] = 0
     return Prompt(ids, mask, pad_id)
+
+
+def crossing(prompt: Prompt, threshold: int, context: Optional[int]) -> Prompt:
+    """The check prompt for an exact prefix of `threshold` slots: threshold + 2 tokens (the example's
+    row repeated), row 1 with CROSS_PADS pads; the prompt as it is where that does not fit."""
+    n = threshold + 2
+    if threshold < CROSS_PADS or n > CROSS_LIMIT or (context is not None and n + GREEDY_STEPS > context):
+        return prompt
+    row = prompt.ids[0]
+    row = row.repeat(-(-n // row.numel()))[:n]
+    ids = torch.stack([row, torch.cat([torch.full((CROSS_PADS,), prompt.pad_id, dtype=row.dtype), row[CROSS_PADS:]])])
+    mask = torch.ones_like(ids)
+    mask[1, :CROSS_PADS] = 0
+    return Prompt(ids, mask, prompt.pad_id)
 
 
 def torch_greedy(model, prompt: Prompt, steps: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,10 @@ ever built) and a `GraphCache` that only knows the past length P. Each attention
 site's step op (forms/<form>/step.py) on the new tokens, the mask and the site's past states.
 
 `probe(model, batch)` runs the model once to see every attention call (its module, geometry and
-what transformers passed) and plans the state tensors of each layer: a `Layout`.
+what transformers passed) and plans the state tensors of each layer: a `Layout`. A rewritten site
+with a dispatch threshold (min_seq_len = T: the compiled model runs exact attention for each row's
+first T real tokens) also carries the exact prefix of forms/exact/step.py, so the graph computes
+what the compiled model does at every length.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import torch
 from torch import nn
 
 from attnopt import forms
+from attnopt.backends.onnx.packing import Packing, packable
 from attnopt.forms.common.graph import StateSpec, StepGeometry, StepSite
+from attnopt.forms.exact.step import call_prefix, prefix_spec
 from attnopt.hf.interface import attention_forward, switch
 from attnopt.hf.routes import is_hf_model
 
@@ -175,7 +180,8 @@ class LayerPlan:
     site_id: str
     form: str  # the step's form (an exact site the model slides a window over runs the window step)
     site: StepSite
-    states: list
+    states: list  # the form's states, then the exact prefix's when `prefix_slots`
+    prefix_slots: int = 0  # T: the first T real tokens of each row attend exactly (the site's min_seq_len)
 
     def names(self, spec: StateSpec) -> tuple[str, str]:
         return f"past_key_values.{self.layer}.{spec.name}", f"present.{self.layer}.{spec.name}"
@@ -184,14 +190,31 @@ class LayerPlan:
     def step(self):
         return forms.get(self.form).graph_step()
 
+    def call(self, q, k, v, mask, pasts, **extra):
+        """The site's step op, then the exact prefix over its output: (out, presents)."""
+        n = len(self.states) - (1 if self.prefix_slots else 0)
+        out, presents = self.step.call(self.site, q, k, v, mask, list(pasts[:n]), **extra)
+        if self.prefix_slots:
+            out, prefix = call_prefix(self.site, q, k, v, mask, out, pasts[n])
+            presents = [*presents, prefix]
+        return out, presents
+
 
 @dataclass
 class Layout:
     layers: list  # LayerPlan, in call order
+    packing: Optional[Packing] = None  # set: the fixed-size layers' states travel packed (packing.py)
+
+    def packed(self, plan: LayerPlan) -> bool:
+        return self.packing is not None and packable(plan)
+
+    def io_specs(self, plan: LayerPlan) -> list:
+        """The state tensors a layer has in the graph's inputs and outputs (its own, or its packed pair)."""
+        return self.packing.specs() if self.packed(plan) else plan.states
 
     def states(self) -> list:
-        """(plan, spec, past name, present name) of every state tensor, in input order."""
-        return [(p, s, *p.names(s)) for p in self.layers for s in p.states]
+        """(plan, spec, past name, present name) of every state input, in input order."""
+        return [(p, s, *p.names(s)) for p in self.layers for s in self.io_specs(p)]
 
     def example_pasts(self, batch: int, past: int) -> list:
         return [spec.zeros(batch, past) for _, spec, _, _ in self.states()]
@@ -228,6 +251,7 @@ def probe(model: nn.Module, report, batch: tuple) -> Layout:
         call_model(model, ids, mask, pos, 0)
     paths = {id(m): name for name, m in model.named_modules()}
     site_ids = {r.site.module_path: r.site.id for r in report.sites}
+    context = context_of(model)
     plans, seen = [], set()
     for c in run.calls:
         path = paths.get(id(c.module), "?")
@@ -235,14 +259,29 @@ def probe(model: nn.Module, report, batch: tuple) -> Layout:
             raise CannotGenerate(f"attention module {path} runs twice in one forward; a decode graph keeps one state "
                                  "per attention module")
         seen.add(id(c.module))
-        plans.append(_plan(c, path, site_ids.get(path, path)))
+        plans.append(_plan(c, path, site_ids.get(path, path), context))
     if not plans:
         raise CannotGenerate("the model called no attention through transformers' attention interface; a decode "
                              "graph needs its attention modules")
     return Layout(plans)
 
 
-def _plan(c: _Call, path: str, site_id: str) -> LayerPlan:
+def context_of(model: nn.Module) -> Optional[int]:
+    """The model's context length (max_position_embeddings), None when its config has none."""
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    n = getattr(cfg, "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def prefix_slots(module: Optional[nn.Module], context: Optional[int]) -> int:
+    """The exact prefix a rewritten site carries: its min_seq_len, capped at the model's context (a
+    position past the context is no position the model was made for)."""
+    T = int(getattr(module, "min_seq_len", 0) or 0) if module is not None else 0
+    return min(T, context) if context else T
+
+
+def _plan(c: _Call, path: str, site_id: str, context: Optional[int] = None) -> LayerPlan:
     layer = getattr(c.module, "layer_idx", None)
     if not isinstance(layer, int):
         raise CannotGenerate(f"attention module {path} has no layer_idx; the decode graph names its states by layer")
@@ -271,7 +310,10 @@ def _plan(c: _Call, path: str, site_id: str) -> LayerPlan:
     why = step.why_not(site) if step.why_not is not None else None
     if why:
         raise CannotGenerate(f"site {site_id} ({form}): {why}")
-    return LayerPlan(layer, path, site_id, form, site, step.states(site))
+    states, slots = step.states(site), prefix_slots(module, context)
+    if slots:
+        states = [*states, prefix_spec(site, slots)]
+    return LayerPlan(layer, path, site_id, form, site, states, slots)
 
 
 # ---------------------------------------------------------------- the traced module
@@ -285,7 +327,8 @@ class _Steps:
         self.anchors: dict = {}  # id of an anchor's ModuleState -> (its new queries, its present keys), for reuse sites
         it = iter(pasts)
         for plan in layout.layers:
-            self.by_path[plan.path] = (plan, [next(it) for _ in plan.states])
+            io = [next(it) for _ in layout.io_specs(plan)]
+            self.by_path[plan.path] = (plan, layout.packing.unpack(plan, *io) if layout.packed(plan) else io)
 
     def attend(self, module, query, key, value, mask, scaling, kwargs):
         plan, pasts = self.by_path[self.paths[id(module)]]
@@ -293,7 +336,7 @@ class _Steps:
         extra = {}
         if plan.step.needs_anchor:  # reuse: the anchor's q and keys, this layer's input
             extra = {"anchor": self.anchors[id(state.anchor)], "x": state.call.get("x")}
-        out, presents = plan.step.call(plan.site, query, key, value, mask, pasts, **extra)
+        out, presents = plan.call(query, key, value, mask, pasts, **extra)
         if state is not None and state.store_qk:
             self.anchors[id(state)] = (query, presents[0])  # an exact site's present keys: every column
         self.presents[plan.layer] = presents
@@ -302,7 +345,12 @@ class _Steps:
         return out.transpose(1, 2).contiguous(), None
 
     def ordered(self) -> list:
-        return [t for plan in self.layout.layers for t in self.presents[plan.layer]]
+        """Every present, in output order (a packed layer's as its pair)."""
+        out = []
+        for plan in self.layout.layers:
+            presents = self.presents[plan.layer]
+            out += self.layout.packing.pack(plan, presents) if self.layout.packed(plan) else presents
+        return out
 
 
 class DecoderGraph(nn.Module):

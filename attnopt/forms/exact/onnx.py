@@ -9,6 +9,12 @@ builds nothing T × total. Head dims must be equal and a multiple of 8 (the kern
 sites get the standard-op form.
 
 onnx-std: Concat, then the masked softmax in standard ops (O(T × total), as softmax attention is).
+
+`attnopt::exact_prefix_step` (a rewritten site under min_seq_len = T; forms/exact/step.py), both
+targets standard ops: an If on "some row has fewer than T real tokens before this call" runs the
+exact prefix (write the new real tokens into their slots by a one-hot [B, T, new] product, softmax
+over the slots up to each query's real position, O(new × T)); else the form's output and the prefix
+pass through, so decoding past T pays one comparison.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from attnopt.kernels.onnx.functions import (
     unpack_heads,
 )
 from attnopt.kernels.onnx.lowering import OpLowering
-from attnopt.kernels.onnx.steps import arange, branch
+from attnopt.kernels.onnx.steps import arange, branch, new_columns_keep, split_last
 
 PAD_BIAS = -1e9
 
@@ -90,3 +96,45 @@ def exact_step_ort(q, k, v, mask, past_key, past_value, scale):
 
 LOWERING = None  # exact sites call no attnopt op in a prefill export: they export as the model wrote them
 DECODE_LOWERING = OpLowering("attnopt::exact_step", {"ort": exact_step_ort, "onnx-std": exact_step_std})
+
+
+def _real_positions(mask_BN, keep_BT):
+    """(positions [B, T] int64 as forms/exact/step.py's real_positions_of, real tokens before [B, 1])."""
+    kept = op.Cast(keep_BT, to=ir.DataType.INT64)
+    before = op.Sub(op.ReduceSum(op.Cast(mask_BN, to=ir.DataType.INT64), i64([1]), keepdims=1),
+                    op.ReduceSum(kept, i64([1]), keepdims=1))
+    return op.Sub(op.Add(before, op.CumSum(kept, op.Constant(value_int=1))), i64([1])), before
+
+
+def _prefix_attention(q, k, v, prefix, form_out, keep, pos_BT, scale, H, Hkv, D, Dv, slots):
+    """(out, present prefix) when some query may lie below the threshold."""
+    write_BT = op.And(keep, op.Less(pos_BT, i64([slots])))
+    slot_1S1 = i64(range(slots))
+    onehot_BST = op.And(op.Equal(op.Unsqueeze(pos_BT, i64([1])), op.Reshape(slot_1S1, i64([1, slots, 1]))),
+                        op.Unsqueeze(write_BT, i64([1])))  # slot s takes new token j
+    kv = op.CastLike(op.Concat(k, v, axis=-1), prefix)
+    written = op.MatMul(op.Unsqueeze(op.CastLike(onehot_BST, prefix), i64([1])), kv)  # [B, Hkv, slots, D + Dv]
+    filled_BS = op.Cast(op.ReduceMax(op.Cast(onehot_BST, to=ir.DataType.INT32), i64([2]), keepdims=0),
+                        to=ir.DataType.BOOL)
+    present = op.Where(op.Unsqueeze(filled_BS, i64([1, 3])), written, prefix)
+    K, V = split_last(present, D, D + Dv)
+    visible = op.LessOrEqual(op.Reshape(slot_1S1, i64([1, 1, slots])), op.Unsqueeze(pos_BT, i64([2])))  # [B, T, S]
+    exact = masked_softmax(q, expand_heads(op.CastLike(K, q), Hkv, H, D), expand_heads(op.CastLike(V, q), Hkv, H, Dv),
+                           op.Unsqueeze(visible, i64([1])), scale)
+    below = op.Unsqueeze(op.Less(pos_BT, i64([slots])), i64([1, 3]))
+    return op.Where(below, op.CastLike(exact, form_out), form_out), present
+
+
+def exact_prefix_step(q, k, v, mask, prefix, form_out, scale):
+    H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
+    slots = static_dim(prefix, 2, "exact prefix slots")
+    keep = new_columns_keep(mask, q)
+    pos_BT, before_B1 = _real_positions(mask, keep)
+    some_row_below = op.Less(op.ReduceMin(before_B1, keepdims=0), op.Constant(value_int=slots))
+    return branch(some_row_below,
+                  lambda: _prefix_attention(q, k, v, prefix, form_out, keep, pos_BT, scale, H, Hkv, D, Dv, slots),
+                  lambda: (op.Identity(form_out), op.Identity(prefix)), num_outputs=2, like=form_out,
+                  name="exact_prefix")
+
+
+PREFIX_LOWERING = OpLowering("attnopt::exact_prefix_step", {"ort": exact_prefix_step, "onnx-std": exact_prefix_step})
