@@ -15,12 +15,13 @@ from typing import List, Optional
 import numpy as np
 import typer
 
-from attnopt.onnx.generator import Generator
+from attnopt.onnx.generator import MODEL_EOS, Generator
 
 EXIT_OK, EXIT_BAD_ARGUMENT = 0, 2
 
 GENERATE_HELP = ("Generate from a folder written by export_onnx(..., decode=True) that holds a tokenizer, with ONNX "
-                 "Runtime only (no torch): each --prompt is one row of the batch, left-padded.")
+                 "Runtime only (no torch): each --prompt is one row of the batch, left-padded. A row stops at the "
+                 "model's end-of-sequence token (from its generation config) unless --ignore-eos.")
 GENERATE_EPILOG = ("Examples:\n\n  attnopt generate out_dir --prompt 'Once upon a time' --max-new-tokens 40\n\n"
                    "  attnopt generate out_dir --prompt 'a' --prompt 'b c' --sample --temperature 0.8 --top-p 0.9 "
                    "--seed 0\n\nExit codes: 0 success; 2 bad argument or folder.")
@@ -61,7 +62,8 @@ def _fail(message: str) -> int:
 
 
 def run_generate(directory: str, prompts: list, max_new_tokens: int, sample: bool, temperature: float, top_k: int,
-                 top_p: float, seed: Optional[int], threads: Optional[int], progress: bool) -> int:
+                 top_p: float, seed: Optional[int], threads: Optional[int], progress: bool,
+                 ignore_eos: bool = False) -> int:
     if not prompts:
         return _fail("give at least one --prompt")
     if max_new_tokens < 0:
@@ -81,7 +83,8 @@ def run_generate(directory: str, prompts: list, max_new_tokens: int, sample: boo
     mask = np.array([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=np.int64)
     try:
         out = generator.generate(ids, mask, max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature,
-                                 top_k=top_k, top_p=top_p, seed=seed, progress=progress)
+                                 top_k=top_k, top_p=top_p, seed=seed, progress=progress,
+                                 eos_token_id=None if ignore_eos else MODEL_EOS)
     except ValueError as exc:
         return _fail(str(exc))
     for row, keep in zip(out.tolist(), np.concatenate([mask, np.ones_like(out[:, width:])], axis=1).tolist()):
@@ -100,6 +103,8 @@ def generate_command(
     seed: Optional[int] = typer.Option(None, "--seed", help="sampling seed"),
     threads: Optional[int] = typer.Option(None, "--threads", help="ONNX Runtime intra-op threads"),
     progress: bool = typer.Option(False, "--progress", help="a progress bar on stderr"),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="never stop a row early (default: it stops at the "
+                                    "model's end-of-sequence token, from its generation config)"),
 ) -> int:
     return run_generate(directory, list(prompt), max_new_tokens, sample, temperature, top_k, top_p, seed, threads,
-                        progress)
+                        progress, ignore_eos)

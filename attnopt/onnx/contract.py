@@ -4,9 +4,16 @@ Inputs: input_ids int64 [batch, T]; attention_mask int64 [batch, past + T] (1 = 
 transformers convention; left padding allowed); position_ids int64 [batch, T]; one past input per
 state tensor. Outputs: logits [batch, T, vocab]; one present output per state, fed back as the
 next call's past. Metadata: {"states": [{"past", "present", "dtype", "shape", "init": "zeros",
-"site", "form"}, ...], ...}; a shape entry is an int, "batch", or "past_sequence" (the state grows
-with the context and starts at size 0: exact and reuse K/V only). A runtime that knows only this
-generates: zeros for every initial state, then each present fed back as past.
+"site", "form"}, ...], "eos_token_id", "pad_token_id", ...}; a shape entry is an int, "batch", or
+"past_sequence" (the state grows with the context and starts at size 0: exact and reuse K/V only).
+A runtime that knows only this generates: zeros for every initial state, then each present fed
+back as past.
+
+Informative only (a runtime needs none of it): a packed state (past_key_values.N.recurrent_state
+[batch, 1, 1, R] float32 / conv_state [batch, 1, C] int64, the one pair per layer that
+onnxruntime-genai feeds) lists the site's own states it holds under "packs" ({"state", "shape",
+"offset"} each, flattened per row in that order, zeros after the last); a site whose compiled model
+runs exact attention below a dispatch threshold carries "exact_prefix" [batch, Hkv, T, D + Dv].
 """
 
 from __future__ import annotations

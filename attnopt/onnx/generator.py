@@ -3,8 +3,8 @@
 `Session` runs the graph by its contract (contract.py): zeros for every initial state, each present
 fed back as the next call's past, attention_mask over every column so far, position_ids as
 transformers' generate makes them. `Generator.generate` samples on top of it (greedy, temperature,
-top-k, top-p), stops rows at an end-of-sequence token as transformers does, and returns numpy
-[batch, prompt + new].
+top-k, top-p), stops a row at the model's end-of-sequence token as transformers' generate() does
+(unless told otherwise: `eos_token_id`), and returns numpy [batch, prompt + new].
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 from attnopt.onnx.contract import CONTRACT_KEY, Contract, hf_positions
 
 MODEL_FILE = "model.onnx"
+MODEL_EOS = "model"  # eos_token_id's default: the exported model's own end-of-sequence token(s)
 
 
 class Session:
@@ -142,13 +143,18 @@ class Generator:
 
     def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
-                 eos_token_id: Union[None, int, Iterable[int]] = None, pad_token_id: Optional[int] = None,
+                 eos_token_id: Union[str, None, int, Iterable[int]] = MODEL_EOS, pad_token_id: Optional[int] = None,
                  prefill_chunk: Optional[int] = None, progress: bool = False) -> np.ndarray:
         """Token ids [batch, prompt + new]. `attention_mask` (1 = real token; left padding allowed)
-        defaults to all ones. `eos_token_id` None: the model's own (from the export), -1: never stop;
-        a row that ends gets `pad_token_id` (default the model's pad, else its eos) after it, and
-        generation stops when every row has ended. `prefill_chunk`: feed the prompt in chunks of that
-        many tokens. `progress`: a progress bar on stderr."""
+        defaults to all ones.
+
+        `eos_token_id`: where a row stops. "model" (the default): at the exported model's own
+        end-of-sequence token(s), from its generation config, as transformers' generate() stops; an
+        id or a list of ids: at those; None: never early, every row gets `max_new_tokens` (what a
+        model with random weights needs, whose "eos" is any token). A row that stops gets
+        `pad_token_id` (default the model's pad, else its eos) after it; generation ends when every
+        row has stopped. `prefill_chunk`: feed the prompt in chunks of that many tokens.
+        `progress`: a progress bar on stderr."""
         ids = _as_ids(input_ids)
         mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask, dtype=np.int64)
         if mask.shape != ids.shape:
@@ -184,9 +190,12 @@ class Generator:
         return np.concatenate(out, axis=1)
 
     def _eos(self, eos_token_id) -> set:
-        if eos_token_id is None:
+        if isinstance(eos_token_id, str):
+            if eos_token_id != MODEL_EOS:
+                raise ValueError(f"eos_token_id must be {MODEL_EOS!r} (the model's own), None (never stop early), an "
+                                 f"id or a list of ids; got {eos_token_id!r}")
             eos_token_id = self.contract.data.get("eos_token_id")
-        if eos_token_id is None or eos_token_id == -1:
+        if eos_token_id is None:
             return set()
         return {int(eos_token_id)} if isinstance(eos_token_id, (int, np.integer)) else {int(e) for e in eos_token_id}
 

@@ -19,6 +19,7 @@ from test_onnx_decode import (  # noqa: E402
     VOCAB,
     ContractDriver,
     _rel,
+    assert_genai_generates_like_torch,
     decoder,
     left_padded_prompt,
     torch_generate,
@@ -152,15 +153,31 @@ def test_gla_window_long_prompt_in_chunks_longer_than_the_window(gla_window_expo
 
 def test_gla_window_states_are_the_decode_state_at_a_fixed_size(gla_window_exported):
     """The contract's four states per site: the window buffer and slots, the gated S ‖ z per kv head, and the
-    buffered keys' decayed features; genai is told why it cannot drive them."""
+    buffered keys' decayed features, packed into one recurrent_state / conv_state pair of one shape per layer
+    (the layout onnxruntime-genai feeds)."""
     kind, _target, _opt, _folder, result = gla_window_exported
     M = 2 * 16  # layer 0 has hedgehog φ: 2·D features (head dim 16)
-    states = [(s["past"].split(".")[-1], s["shape"]) for s in result.contract["states"] if s["site"].startswith(
-        "model.layers.0.")]
     S0 = GLA_WINDOW[kind][0].get("sinks", 0)
-    assert states == [("recurrent_state", ["batch", 2, S0 + 63, 32]), ("conv_state", ["batch", 1, S0 + 64]),
-                      ("gated_state", ["batch", 2, M, 17]), ("gated_keys", ["batch", 2, 63, M])]
-    assert not result.genai["supported"] and "gated_state, gated_keys" in result.genai["why"]
+    packs = [(p["state"], p["shape"], p["offset"]) for s in result.contract["states"]
+             if s["site"].startswith("model.layers.0.") for p in s["packs"]]
+    assert packs == [("recurrent_state", ["batch", 2, S0 + 63, 32], 0),
+                     ("gated_state", ["batch", 2, M, 17], 2 * (S0 + 63) * 32),
+                     ("gated_keys", ["batch", 2, 63, M], 2 * (S0 + 63) * 32 + 2 * M * 17),
+                     ("conv_state", ["batch", 1, S0 + 64], 0)]
+    pairs = {s["past"].split(".", 2)[-1]: s["shape"] for s in result.contract["states"]}
+    floats = max(2 * (S + 63) * 32 + 2 * m * 17 + 2 * 63 * m for S, m in ((S0, M), (4 - S0, 16)))  # layer 1: elu, 16
+    assert pairs == {"recurrent_state": ["batch", 1, 1, floats], "conv_state": ["batch", 1, 4 + 64]}
+
+
+def test_genai_drives_gla_window(gla_window_exported):
+    _kind, _target, opt, folder, result = gla_window_exported
+    assert_genai_generates_like_torch(opt, folder, result, n=80, new=20)  # past the 64-key window
+
+
+def test_genai_drives_delta_beside_gla(exported):
+    """delta's S and conv buffer beside gla's S ‖ z and count: pairs of different shapes, packed."""
+    _kind, _target, opt, folder, result = exported
+    assert_genai_generates_like_torch(opt, folder, result)
 
 
 def test_gla_window_rows_are_the_rows_alone(gla_window_exported):

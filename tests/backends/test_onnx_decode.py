@@ -206,15 +206,24 @@ def test_qwen2_mixed_exact_window_linear_ssm_decodes_like_torch_generate(qwen2_m
 
 
 def test_the_contract_in_the_metadata(every_form):
+    """Five forms, so the fixed-size layers travel packed (one pair of one shape each, for onnxruntime-genai);
+    the contract says where each of a site's own states lies in its pair."""
     opt, folder, result = every_form
     meta = json.loads(ort.InferenceSession(str(folder / "model.onnx")).get_modelmeta()
                       .custom_metadata_map["attnopt.decode"])
     by_layer = {s["past"]: s for s in meta["states"]}
-    assert by_layer["past_key_values.0.recurrent_state"]["shape"] == ["batch", 2, 16, 17]  # S and z, per kv head
-    assert by_layer["past_key_values.2.recurrent_state"]["shape"] == ["batch", 2, 2 + 15, 32]  # S + W - 1 slots
+    packs = {(s["past"], p["state"]): (p["shape"], p["offset"]) for s in meta["states"] for p in s.get("packs", [])}
+    # linear: S ‖ z per kv head, and its real-token count
+    assert packs[("past_key_values.0.recurrent_state", "recurrent_state")] == (["batch", 2, 16, 17], 0)
+    assert packs[("past_key_values.0.conv_state", "conv_state")] == (["batch", 1, 1], 0)
+    assert packs[("past_key_values.2.recurrent_state", "recurrent_state")] == (["batch", 2, 2 + 15, 32], 0)  # S + W - 1
+    assert packs[("past_key_values.3.recurrent_state", "linear_state")] == (["batch", 4, 32, 17], 2 * 17 * 32)
     assert by_layer["past_key_values.2.conv_state"] == {
         "past": "past_key_values.2.conv_state", "present": "present.2.conv_state", "dtype": "int64",
-        "shape": ["batch", 1, 1 + 2 + 15], "init": "zeros", "site": "model.layers.2.self_attn#0", "form": "window"}
+        "shape": ["batch", 1, 18], "init": "zeros", "site": "model.layers.2.self_attn#0", "form": "window",
+        "packs": [{"state": "conv_state", "shape": ["batch", 1, 1 + 2 + 15], "offset": 0}]}
+    pairs = {tuple(s["shape"]) for s in meta["states"] if s["past"].split(".")[-1] in ("recurrent_state", "conv_state")}
+    assert pairs == {("batch", 1, 1, 2 * 17 * 32 + 4 * 32 * 17), ("batch", 1, 18)}  # one shape per pair: the largest
     assert by_layer["past_key_values.4.key"]["shape"] == ["batch", 2, "past_sequence", 16]
     grows = {s["form"] for s in meta["states"] if "past_sequence" in s["shape"]}
     assert grows == {"exact"} and all(s["init"] == "zeros" for s in meta["states"])
@@ -224,7 +233,16 @@ def test_the_contract_in_the_metadata(every_form):
     assert opt.attnopt_report.exports[-1]["state_bytes"]["model.layers.4.self_attn#0"] == {
         "form": "exact", "1024": 2 * 1024 * 32 * 4, "32768": 2 * 32768 * 32 * 4}
     assert result.state_bytes["model.layers.0.self_attn#0"]["1024"] == result.state_bytes[
-        "model.layers.0.self_attn#0"]["32768"] == (2 * 16 * 17) * 4 + 8
+        "model.layers.0.self_attn#0"]["32768"] == (2 * 17 * 32 + 4 * 32 * 17) * 4 + 18 * 8  # its pair, padding and all
+
+
+def test_a_natural_layout_when_genai_takes_it(window_sinks, linear_ssm_mha):
+    """Layers whose own states are already one pair of one shape keep them as they are."""
+    for _, _, result in (window_sinks, linear_ssm_mha):
+        assert all("packs" not in s for s in result.contract["states"])
+    shapes = {s["past"]: s["shape"] for s in linear_ssm_mha[2].contract["states"]}
+    assert shapes["past_key_values.0.recurrent_state"] == shapes["past_key_values.1.recurrent_state"] == [
+        "batch", 4, 16, 17]
 
 
 def test_fixed_size_states_keep_their_bytes_from_16_to_160_new_tokens(every_form):
@@ -241,30 +259,57 @@ def test_fixed_size_states_keep_their_bytes_from_16_to_160_new_tokens(every_form
 # ---------------------------------------------------------------- onnxruntime-genai
 
 
-@pytest.mark.parametrize("case", ["window_sinks", "linear_ssm_mha"])
-def test_genai_generates_the_same_greedy_tokens(case, request):
+def genai_greedy(folder, prompt_row, max_length):
+    """onnxruntime_genai's own greedy loop over the folder (batch 1: genai masks no leading pad)."""
     og = pytest.importorskip("onnxruntime_genai")
-    opt, folder, result = request.getfixturevalue(case)
-    assert result.genai["supported"] and result.genai["status"] == "same tokens"
-    prompt = left_padded_prompt(n=18, seed=11)[0][:1]  # genai masks no leading pad: one unpadded row
-    want, _ = torch_generate(opt, prompt, np.ones_like(prompt), 24)
     model = og.Model(str(folder))
     params = og.GeneratorParams(model)
-    params.set_search_options(max_length=want.shape[1], batch_size=1, do_sample=False)
+    params.set_search_options(max_length=max_length, batch_size=1, do_sample=False)
     generator = og.Generator(model, params)
-    generator.append_tokens(prompt.astype(np.int32))
+    generator.append_tokens(np.asarray([prompt_row], dtype=np.int32))
     while not generator.is_done():
         generator.generate_next_token()
-    assert list(generator.get_sequence(0)) == want[0].tolist()
+    return list(generator.get_sequence(0))
 
 
-def test_genai_config_says_why_it_cannot_run_a_model(every_form, qwen2_mixed):
-    for _, folder, result in (every_form, qwen2_mixed):
-        config = json.loads((folder / "genai_config.json").read_text())
-        assert not result.genai["supported"]
-        assert config["not_supported_by_onnxruntime_genai"].startswith(result.genai["why"])
-    assert "linear_state" in every_form[2].genai["why"]  # linear+window: two fixed tensors per layer
-    assert "differ in shape" in qwen2_mixed[2].genai["why"]  # window buffer vs linear state
+def assert_genai_generates_like_torch(opt, folder, result, n=18, new=24):
+    """genai's tokens are torch's, both stopping at the model's eos (genai leaves the eos out), on the first
+    prompt (seeds 11, 12, ...) after which torch makes 8 tokens or more before its eos."""
+    assert result.genai["supported"] and result.genai["status"] == "same tokens", result.genai
+    for seed in range(11, 21):
+        prompt = left_padded_prompt(n=n, seed=seed)[0][:1]
+        want, _ = torch_generate(opt, prompt, np.ones_like(prompt), new)
+        if want.shape[1] - n >= 8 + 1:
+            break
+    got = genai_greedy(folder, prompt[0], want.shape[1])
+    assert got == want[0, :len(got)].tolist() and len(got) - n >= 8
+    assert len(got) == want.shape[1] or want[0, len(got)] == opt.generation_config.eos_token_id
+
+
+@pytest.mark.parametrize("case", ["window_sinks", "linear_ssm_mha", "every_form", "qwen2_mixed"])
+def test_genai_generates_the_same_greedy_tokens(case, request):
+    """Natural pairs (window_sinks, linear_ssm_mha) and packed ones: five forms beside an exact K/V cache
+    (every_form), and exact, window, linear, ssm on Qwen2 (pairs of different shapes until packed)."""
+    opt, folder, result = request.getfixturevalue(case)
+    assert (folder / "genai_config.json").exists()
+    assert_genai_generates_like_torch(opt, folder, result)
+
+
+@pytest.mark.slow
+def test_a_folder_genai_cannot_run_gets_one_warning_and_no_genai_config(tmp_path):
+    """reuse keeps growing caches besides K/V, which no packing holds: said once at export, no config written
+    (og.Model would load one and fail at its first step), and the folder still generates with Generator."""
+    from attnopt.onnx import Generator
+
+    opt = compiled("llama", "reuse", 3)
+    with pytest.warns(UserWarning) as caught:
+        result = attnopt.export_onnx(opt, tmp_path / "out", {"input_ids": EXAMPLE})
+    said = [str(w.message) for w in caught if "onnxruntime-genai" in str(w.message)]
+    assert len(said) == 1 and "\n" not in said[0] and "residual_key" in said[0] and "no genai_config.json" in said[0]
+    assert not result.genai["supported"] and not (tmp_path / "out" / "genai_config.json").exists()
+    ids, mask = left_padded_prompt(n=12, pads=3, seed=4)
+    want, _ = torch_generate(opt, ids, mask, 8)
+    assert np.array_equal(Generator(tmp_path / "out").generate(ids, mask, max_new_tokens=8), want)
 
 
 def test_a_missing_genai_skips_only_the_genai_check(window_sinks, monkeypatch):
@@ -305,6 +350,13 @@ def test_generator_sampling_eos_and_bad_input(window_sinks, tmp_path):
     first = int(greedy[0, 10])  # that row's first new token as eos: it stops there, the other row goes on
     stopped = gen.generate(ids, mask, max_new_tokens=6, eos_token_id=first, pad_token_id=0)
     assert stopped[0, 10] == first and (stopped[0, 11:] == 0).all()
+    # The default is the model's own eos (2 here), None never stops early: 30 steps of a random model
+    never = gen.generate(ids, mask, max_new_tokens=30, eos_token_id=None)
+    assert never.shape == (2, 40) and (never[:, 10:] == 2).any()  # ... which does say "2" on the way
+    stops = gen.generate(ids, mask, max_new_tokens=30)
+    assert np.array_equal(stops, torch_generate(opt, ids, mask, 30)[0]) and not np.array_equal(stops, never)
+    with pytest.raises(ValueError, match="eos_token_id must be 'model'"):
+        gen.generate(ids, mask, max_new_tokens=2, eos_token_id="none")
     assert np.array_equal(gen.generate(ids[:1], mask[:1], max_new_tokens=0), ids[:1])
     with pytest.raises(ValueError, match="must match input_ids"):
         gen.generate(ids, mask[:, 1:], max_new_tokens=2)
@@ -331,6 +383,13 @@ def test_cli_generate_uses_the_folders_tokenizer(window_sinks, capsys):
     assert words.split() == prompt.split() + [f"w{t}" for t in want[0, 5:] if t > 2]
     assert command.main(["generate", str(folder.parent)], standalone_mode=False) == 2
     assert capsys.readouterr().err.count("\n") == 1
+    # --ignore-eos: all 30 new tokens, as Generator's eos_token_id=None (special tokens are not printed)
+    from attnopt.onnx import Generator
+
+    never = Generator(folder).generate(ids, max_new_tokens=30, eos_token_id=None)
+    assert command.main(["generate", str(folder), "--prompt", prompt, "--max-new-tokens", "30", "--ignore-eos"],
+                        standalone_mode=False) == 0
+    assert capsys.readouterr().out.split() == prompt.split() + [f"w{t}" for t in never[0, 5:] if t > 2]
 
 
 # ---------------------------------------------------------------- no N×N tensor outside exact sites
@@ -450,19 +509,33 @@ def test_bad_inputs_get_one_line_errors(window_sinks, minilm, tmp_path):
     assert not any(p.name.startswith(".attnopt") for p in tmp_path.iterdir())
 
 
-def test_measured_dispatch_thresholds_are_dropped_with_a_one_line_warning(window_sinks, tmp_path):
+def test_measured_dispatch_thresholds_are_kept_as_an_exact_prefix(tmp_path):
+    """A measured min_seq_len (the automatic dispatch's) is exported as the compiled model runs it: exact
+    attention for each row's first T real tokens, then the form; the export's check crosses T."""
     import copy
 
     from attnopt.passes.crossover import Threshold
 
-    opt = copy.deepcopy(window_sinks[0])
+    opt = copy.deepcopy(compiled("llama", "window:16+sinks:2", 2))
     for r in opt.attnopt_report.sites:
-        r.threshold = Threshold(r.site.id, "window", 16, "measured", "timed for this test")
-        r.outcome.params["min_seq_len"] = 16
-    with pytest.warns(UserWarning) as caught, pytest.raises(ValueError):  # a 1-token prompt stops it after
-        attnopt.export_onnx(opt, tmp_path / "out", {"input_ids": EXAMPLE[:, :1]})
-    message = [str(w.message) for w in caught if "dispatch" in str(w.message)]
-    assert message and "\n" not in message[0] and "dropped" in message[0] and "min_seq_len [16]" in message[0]
+        r.threshold = Threshold(r.site.id, "window", 20, "measured", "timed for this test")
+        r.outcome.params["min_seq_len"] = 20
+    for m in opt.modules():
+        if getattr(m, "form", None) == "window":
+            m.min_seq_len = m.params["min_seq_len"] = 20
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is dropped, nothing to warn about
+        result = attnopt.export_onnx(opt, tmp_path / "out", {"input_ids": EXAMPLE})
+    assert [s["exact_below"] for s in result.sites] == [20, 20] and result.dispatch_dropped == {}
+    assert result.parity[0]["length"] == 22  # the check's prompt: T + 2, row 1 with 4 pads
+    prefixes = [p["shape"] for s in result.contract["states"] for p in s.get("packs", [])
+                if p["state"] == "exact_prefix"]
+    assert prefixes == [["batch", 2, 20, 32]] * 2
+    ids, mask = left_padded_prompt(n=12, pads=3, seed=4)  # row 0 passes 20 real tokens at step 9, row 1 at 12
+    want, want_logits = torch_generate(opt, ids, mask, 24)
+    seq, logits, _ = ContractDriver(tmp_path / "out").greedy(ids, mask, 24)
+    assert np.array_equal(seq, want) and _rel(logits, want_logits) <= 1e-4
+    assert_genai_generates_like_torch(opt, tmp_path / "out", result, n=16)
 
 
 def test_a_folder_path_decodes_by_default_and_a_file_path_stays_a_prefill_file(window_sinks, tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -76,6 +77,11 @@ def export_onnx(model: nn.Module, path, example_inputs: Any = None, *, decode: O
     target, opset = check_target(target, opset)
     require_packages()
     out_path = writable_file(path)
+    if decode is None and decode_module.cannot_generate(model) is None:
+        # The README's first export of a causal LM once wrote this file and stopped there.
+        warnings.warn(f"export_onnx: {out_path.name} is one prefill file (the logits of whole sequences, no state to "
+                      "decode from); to generate, export a folder: export_onnx(model, 'out_dir') or decode=True "
+                      "(decode=False says this file is what you want)", stacklevel=2)
     opt = compiled_for_export(model, policy, example_inputs)
     dropped = run_time_switches(opt.attnopt_report)
     with dispatch_dropped(opt, dropped):

@@ -2,44 +2,49 @@
 
 genai drives a decoder from the config by names: input_ids, attention_mask, position_ids, logits,
 the K/V caches past_key_values.%d.key/value (growing, fed a 0-length past first), and fixed-size
-state pairs past_key_values.%d.recurrent_state (rank 4) + conv_state (rank 3), zeros first. The
-0.18 limits that decide whether it can run an export (verified in /work/research/onnx/FINDINGS.md):
+state pairs past_key_values.%d.recurrent_state (rank 4) + conv_state (rank 3), zeros first, each
+present written over its past. The 0.18 limits (read from its RecurrentState and KV cache):
 
 * every recurrent_state has one shape and dtype, and so does every conv_state;
-* a layer carries nothing besides K/V or one recurrent + conv pair (linear+window's linear_state,
-  gla+window's gated_state and gated_keys, and reuse's caches have no genai slot);
+* a layer carries its K/V or one recurrent + conv pair, nothing else;
 * V has K's shape (head dims equal).
 
-When it cannot, the config says so under the key NOT_SUPPORTED (genai then refuses to load it,
-naming that key) and the folder is still complete for `attnopt.onnx.Generator`. genai also never
-masks leading pad tokens at batch > 1 (it pads on the right): compare batch-1 runs.
+A graph whose fixed-size layers break the first two is exported packed (packing.py: each layer's
+states in one pair of one shape), which genai drives. What packing cannot mend -- a growing state
+besides K/V (reuse's caches), V and K of different head dims -- is said in one warning at export
+time, and the folder gets no genai_config.json (genai would load one and fail at the first step);
+`attnopt.onnx.Generator` runs it. genai also never masks leading pad tokens at batch > 1 (it pads
+on the right): compare batch-1 runs.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import numpy as np
 
+from attnopt.backends.onnx.packing import CONV, RECURRENT, Packing
+
 GENAI_VERSION = "0.18"
-NOT_SUPPORTED = "not_supported_by_onnxruntime_genai"
-_RECURRENT = ("recurrent_state", "conv_state")
 
 
 def unsupported(layout) -> Optional[str]:
-    """Why genai 0.18 cannot drive this graph's states, in one sentence; None when it can."""
-    shapes: dict = {"recurrent_state": set(), "conv_state": set()}
+    """Why genai 0.18 cannot drive this graph's state inputs, in one sentence; None when it can."""
+    shapes: dict = {RECURRENT: set(), CONV: set()}
     for plan in layout.layers:
-        names = [s.name for s in plan.states]
-        if names in (["key", "value"], list(_RECURRENT)):
-            for s in plan.states:
-                if s.name in shapes:
-                    shapes[s.name].add((s.shape, s.dtype))
-            if names == ["key", "value"] and plan.states[0].shape != plan.states[1].shape:
+        specs = layout.io_specs(plan)
+        names = [s.name for s in specs]
+        if names == ["key", "value"]:
+            if specs[0].shape != specs[1].shape:
                 return (f"site {plan.site_id}: its value head dim differs from its key head dim, and onnxruntime-genai "
                         f"{GENAI_VERSION} gives V the shape of K")
             continue
-        extra = ", ".join(n for n in names if n not in ("key", "value") + _RECURRENT)
+        if names == [RECURRENT, CONV]:
+            for spec in specs:
+                shapes[spec.name].add((spec.shape, spec.dtype))
+            continue
+        extra = ", ".join(n for n in names if n not in ("key", "value", RECURRENT, CONV))
         return (f"site {plan.site_id} ({plan.form}) carries {extra or ', '.join(names)} besides its K/V or "
                 f"recurrent pair, and onnxruntime-genai {GENAI_VERSION} has one recurrent_state and one conv_state "
                 "per layer")
@@ -52,8 +57,21 @@ def unsupported(layout) -> Optional[str]:
     return None
 
 
-def config(model, layout, contract: dict, reason: Optional[str]) -> dict:
-    """The genai_config.json of a decode folder (with the NOT_SUPPORTED key when `reason`)."""
+def choose_layout(layout) -> Optional[str]:
+    """Pack the fixed-size states when that lets genai drive the graph (sets layout.packing); returns
+    why genai still cannot, or None."""
+    reason = unsupported(layout)
+    if reason is None:
+        return None
+    packed = replace(layout, packing=Packing.of(layout.layers))
+    if unsupported(packed) is None:
+        layout.packing = packed.packing
+        return None
+    return reason
+
+
+def config(model, layout, contract: dict) -> dict:
+    """The genai_config.json of a decode folder genai can drive."""
     cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     kv = next((p for p in layout.layers if p.states and p.states[0].name == "key"), layout.layers[0])
     g = kv.site.geometry
@@ -81,8 +99,6 @@ def config(model, layout, contract: dict, reason: Optional[str]) -> dict:
            "search": {"max_length": context, "min_length": 0, "do_sample": False, "num_beams": 1,
                       "num_return_sequences": 1, "past_present_share_buffer": False, "top_k": 1, "top_p": 1.0,
                       "temperature": 1.0, "repetition_penalty": 1.0, "early_stopping": True, "length_penalty": 1.0}}
-    if reason:
-        out = {NOT_SUPPORTED: f"{reason}; run this folder with attnopt.onnx.Generator", **out}
     return out
 
 
@@ -107,13 +123,21 @@ def greedy_tokens(folder, prompt: list, steps: int) -> np.ndarray:
 
 
 def check(folder, prompt: list, want: list, eos) -> dict:
-    """genai's greedy tokens against torch's for `prompt`: same (up to genai stopping at its eos)."""
+    """genai's greedy tokens against torch's for `prompt`: "same tokens" (up to genai stopping at its
+    eos), "differs", "fails" (genai raised), or "skipped" (not installed); a "note" says why when not same."""
     try:
         import onnxruntime_genai  # noqa: F401
     except ImportError:
         return {"status": "skipped", "note": "onnxruntime-genai is not installed, so the genai check was skipped "
                                              "(pip install 'attnopt[onnx]' adds it)"}
-    got = greedy_tokens(folder, prompt, len(want))[len(prompt):].tolist()
+    try:
+        got = greedy_tokens(folder, prompt, len(want))[len(prompt):].tolist()
+    except Exception as exc:  # genai's own error, first line: what it could not do with the folder
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return {"status": "fails", "note": f"onnxruntime-genai fails on it: {first[:300]}"}
     stops = {eos} if isinstance(eos, int) else set(eos or [])
     same = got == want[:len(got)] and (len(got) == len(want) or (got and got[-1] in stops))
-    return {"status": "same tokens" if same else "differs", "tokens": got, "torch": want}
+    if same:
+        return {"status": "same tokens", "tokens": got, "torch": want}
+    return {"status": "differs", "tokens": got, "torch": want,
+            "note": f"onnxruntime-genai generates {got} where torch generates {want}"}
