@@ -2,13 +2,17 @@
 `generate DIR`, `bench`, `demo`.
 
 Every expected failure (bad argument or MODEL, model that does not trace, no attention, Ctrl-C)
-prints one line to stderr and returns its exit code; no traceback. `main(argv) -> int` is the
-entry point; it never calls sys.exit, so tests read the code it returns.
+prints one line to stderr and returns its exit code; no traceback. Progress goes to stderr too: a
+bar on a terminal, plain lines "attnopt <command>: [m:ss] ..." otherwise (attnopt.progress).
+`main(argv) -> int` is the entry point; it never calls sys.exit, so tests read the code it returns.
+
+Importing this module must not import torch or transformers (`attnopt --help` would take seconds):
+every command imports what it needs when it runs, and the help text is written out here.
 """
 
 from __future__ import annotations
 
-import contextlib
+import contextvars
 import enum
 import json
 import os
@@ -16,6 +20,8 @@ import sys
 from typing import Optional
 
 import typer
+
+from attnopt import progress as progress_lines
 
 try:  # typer 0.2x vendors click: its parse errors derive from TyperException
     from typer import TyperException as _ParseError
@@ -45,12 +51,20 @@ class CliError(Exception):
         self.command: Optional[str] = None  # the subcommand it came from, set by _guarded
 
 
-def policy_presets_help() -> str:
-    """The preset list of --policy, from the forms registry (never typed twice)."""
-    from attnopt import forms
+# The presets --policy lists: each registered form's own (attnopt.forms.registry(), cheapest first),
+# then the recipes. Written out, not read from the registry, which imports torch; tests/test_cli.py
+# checks that it is the registry's list.
+POLICY_PRESETS = (
+    "linear", "linear:favor", "linear:hedgehog", "linear:taylor", "linear:relu", "delta", "delta:0.5", "gla",
+    "gla:elu", "gla+gate:head", "gla+window:64", "gla+window:64+sinks:4", "linear+window:64",
+    "linear+window:64+sinks:4", "linear+window:64+map:elu", "ssm", "ssm:0.95", "window:256", "window:256+sinks:4",
+    "reuse", "reuse:16", "reuse+block:64", "reuse+every:3", "exact", "hybrid", "auto",
+)
 
-    examples = [p for f in forms.registry().values() for p in f.presets]
-    return ", ".join(examples + ["hybrid", "auto"])
+
+def policy_presets_help() -> str:
+    """The preset list of --policy."""
+    return ", ".join(POLICY_PRESETS)
 
 
 def _epilog(*examples: str) -> str:
@@ -58,56 +72,24 @@ def _epilog(*examples: str) -> str:
     return "\n\n".join(["Examples:"] + [f"  {e}" for e in examples] + [EXIT_CODES_HELP])
 
 
-@contextlib.contextmanager
+# The subcommand running now, for the progress lines' prefix ("attnopt compile: ...").
+_COMMAND: contextvars.ContextVar[str] = contextvars.ContextVar("attnopt_command", default="")
+
+
+def _prefix() -> str:
+    return f"attnopt {_COMMAND.get()}".rstrip()
+
+
 def progress(message: str, quiet: bool = False):
-    """A rich spinner on stderr while a slow step runs (model load, compile); nothing when quiet
-    or when stderr is not a terminal, so captured stderr holds only the one-line errors."""
-    if quiet:
-        yield
-        return
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    if not console.is_terminal:
-        yield
-        return
-    with console.status(message):
-        yield
+    """One slow step (model load, capture): a spinner on a terminal, a plain line on stderr otherwise,
+    nothing when quiet. A context manager yielding update(text, done, total)."""
+    return progress_lines.spinner(message, _prefix(), quiet)
 
 
-def _no_steps(text: str, done: Optional[int] = None, total: Optional[int] = None) -> None:
-    pass
-
-
-@contextlib.contextmanager
 def step_bar(title: str, quiet: bool = False):
-    """A rich progress bar on stderr for a job of named steps (compile: capture, record, one tick per
-    site verified, dispatch timings; bench: one tick per forward). Yields update(text, done, total);
-    nothing is drawn when quiet or when stderr is not a terminal."""
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    if quiet or not console.is_terminal:
-        yield _no_steps
-        return
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        SpinnerColumn,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task(title, total=None)
-
-        def update(text: str, done: Optional[int] = None, total: Optional[int] = None) -> None:
-            # A step without a count shows a pulsing bar; verification and timings count up.
-            bar.update(task, description=f"{title}: {text}", completed=done or 0, total=total, refresh=True)
-
-        yield update
+    """A job of named steps (compile, bench): a bar on a terminal, rate-limited plain lines on stderr
+    otherwise, nothing when quiet. A context manager yielding update(text, done, total)."""
+    return progress_lines.step_bar(title, _prefix(), quiet)
 
 
 class Dispatch(str, enum.Enum):
@@ -163,8 +145,9 @@ def _root(
 
 
 def _guarded(command: str, fn):
-    """Run a subcommand: its failures name it, and Ctrl-C is an expected failure (one line, code
-    130), not a traceback."""
+    """Run a subcommand: its failures and progress lines name it, and Ctrl-C is an expected failure
+    (one line, code 130), not a traceback."""
+    token = _COMMAND.set(command)
     try:
         return fn()
     except CliError as exc:
@@ -174,6 +157,8 @@ def _guarded(command: str, fn):
         error = CliError("interrupted", EXIT_INTERRUPTED)
         error.command = command
         raise error from exc
+    finally:
+        _COMMAND.reset(token)
 
 
 def _load(spec: str, quiet: bool = False, **text_opts):
@@ -251,14 +236,18 @@ def compile_command(
     html: str = typer.Option("report.html", "--html", help="where to write the HTML report"),
     json_out: Optional[str] = typer.Option(None, "--json", help="where to write the JSON report (default: beside "
                                                                 "--html)"),
+    md: Optional[str] = typer.Option(None, "--md", help="also write the report as Markdown to this file"),
     dispatch: Optional[Dispatch] = typer.Option(None, "--dispatch", help=DISPATCH_HELP),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress on stderr"),
 ) -> int:
     return _guarded("compile", lambda: run_compile(model, policy, tolerance, e2e_tolerance, seq_len, html, json_out,
-                                                   dispatch.value if dispatch else None))
+                                                   dispatch.value if dispatch else None, md, quiet))
 
 
 def run_compile(spec: str, policy_text: str, tolerance: Optional[float], e2e_text: str, seq_len: int,
-                html: str, json_out: Optional[str], dispatch: Optional[str] = None) -> int:
+                html: str, json_out: Optional[str], dispatch: Optional[str] = None, md: Optional[str] = None,
+                quiet: bool = False) -> int:
+    """Compile, write the reports, and print a short summary (the full report is in the files)."""
     from attnopt.ir.errors import PolicyError
     from attnopt.policy import Policy
     from attnopt.samples import english_passages
@@ -274,22 +263,54 @@ def run_compile(spec: str, policy_text: str, tolerance: Optional[float], e2e_tex
     if seq_len < 1:
         raise CliError(f"--seq-len must be >= 1; got {seq_len}", EXIT_BAD_ARGUMENT)
     json_path = json_out or os.path.splitext(html)[0] + ".json"
-    check_writable({"--html": html, "--json": json_path})
-    model, args, kwargs, description = _load(spec, texts=english_passages(), max_length=seq_len)
+    check_writable({"--html": html, "--json": json_path, **({"--md": md} if md else {})})
+    model, args, kwargs, description = _load(spec, quiet=quiet, texts=english_passages(), max_length=seq_len)
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if isinstance(limit, int) and seq_len > limit:
         raise CliError(f"--seq-len {seq_len} is beyond {description}'s {limit} positions; use --seq-len {limit} "
                        "or less", EXIT_BAD_ARGUMENT)
-    opt = compile_or_fail(model, policy, (args, kwargs), description, tolerance=tolerance, e2e_tolerance=e2e,
-                          dispatch=dispatch)
+    opt = compile_or_fail(model, policy, (args, kwargs), description, quiet=quiet, tolerance=tolerance,
+                          e2e_tolerance=e2e, dispatch=dispatch)
     report = opt.attnopt_report
-    judged = judge_decoder(model, opt, args, kwargs, description)
+    judged = judge_decoder(model, opt, args, kwargs, description, quiet)
     if judged:
-        report.notes.append(judged)
-    print(report.to_markdown())
-    write_reports(report, html, json_path)
-    print(f"\n{judged or summary_line(report)}\nwrote {html} and {json_path}")
+        report.notes.append(f"{sites_text(report)}; {judged}")
+    paths = write_reports(report, html, json_path, md)
+    print("\n".join(compile_summary(report, description, judged, paths)))
     return EXIT_OK
+
+
+def compile_summary(report, description: str, judged: Optional[str], paths: list) -> list[str]:
+    """What `attnopt compile` prints: the sites, the drift, the measured time, and where the full report is."""
+    lines = [f"{description}: {sites_text(report)}", f"drift: {judged or drift_text(report)}"]
+    if report.forward_time is not None:
+        ft = report.forward_time
+        lines.append(f"time: {ft.text()}; {ft.conditions.short()}; compile took {report.timings.get('total', 0):.1f} s")
+    shown = f"{', '.join(paths[:-1])} and {paths[-1]}" if len(paths) > 1 else paths[0]
+    lines.append(f"wrote {shown} (every site's form or reason, drift, costs, decode memory, timings)")
+    return lines
+
+
+def sites_text(report) -> str:
+    """E.g. "10/12 sites rewritten (1 kept, 1 reverted)"."""
+    t = report.totals
+    others = ", ".join(f"{t[s]} {s}" for s in ("kept", "reverted", "unsupported", "unverified") if t[s])
+    return f"{t['rewritten']}/{t['sites']} sites rewritten" + (f" ({others})" if others else "")
+
+
+def drift_text(report) -> str:
+    """The end-to-end drift, as measured, and the budget that held it."""
+    e2e, parts = report.end_to_end, []
+    if e2e is not None and e2e.embedding_cosine is not None:
+        parts.append(f"mean embedding cosine {e2e.embedding_cosine:.4f}")
+    if e2e is not None and e2e.worst is not None:
+        parts.append(f"worst output relative RMS {e2e.worst.rel_rms:.4g}")
+    text = ", ".join(parts) or "not measured"
+    budget = (report.counts.get("budget") or {}).get("e2e_tolerance")
+    if budget is not None:
+        reverted = len(report.budget_steps or [])
+        text += f" (end-to-end budget {budget:g}" + (f"; {reverted} sites reverted to hold it)" if reverted else ")")
+    return text
 
 
 def check_writable(paths: dict) -> None:
@@ -309,9 +330,10 @@ def check_writable(paths: dict) -> None:
             os.remove(path)
 
 
-def judge_decoder(model, opt, args, kwargs, description: str) -> Optional[str]:
+def judge_decoder(model, opt, args, kwargs, description: str, quiet: bool = False) -> Optional[str]:
     """For a causal LM: its logits drift and the perplexity of the original and the rewritten model on
-    the built-in text (the example compile verified on, so in-sample); None for other models."""
+    the built-in text (the example compile verified on, so in-sample), as one line; None for other
+    models."""
     from attnopt.analysis.perplexity import is_causal_lm, perplexity
 
     if args or not is_causal_lm(model) or "input_ids" not in kwargs:
@@ -321,17 +343,16 @@ def judge_decoder(model, opt, args, kwargs, description: str) -> Optional[str]:
     report = opt.attnopt_report
     per_output = getattr(report.end_to_end, "per_output", None) or {}
     drift = next((d for name, d in per_output.items() if "logits" in name), None)
-    text = f"{report.count('rewritten')}/{len(report.sites)} sites rewritten"
-    if drift is not None:
-        text += f"; logits relative RMS drift {drift.rel_rms:.4g} (worst verification batch)"
+    parts = [] if drift is None else [f"logits relative RMS drift {drift.rel_rms:.4g} (worst verification batch)"]
     ids = kwargs["input_ids"]
     if "random token ids" in description:
-        return text + "; perplexity not measured (random token ids: the directory has no tokenizer)"
-    before, after = perplexity(model, kwargs), perplexity(opt, kwargs)
+        return "; ".join(parts + ["perplexity not measured (random token ids: the directory has no tokenizer)"])
+    with progress("measuring perplexity, original and rewritten ...", quiet):
+        before, after = perplexity(model, kwargs), perplexity(opt, kwargs)
     if before is None or after is None:
-        return text
-    text += (f"; perplexity on the built-in text ({ids.shape[0]}x{ids.shape[1]} tokens, in-sample): "
-             f"{before:.4g} original, {after:.4g} rewritten ({after / before:.3f}x)")
+        return "; ".join(parts) or None
+    text = "; ".join(parts + [f"perplexity on the built-in text ({ids.shape[0]}x{ids.shape[1]} tokens, in-sample): "
+             f"{before:.4g} original, {after:.4g} rewritten ({after / before:.3f}x)"])
     waiting = {sid: m for sid, m in target_of(opt).site_modules().items() if m.min_seq_len > ids.shape[1]}
     if not waiting:
         return text
@@ -357,13 +378,14 @@ def parse_e2e_tolerance(text: str) -> Optional[float]:
     return e2e
 
 
-def compile_or_fail(model, policy, example_inputs, description: str, **options):
-    """attnopt.compile with the CLI's failures: capture (3) and no attention (4)."""
+def compile_or_fail(model, policy, example_inputs, description: str, quiet: bool = False, **options):
+    """attnopt.compile with the CLI's progress and failures: capture (3) and no attention (4)."""
     from attnopt.compiler import compile as attnopt_compile
     from attnopt.ir.errors import CaptureError
 
     try:
-        with step_bar(f"compiling {description} with {policy}") as update:
+        # The policy's name ("window:64+sinks:4", a file's stem), not its multi-line description.
+        with step_bar(f"compiling {description} with {getattr(policy, 'name', policy)}", quiet) as update:
             opt = attnopt_compile(model, policy, example_inputs=example_inputs, name=description, progress=update,
                                   **options)
     except CaptureError as exc:
@@ -373,24 +395,20 @@ def compile_or_fail(model, policy, example_inputs, description: str, **options):
     return opt
 
 
-def write_reports(report, html: str, json_path: str) -> None:
+def write_reports(report, html: str, json_path: str, md: Optional[str] = None) -> list:
+    """Write the HTML and JSON reports (and the Markdown one when asked); the paths written."""
+    paths = [html, json_path] + ([md] if md else [])
     try:
-        for path in (html, json_path):
+        for path in paths:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         report.to_html(html)
         report.to_json(json_path)
+        if md:
+            with open(md, "w", encoding="utf-8") as f:
+                f.write(report.to_markdown())
     except OSError as exc:
         raise CliError(f"could not write the report: {exc}", EXIT_BAD_ARGUMENT) from exc
-
-
-def summary_line(report) -> str:
-    e2e = report.end_to_end
-    summary = f"{report.count('rewritten')}/{len(report.sites)} sites rewritten"
-    if e2e is not None and e2e.embedding_cosine is not None:
-        summary += f"; mean embedding cosine {e2e.embedding_cosine:.4f}"
-    elif e2e is not None and e2e.worst is not None:
-        summary += f"; worst output relative RMS drift {e2e.worst.rel_rms:.4g}"
-    return summary
+    return paths
 
 
 BENCH_POLICIES = ("linear", "window:256+sinks:4")  # attnopt.bench.DEFAULT_POLICIES; not imported (torch loads lazily)
@@ -442,7 +460,7 @@ def run_bench(spec: str, policies: list, lengths_text: str, repeats: int, thread
     workload = bench_workload(spec, lengths, as_json)
 
     def compiler(model, policy, example_inputs, **options):
-        return compile_or_fail(model, policy, example_inputs, workload.description, **options)
+        return compile_or_fail(model, policy, example_inputs, workload.description, quiet=as_json, **options)
 
     with step_bar(f"bench {workload.description}", quiet=as_json) as update:
         result = bench.compare(workload, parsed, lengths, repeats, names=policies, compiler=compiler,
@@ -541,7 +559,7 @@ def run_demo(out: str, quick: bool, threads: Optional[int]) -> int:
     if importlib.util.find_spec("transformers") is None:
         raise CliError("the demo needs transformers (pip install -e '.[hf]')", EXIT_BAD_ARGUMENT)
     try:
-        result = demo.run(out, quick=quick, step=progress, threads=threads)
+        result = demo.run(out, quick=quick, step=step_bar, threads=threads)
     except ModelSpecError as exc:
         raise CliError(f"the demo needs the pretrained MiniLM: {exc}", EXIT_BAD_ARGUMENT) from exc
     except CaptureError as exc:
@@ -589,7 +607,7 @@ def run_export(spec: str, policy_text: str, target: str, out: str, seq_len: int,
     if seq_len < 2:
         raise CliError(f"--seq-len must be >= 2; got {seq_len}", EXIT_BAD_ARGUMENT)
     model, args, kwargs, description = _load(spec, quiet=as_json, texts=english_passages()[:1], max_length=seq_len)
-    opt = compile_or_fail(model, policy, (args, kwargs), description)
+    opt = compile_or_fail(model, policy, (args, kwargs), description, quiet=as_json)
     try:
         with progress(f"exporting {description} to {out} ...", as_json):
             result = export_onnx(opt, out, (args, kwargs), target=target)
@@ -643,14 +661,14 @@ def calibrate_command(
             raise CliError(f"--texts {texts}: no such file", EXIT_BAD_ARGUMENT)
         passages = ([t for t in open(texts, encoding="utf-8").read().splitlines() if t.strip()] if texts
                     else english_passages())
-        loaded, args, kwargs, description = _load(model, texts=passages, max_length=seq_len)
+        loaded, args, kwargs, description = _load(model, quiet=as_json, texts=passages, max_length=seq_len)
         rows = [v.shape[0] for v in list(args) + list(kwargs.values()) if hasattr(v, "shape") and v.dim() >= 1]
         if args or not rows or min(rows) < 2:
             raise CliError(f"{description}: calibration needs keyword inputs with at least 2 rows (passages) to "
                            "split into batches", EXIT_BAD_ARGUMENT)
         batches = [{k: (v[i : i + 1] if hasattr(v, "shape") and v.dim() >= 1 else v) for k, v in kwargs.items()}
                    for i in range(rows[0])]
-        opt = compile_or_fail(loaded, parsed, batches[0], description)
+        opt = compile_or_fail(loaded, parsed, batches[0], description, quiet=as_json)
         import torch
 
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():  # torchrun

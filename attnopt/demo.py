@@ -9,6 +9,8 @@
 3. the linear+window MiniLM report as report.html and report.json.
 
 `run(out, quick, step)` returns a DemoResult (plain data); `render(result)` is what the CLI prints.
+`step(title)` is a context manager around each step that yields update(text, done, total), which
+compile is handed as its progress (the CLI's bar, or plain lines when stderr is not a terminal).
 Failures are the library's own exceptions (ModelSpecError, CaptureError); the CLI maps them to
 exit codes, so this module never imports the CLI.
 """
@@ -71,11 +73,16 @@ class DemoResult:
     decode: Optional[DecodeTiming] = None
 
 
-Step = Callable[[str], ContextManager]
+Update = Callable[..., None]  # update(text, done=None, total=None)
+Step = Callable[[str], ContextManager[Update]]
 
 
-def _no_progress(message: str) -> ContextManager:
-    return contextlib.nullcontext()
+def _no_update(text: str = "", done: Optional[int] = None, total: Optional[int] = None) -> None:
+    pass
+
+
+def _no_progress(title: str) -> ContextManager[Update]:
+    return contextlib.nullcontext(_no_update)
 
 
 def run(out: str = ".", quick: bool = False, step: Step = _no_progress, threads: Optional[int] = None) -> DemoResult:
@@ -98,17 +105,17 @@ def _run(out: str, quick: bool, step: Step) -> DemoResult:
 
     start = time.perf_counter()
     suffix = QUICK_SUFFIX if quick else ""
-    with step("loading MiniLM ..."):
+    with step("loading MiniLM"):
         model, args, kwargs, description = load_model("minilm", texts=english_passages(), max_length=MINILM_TOKENS)
-    with step("inspecting MiniLM ..."):
+    with step("inspecting MiniLM"):
         sites = len(attnopt.inspect(model, *args, **kwargs).sites)
     runs, report = [], None
     for policy in MINILM_POLICIES:
         text = policy + suffix if policy.startswith("linear+window") else policy
         t = time.perf_counter()
-        with step(f"compiling MiniLM with {text} ..."), warnings.catch_warnings():
+        with step(f"compiling MiniLM with {text}") as update, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the numbers printed below say what a warning would
-            opt = attnopt.compile(model, text, example_inputs=(args, kwargs), name=description)
+            opt = attnopt.compile(model, text, example_inputs=(args, kwargs), name=description, progress=update)
         rep = opt.attnopt_report
         cosine = rep.end_to_end.embedding_cosine if rep.end_to_end is not None else None
         below = sorted({f"{r.threshold.min_seq_len} ({r.threshold.source})" for r in rep.sites if r.threshold})
@@ -128,10 +135,10 @@ def _run(out: str, quick: bool, step: Step) -> DemoResult:
                                     e2e_tolerance=None, name=decoder_description)
     rewritten = bench.rewritten_counts(compiled)
     lengths = QUICK_LENGTHS if quick else LENGTHS
-    with step(f"timing the forward at {', '.join(map(str, lengths))} tokens ..."):
-        timings = time_forward(compiled, lengths)
+    with step(f"timing the forward at {', '.join(map(str, lengths))} tokens") as update:
+        timings = time_forward(compiled, lengths, progress=update)
     prompt, new = (QUICK_DECODE_PROMPT, QUICK_DECODE_TOKENS) if quick else (DECODE_PROMPT, DECODE_TOKENS)
-    with step(f"timing generate(): a {prompt}-token prompt, then {new} new tokens ..."):
+    with step(f"timing generate(): a {prompt}-token prompt, then {new} new tokens"):
         decode = time_generate(compiled, prompt, new)
     notes = ["the decoder's weights are random: its compiles set no end-to-end budget (e2e_tolerance=None) and "
              "only its speed means something, not its outputs"]
@@ -147,11 +154,11 @@ def _run(out: str, quick: bool, step: Step) -> DemoResult:
 
 
 def _compile_in(step: Step):
-    """attnopt.compile, each call inside step("compiling the decoder with P ...")."""
+    """attnopt.compile, each call inside step("compiling the decoder with P"), told its progress."""
 
     def compile_in_step(model, policy, **options):
-        with step(f"compiling the decoder with {policy} ..."):
-            return attnopt.compile(model, policy, **options)
+        with step(f"compiling the decoder with {policy}") as update:
+            return attnopt.compile(model, policy, progress=update, **options)
 
     return compile_in_step
 
@@ -160,14 +167,14 @@ def _ids(model, n: int):
     return bench.random_ids(n, model.config.vocab_size, seed=SEED)
 
 
-def time_forward(models: dict, lengths, repeats: int = REPEATS) -> list[Timing]:
+def time_forward(models: dict, lengths, repeats: int = REPEATS, progress: Optional[Update] = None) -> list[Timing]:
     """Best-of-`repeats` forward seconds per model and length (attnopt.bench.time_forward: one warm-up
     round, then the models take turns), all fed the same seeded ids at a length, without a KV cache."""
 
     def inputs(n: int):
         return (), {"input_ids": _ids(next(iter(models.values())), n), "use_cache": False}
 
-    return bench.time_forward(models, lengths, inputs, repeats, clock=time.perf_counter)
+    return bench.time_forward(models, lengths, inputs, repeats, progress=progress, clock=time.perf_counter)
 
 
 def time_generate(models: dict, prompt: int, new_tokens: int, repeats: int = REPEATS) -> DecodeTiming:
@@ -182,7 +189,10 @@ def render(result: DemoResult, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console(highlight=False)
+    if console is None:
+        console = Console(highlight=False)
+        if not console.is_terminal:  # a file or a pipe: wide enough that the tables do not wrap
+            console.width = max(console.width, 120)
     console.print(f"[bold]1. {result.minilm_description}[/bold]: {result.minilm_sites} attention sites found "
                   f"(inspect), {MINILM_TOKENS}-token English passages")
     t = Table("sites rewritten", "mean embedding cosine", "compile s")

@@ -7,6 +7,7 @@ and the captured graph(s) the sites' node names refer to. `str()` is a readable 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -41,15 +42,45 @@ class Inspection:
         """The captured graph the sites refer to (the first one when Dynamo split the model)."""
         return self.captures[0] if self.captures else None
 
+    def symbol_ranges(self) -> dict[str, tuple]:
+        """{symbol: (min, max or None)} of every size torch.export kept dynamic (e.g. "s53" for the
+        sequence length), from the captures' range constraints; {} for static or Dynamo captures."""
+        ranges: dict = {}
+        for captured in self.captures:
+            program = getattr(captured, "exported_program", None)
+            for sym, vr in (getattr(program, "range_constraints", None) or {}).items():
+                ranges[str(sym)] = (_bound(vr.lower), _bound(vr.upper))
+        return ranges
+
     def to_dict(self) -> dict[str, Any]:
+        # Sizes stay torch.export's symbols here (equal symbols are equal sizes); "symbols" says
+        # what each may be, as the table says "dynamic".
         return {
             "sites": [_jsonable(s.to_dict()) for s in self.sites],
             "near_misses": [_jsonable(m.to_dict()) for m in self.near_misses],
             "counts": _jsonable(self.counts),
+            "symbols": {sym: {"dynamic": True, "min": lo, "max": hi} for sym, (lo, hi) in self.symbol_ranges().items()},
         }
 
     def __str__(self) -> str:
         return format_table(self)
+
+
+def _bound(x: Any) -> Optional[int]:
+    try:
+        value = float(x)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return int(value) if math.isfinite(value) else None
+
+
+def dim_text(dim: Any, ranges: dict) -> str:
+    """A size as people read it: the number, or "dynamic" where the capture kept a symbol (torch.export
+    prints "s53"), with the largest size it allows when that is bounded."""
+    if isinstance(dim, int):
+        return str(dim)
+    high = ranges.get(str(dim), (None, None))[1]
+    return "dynamic" if high is None else f"dynamic (max {high})"
 
 
 def _jsonable(x: Any) -> Any:
@@ -65,14 +96,15 @@ def _jsonable(x: Any) -> Any:
 _COLUMNS = ("id", "layer", "source", "B", "H", "Hkv", "Nq", "Nk", "D", "scale", "mask", "causal", "window")
 
 
-def _row(s: AttentionSite) -> list[str]:
-    return [s.id, str(s.layer), s.source, str(s.batch), str(s.heads), str(s.kv_heads), str(s.q_len),
-            str(s.kv_len), str(s.head_dim), f"{s.scale:.6g}", s.mask.kind, "yes" if s.causal else "no",
-            "-" if s.window is None else str(s.window)]
+def _row(s: AttentionSite, ranges: dict) -> list[str]:
+    return [s.id, str(s.layer), s.source, dim_text(s.batch, ranges), str(s.heads), str(s.kv_heads),
+            dim_text(s.q_len, ranges), dim_text(s.kv_len, ranges), str(s.head_dim), f"{s.scale:.6g}", s.mask.kind,
+            "yes" if s.causal else "no", "-" if s.window is None else str(s.window)]
 
 
 def format_table(ins: Inspection) -> str:
-    rows = [list(_COLUMNS)] + [_row(s) for s in ins.sites]
+    ranges = ins.symbol_ranges()
+    rows = [list(_COLUMNS)] + [_row(s, ranges) for s in ins.sites]
     widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
     lines = [f"{len(ins.sites)} attention site(s), {len(ins.near_misses)} near miss(es)"
              f" [capture: {ins.counts.get('method', '?')}, dynamic={ins.counts.get('dynamic', '?')}]"]

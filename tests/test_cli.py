@@ -29,6 +29,14 @@ def sdpa_factory(tmp_path):
     return f"{f}:make"
 
 
+PROGRESS_LINE = re.compile(r"^attnopt \w+: \[\d+:\d\d\] ")  # stderr off a terminal: [m:ss] then the step
+
+
+def _not_progress(err: str) -> list[str]:
+    """The stderr lines that are not progress lines (the one-line errors)."""
+    return [line for line in err.splitlines() if not PROGRESS_LINE.match(line)]
+
+
 def _flat(text: str) -> str:
     """Help text without rich's line wrapping and box edges."""
     return " ".join(text.replace("│", " ").split())
@@ -103,8 +111,8 @@ def test_capture_failure_is_code_3(sdpa_factory, monkeypatch, capsys):
 
     monkeypatch.setattr(attnopt.inspection, "inspect", fail)
     assert main(["inspect", sdpa_factory]) == 3
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "could not capture" in err and "data-dependent branch" in err
+    [err] = _not_progress(capsys.readouterr().err)
+    assert err.startswith("attnopt inspect: could not capture") and "data-dependent branch" in err
 
 
 def test_interrupt_is_code_130_in_one_line(monkeypatch, capsys):
@@ -115,7 +123,9 @@ def test_interrupt_is_code_130_in_one_line(monkeypatch, capsys):
 
     monkeypatch.setattr(attnopt.models, "load_model", interrupt)
     assert main(["inspect", "minilm"]) == 130
-    assert capsys.readouterr().err == "attnopt inspect: interrupted\n"
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == "attnopt inspect: interrupted" and _not_progress("\n".join(err)) == [err[-1]]
+    assert err[0] == "attnopt inspect: [0:00] loading minilm ..."  # stderr is not a terminal: plain lines
 
 
 def test_progress_line_on_a_terminal_but_never_with_json(sdpa_factory, monkeypatch, capsys):
@@ -123,11 +133,42 @@ def test_progress_line_on_a_terminal_but_never_with_json(sdpa_factory, monkeypat
     assert main(["inspect", sdpa_factory]) == 0
     shown = capsys.readouterr()
     assert "capturing" in shown.err and "1 attention site(s)" in shown.out
+    assert not PROGRESS_LINE.search(shown.err)  # a spinner, not plain lines
+    # torch.export's symbols (s53) read as "dynamic": batch and length, not heads or head dim
+    [header, _, row] = shown.out.splitlines()[2:5]
+    cells = dict(zip(header.split(), row.split()))
+    assert (cells["B"], cells["H"], cells["Nq"], cells["Nk"], cells["D"]) == ("dynamic", "6", "dynamic", "dynamic", "8")
+    assert not re.search(r"\bs\d+\b", shown.out)
     assert main(["inspect", sdpa_factory, "--json"]) == 0
     shown = capsys.readouterr()
     assert shown.err == ""
-    [site] = json.loads(shown.out)["sites"]
+    data = json.loads(shown.out)
+    [site] = data["sites"]
     assert (site["heads"], site["head_dim"], site["causal"]) == (6, 8, True)
+    # the JSON keeps the symbols (equal symbols are equal sizes) and says what each may be
+    assert data["symbols"][site["q_len"]] == {"dynamic": True, "min": 2, "max": None}
+
+
+def test_progress_off_a_terminal_is_plain_lines_on_stderr(sdpa_factory, capsys):
+    assert main(["inspect", sdpa_factory]) == 0
+    shown = capsys.readouterr()
+    lines = shown.err.splitlines()
+    assert lines[0] == f"attnopt inspect: [0:00] loading {sdpa_factory} ..." and all(map(PROGRESS_LINE.match, lines))
+    assert any(line.endswith(f"capturing make() from {sdpa_factory.split(':')[0]} ...") for line in lines)
+    assert "1 attention site(s)" in shown.out and "[0:" not in shown.out
+
+
+def test_a_bounded_dynamic_size_shows_its_largest_value():
+    from types import SimpleNamespace
+
+    from attnopt.inspection import Inspection, dim_text
+
+    program = SimpleNamespace(range_constraints={"s53": SimpleNamespace(lower=2, upper=512),
+                                                 "s72": SimpleNamespace(lower=2, upper=float("inf"))})
+    ins = Inspection([], [], {}, [SimpleNamespace(exported_program=program)])
+    ranges = ins.symbol_ranges()
+    assert ranges == {"s53": (2, 512), "s72": (2, None)}
+    assert [dim_text(d, ranges) for d in (7, "s53", "s72", "2*s53")] == ["7", "dynamic (max 512)", "dynamic", "dynamic"]
 
 
 def test_demo_quick_writes_the_reports_and_prints_the_numbers(tmp_path, capsys):
@@ -139,7 +180,14 @@ def test_demo_quick_writes_the_reports_and_prints_the_numbers(tmp_path, capsys):
     threads = torch.get_num_threads()
     assert main(["demo", "--quick", "--threads", "1", "--out", str(out_dir)]) == 0
     assert torch.get_num_threads() == threads  # restored
-    out = capsys.readouterr().out
+    shown = capsys.readouterr()
+    out = shown.out
+    # stderr is not a terminal: every step printed a plain line as it started (the issue: 4 silent minutes)
+    steps = [line.split("] ", 1)[1] for line in shown.err.splitlines() if line.startswith("attnopt demo: [")]
+    for title in ("loading MiniLM", "inspecting MiniLM", "compiling MiniLM with window:64+sinks:4",
+                  "compiling MiniLM with linear+window:64+sinks:4+fit_steps:20", "compiling the decoder with linear",
+                  "timing the forward at 1024 tokens", "timing generate(): a 256-token prompt, then 3 new tokens"):
+        assert title in steps, (title, steps)
     data = json.loads((out_dir / "report.json").read_text())
     assert "<svg" in (out_dir / "report.html").read_text()
     assert data["policy"]["rules"][0]["form"] == "linear+window" and len(data["sites"]) == 6

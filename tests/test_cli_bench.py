@@ -71,12 +71,14 @@ def test_compile_dispatch_option_measures_thresholds(factory, tmp_path, monkeypa
     monkeypatch.setattr(crossover, "module_timer", lambda module, geometry: lambda n: (2.0 if n < 256 else 0.5, 1.0))
     monkeypatch.setattr(crossover, "load_average", lambda: 0.0)  # a quiet machine, whatever this one runs
     assert main(["compile", factory, "--policy", "window:8", "--dispatch", "auto", "--html",
-                 str(tmp_path / "r.html")]) == 0
-    out = capsys.readouterr().out
-    assert "| 256 (measured) |" in out
+                 str(tmp_path / "r.html"), "--md", str(tmp_path / "r.md")]) == 0
+    assert "| 256 (measured) |" in (tmp_path / "r.md").read_text()
+    [site] = json.loads((tmp_path / "r.json").read_text())["sites"]
+    assert (site["threshold"]["min_seq_len"], site["threshold"]["source"]) == (256, "measured")
     assert main(["compile", factory, "--policy", "window:8", "--dispatch", "off", "--html",
                  str(tmp_path / "r.html")]) == 0
-    assert "| 0 (off) |" in capsys.readouterr().out
+    [site] = json.loads((tmp_path / "r.json").read_text())["sites"]
+    assert (site["threshold"]["min_seq_len"], site["threshold"]["source"]) == (0, "off")
     assert main(["compile", factory, "--dispatch", "fast"]) == 2
 
 

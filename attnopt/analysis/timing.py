@@ -129,6 +129,12 @@ class Conditions:
             out += f", other work holding {self.others:.1f} cores"
         return out + (": a loaded machine, times are noisy" if self.loaded else "")
 
+    def short(self) -> str:
+        """E.g. "2 threads, load 7.9 on 2 cores: loaded, noisy"."""
+        load = "" if self.load is None else f", load {self.load:.1f} on {self.cores} cores"
+        return f"{self.threads} thread{'s' if self.threads != 1 else ''}{load}" + (": loaded, noisy" if self.loaded
+                                                                                    else "")
+
     def to_dict(self) -> dict:
         return {**asdict(self), "loaded": self.loaded}
 
