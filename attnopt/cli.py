@@ -17,6 +17,7 @@ import enum
 import json
 import os
 import sys
+import time
 from typing import Optional
 
 import typer
@@ -72,8 +73,10 @@ def _epilog(*examples: str) -> str:
     return "\n\n".join(["Examples:"] + [f"  {e}" for e in examples] + [EXIT_CODES_HELP])
 
 
-# The subcommand running now, for the progress lines' prefix ("attnopt compile: ...").
+# The subcommand running now and when it started (time.monotonic()), for the progress lines
+# ("attnopt compile: [m:ss] ...", counted from the command's start).
 _COMMAND: contextvars.ContextVar[str] = contextvars.ContextVar("attnopt_command", default="")
+_STARTED: contextvars.ContextVar[Optional[float]] = contextvars.ContextVar("attnopt_started", default=None)
 
 
 def _prefix() -> str:
@@ -83,13 +86,13 @@ def _prefix() -> str:
 def progress(message: str, quiet: bool = False):
     """One slow step (model load, capture): a spinner on a terminal, a plain line on stderr otherwise,
     nothing when quiet. A context manager yielding update(text, done, total)."""
-    return progress_lines.spinner(message, _prefix(), quiet)
+    return progress_lines.spinner(message, _prefix(), quiet, _STARTED.get())
 
 
 def step_bar(title: str, quiet: bool = False):
     """A job of named steps (compile, bench): a bar on a terminal, rate-limited plain lines on stderr
     otherwise, nothing when quiet. A context manager yielding update(text, done, total)."""
-    return progress_lines.step_bar(title, _prefix(), quiet)
+    return progress_lines.step_bar(title, _prefix(), quiet, _STARTED.get())
 
 
 class Dispatch(str, enum.Enum):
@@ -147,7 +150,7 @@ def _root(
 def _guarded(command: str, fn):
     """Run a subcommand: its failures and progress lines name it, and Ctrl-C is an expected failure
     (one line, code 130), not a traceback."""
-    token = _COMMAND.set(command)
+    token, started = _COMMAND.set(command), _STARTED.set(time.monotonic())
     try:
         return fn()
     except CliError as exc:
@@ -159,6 +162,7 @@ def _guarded(command: str, fn):
         raise error from exc
     finally:
         _COMMAND.reset(token)
+        _STARTED.reset(started)
 
 
 def _load(spec: str, quiet: bool = False, **text_opts):
@@ -214,11 +218,13 @@ def run_inspect(spec: str, as_json: bool, method: str, static: bool) -> int:
 
 @app.command(
     "compile",
-    help="Rewrite a model's attention per a policy, verify the drift, and write the HTML and JSON reports.",
+    help="Rewrite a model's attention per a policy, verify the drift, and write the HTML and JSON reports (and "
+         "Markdown with --md); print a short summary: sites rewritten, drift, measured time, where the files are.",
     epilog=_epilog("attnopt compile minilm --policy window:64+sinks:4",
                    "attnopt compile minilm --policy linear+window:64+sinks:4 --html out/report.html",
                    "attnopt compile examples/custom_model.py:build --policy my_policy.yaml --e2e-tolerance none",
-                   "attnopt compile minilm --policy linear --dispatch off"),
+                   "attnopt compile minilm --policy linear --dispatch off",
+                   "attnopt compile minilm --policy linear --md report.md --quiet"),
 )
 def compile_command(
     model: str = typer.Argument("minilm", metavar="MODEL", help=MODEL_HELP),

@@ -233,5 +233,7 @@ def render(result: DemoResult, console=None) -> None:
                   soft_wrap=True)  # a path is copied, not wrapped
     console.print("   per site: the form kept or the reason it reverted, its drift against the tolerance, "
                   "attention FLOPs and bytes before/after by length; end-to-end drift and the mean embedding "
-                  "cosine; near misses; the policy. The JSON holds the same data (CompileReport.from_dict reads it).")
+                  "cosine; measured time (the forward, original against rewritten, and the dispatch timings, with "
+                  "threads and load); near misses; the policy. The JSON holds the same data "
+                  "(CompileReport.from_dict reads it).")
     console.print(f"\ndemo took {result.seconds:.0f} s")

@@ -33,16 +33,18 @@ def no_update(text: str = "", done: Optional[int] = None, total: Optional[int] =
 class LinePrinter:
     """update(text, done, total) as rate-limited plain lines "<prefix>: [m:ss] <title>: <text> (done/total)".
 
-    stream: where lines go (default: sys.stderr at the time of printing); clock: monotonic seconds
-    (tests inject one and call `poll()` themselves instead of running the ticker)."""
+    m:ss counts from `start` (the command's start, on `clock`; default: now). stream: where lines go
+    (default: sys.stderr at the time of printing); clock: monotonic seconds (tests inject one and
+    call `poll()` themselves instead of running the ticker)."""
 
     def __init__(self, prefix: str, title: str = "", stream=None, interval: Optional[float] = None,
-                 heartbeat: Optional[float] = None, clock: Callable[[], float] = time.monotonic):
+                 heartbeat: Optional[float] = None, clock: Callable[[], float] = time.monotonic,
+                 start: Optional[float] = None):
         self.prefix, self.title, self.stream, self.clock = prefix, title, stream, clock
         self.interval = LINE_INTERVAL_S if interval is None else interval
         self.heartbeat = HEARTBEAT_S if heartbeat is None else heartbeat
         self._lock = threading.Lock()
-        self._start = clock()
+        self._start = clock() if start is None else start
         self._state: Optional[tuple] = None  # the newest (text, done, total)
         self._shown: Optional[tuple] = None  # the last printed
         self._last: Optional[float] = None  # when the last line was printed
@@ -100,17 +102,18 @@ def _stderr_console():
 
 
 @contextlib.contextmanager
-def step_bar(title: str, prefix: str = "attnopt", quiet: bool = False) -> Iterator[Update]:
+def step_bar(title: str, prefix: str = "attnopt", quiet: bool = False, start: Optional[float] = None
+             ) -> Iterator[Update]:
     """A job of named steps (compile: capture, record, one tick per site verified or fit step, dispatch
     timings; bench: one tick per forward). Yields update(text, done, total): a rich bar on a
     terminal, plain lines "<prefix>: [m:ss] <title>: <text> (done/total)" otherwise (the title
-    alone first), nothing when quiet."""
+    alone first; m:ss from `start`, time.monotonic() of the command's start), nothing when quiet."""
     if quiet:
         yield no_update
         return
     console = _stderr_console()
     if not console.is_terminal:
-        with ticking(LinePrinter(prefix, title)) as update:
+        with ticking(LinePrinter(prefix, title, start=start)) as update:
             update()  # the step's title at once; its first news follows within LINE_INTERVAL_S
             yield update
         return
@@ -129,7 +132,8 @@ def step_bar(title: str, prefix: str = "attnopt", quiet: bool = False) -> Iterat
 
 
 @contextlib.contextmanager
-def spinner(message: str, prefix: str = "attnopt", quiet: bool = False) -> Iterator[Update]:
+def spinner(message: str, prefix: str = "attnopt", quiet: bool = False, start: Optional[float] = None
+            ) -> Iterator[Update]:
     """One slow step (loading a model, a capture): a rich spinner on a terminal, a plain line (again
     every HEARTBEAT_S while it runs) otherwise, nothing when quiet. Yields update(text, done, total)
     for the step's own news."""
@@ -138,7 +142,7 @@ def spinner(message: str, prefix: str = "attnopt", quiet: bool = False) -> Itera
         return
     console = _stderr_console()
     if not console.is_terminal:
-        with step_bar(message, prefix) as update:
+        with step_bar(message, prefix, start=start) as update:
             yield update
         return
     with console.status(message) as status:

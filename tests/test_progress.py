@@ -89,3 +89,10 @@ def test_the_cli_preset_list_is_the_forms_registry():
 
     registry = [p for f in forms.registry().values() for p in f.presets] + ["hybrid", "auto"]
     assert list(POLICY_PRESETS) == registry, "update attnopt.cli.POLICY_PRESETS to the forms registry's presets"
+
+
+def test_the_clock_of_every_step_counts_from_the_commands_start(capsys):
+    start = time.monotonic() - 75  # the command started 75 s ago
+    with progress.step_bar("timing", "attnopt demo", start=start):
+        pass
+    assert capsys.readouterr().err == "attnopt demo: [1:15] timing\n"
