@@ -52,3 +52,52 @@ def others_cores(start: Optional[CpuMark], end: Optional[CpuMark]) -> Optional[f
 def others_since(mark: Optional[CpuMark]) -> Optional[float]:
     """Cores other work held from mark until now (None: unknown)."""
     return others_cores(mark, cpu_mark())
+
+
+# How long ThreadBackoff first looks at the machine before any work has been measured.
+FIRST_LOOK_S = 0.05
+
+
+def threads_beside(others: Optional[float], wanted: int, cores: int) -> int:
+    """Threads that fit beside other work holding `others` cores: the cores left (rounded), at least
+    1 and at most `wanted`; `wanted` itself when the load is unknown.
+
+    Why: an OpenMP region of many tiny ops ends at a barrier where every thread must arrive; with a
+    core taken by another process, one of ours waits for a scheduler slice at each barrier. Two
+    busy processes on 2 cores made a compile's fits take 10x the CPU time at 2 threads as at 1."""
+    if others is None:
+        return wanted
+    return max(1, min(wanted, int(cores - others + 0.5)))
+
+
+class ThreadBackoff:
+    """torch's intra-op thread count for a sequence of pieces of small-op work (the compile-time
+    fits, one site each): each piece runs at `threads_beside` the cores other work held during the
+    previous piece (before the first, during a FIRST_LOOK_S look), then the count is restored."""
+
+    def __init__(self):
+        import torch
+
+        self._torch = torch
+        self.wanted = torch.get_num_threads()
+        self.cores = os.cpu_count() or 1
+        start = cpu_mark()
+        if start is not None:
+            time.sleep(FIRST_LOOK_S)
+        self.others = others_since(start)
+        self.used: list[int] = []  # threads of each piece, in order
+
+    def run(self, piece):
+        """`piece()` at the thread count the last reading allows; returns its result."""
+        threads = threads_beside(self.others, self.wanted, self.cores)
+        self.used.append(threads)
+        start = cpu_mark()
+        if threads != self.wanted:
+            self._torch.set_num_threads(threads)
+        try:
+            return piece()
+        finally:
+            if threads != self.wanted:
+                self._torch.set_num_threads(self.wanted)
+            measured = others_since(start)
+            self.others = measured if measured is not None else self.others

@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 
 from attnopt import forms
 from attnopt.forms.common.base import BuildContext
+from attnopt.forms.common.fitting import fit_progress
 from attnopt.ir.calls import SiteCall
 from attnopt.ir.errors import SiteUnsupported
 from attnopt.ir.outcomes import (
@@ -25,6 +26,7 @@ from attnopt.ir.outcomes import (
     Status,
     Verdict,
 )
+from attnopt.passes.machine_load import ThreadBackoff
 
 
 def drift(out: torch.Tensor, ref: torch.Tensor) -> Drift:
@@ -56,14 +58,12 @@ def worst(drifts: list[Drift]) -> Drift:
 def site_drift(module: torch.nn.Module, calls: list[SiteCall], anchor_calls: Optional[list[SiteCall]] = None) -> Drift:
     """Drift of `module` (a RewrittenSite) over the recorded calls of its site.
 
-    For a reuse site the anchor's recorded q and k stand in for the site's own.
+    A reuse site is also handed its anchor's recorded q and k of the same batch.
     """
     drifts = []
     for i, call in enumerate(calls):
-        q, k = call.q, call.k
-        if anchor_calls is not None:
-            q, k = anchor_calls[i].q, anchor_calls[i].k
-        out = module(q, k, call.v, call.mask, x=call.x)
+        extra = {} if anchor_calls is None else {"anchor": (anchor_calls[i].q, anchor_calls[i].k)}
+        out = module(call.q, call.k, call.v, call.mask, **extra)
         drifts.append(drift(out, call.out))
     return worst(drifts)
 
@@ -91,6 +91,7 @@ class SiteVerification:
     outcomes: list = field(default_factory=list)  # list[SiteOutcome], in site order
     modules: dict = field(default_factory=dict)  # site id -> SiteModule (accepted sites only)
     counts: dict = field(default_factory=dict)
+    threads: list = field(default_factory=list)  # torch threads each site was built and fitted with
 
 
 def tolerance_of(form: str, params: dict, tolerance: Optional[float], policy) -> float:
@@ -100,8 +101,10 @@ def tolerance_of(form: str, params: dict, tolerance: Optional[float], policy) ->
     return float(policy.tolerance_for(form, params))
 
 
-def try_form(site, form: str, params: dict, context: BuildContext, tol: float) -> tuple[Attempt, Any]:
-    """Build one form for one site, fit it, verify it: (the Attempt, the module if accepted else None)."""
+def try_form(site, form: str, params: dict, context: BuildContext, tol: float,
+             on_fit_step: Optional[Callable[[int, int], None]] = None) -> tuple[Attempt, Any]:
+    """Build one form for one site, fit it, verify it: (the Attempt, the module if accepted else None).
+    `on_fit_step(step, steps)` is told the fit's progress."""
     spec = forms.get(form)
     calls = context.calls[site.id]
     # Only inputs the form changes count: a window as wide as the input, or a length below
@@ -117,7 +120,8 @@ def try_form(site, form: str, params: dict, context: BuildContext, tol: float) -
     try:
         module = spec.build(site, params, context)
         # Fitted on the example batch only: calibration batches stay held out for the verdict.
-        fit = spec.fit(module, calls[:1])
+        with fit_progress(on_fit_step or (lambda step, steps: None)):
+            fit = spec.fit(module, calls[:1])
         anchor_calls = context.calls.get(module.anchor_id) if module.uses_anchor_qk else None
         d = site_drift(module, [calls[i] for i in acting], [anchor_calls[i] for i in acting] if anchor_calls else None)
     except SiteUnsupported as exc:
@@ -132,20 +136,28 @@ def try_form(site, form: str, params: dict, context: BuildContext, tol: float) -
         reason += f" (on the {len(acting)} of {len(calls)} verification inputs where {form} acts)"
     if fit is not None:
         reason = (f"{fit.what} fitted to this site's softmax outputs "
-                  f"(rel RMS {fit.rel_rms_before:.3g} -> {fit.rel_rms_after:.3g}); {reason}")
+                  f"(rel RMS {fit.rel_rms_before:.3g} -> {fit.rel_rms_after:.3g} in {fit.steps} steps); {reason}")
     return Attempt(form, params, d, verdict, reason, tol), (module if verdict is Verdict.ACCEPTED else None)
 
 
 def verify_sites(sites, plans, context: BuildContext, policy, tolerance: Optional[float] = None,
                  adapt: Callable = lambda s: s, step: Callable = lambda text, done, total: None) -> SiteVerification:
     """Build, verify and accept or revert every planned site; `adapt` gives the mechanism's view of a site.
-    `step(text, done, total)` is told each site before it is verified (a progress bar)."""
+    `step(text, done, total)` is told each site before it is verified, and its fit's steps (a progress bar).
+    Each site runs at the threads the cores left by other work allow (`ThreadBackoff`): the fits are
+    thousands of small ops, which an oversubscribed thread pool slows tenfold."""
     outcomes, modules = [], {}
     adapted = [adapt(s) for s in sites]
     context = replace(context, sites=adapted)
+    backoff = ThreadBackoff()
+    n = len(adapted)
     for i, (site, plan) in enumerate(zip(adapted, plans)):
-        step(f"verifying site {site.id}", i, len(adapted))
-        outcome, module = _decide(site, plan, context, policy, tolerance)
+        step(f"verifying site {site.id}", i, n)
+
+        def fit_step(done: int, steps: int, i=i) -> None:
+            step(f"fit site {i + 1}/{n}: step {done}/{steps}", i, n)
+
+        outcome, module = backoff.run(lambda: _decide(site, plan, context, policy, tolerance, fit_step))
         outcomes.append(outcome)
         if module is not None:
             modules[site.id] = module
@@ -153,10 +165,13 @@ def verify_sites(sites, plans, context: BuildContext, policy, tolerance: Optiona
     for o in outcomes:
         counts[str(o.status)] += 1
     counts["attempts"] = sum(len(o.tried) for o in outcomes)
-    return SiteVerification(outcomes, modules, counts)
+    planned = {name: p for name, f in forms.registry().items() if (p := f.plan_report(context)) is not None}
+    if planned:  # what a form planned across sites (reuse: the measured overlap matrix and anchors)
+        counts["plans"] = planned
+    return SiteVerification(outcomes, modules, counts, backoff.used)
 
 
-def _decide(site, plan, context, policy, tolerance) -> tuple[SiteOutcome, Any]:
+def _decide(site, plan, context, policy, tolerance, on_fit_step=None) -> tuple[SiteOutcome, Any]:
     if plan.unsupported:
         return SiteOutcome(site.id, plan.form, "exact", plan.params, Status.UNSUPPORTED, plan.reason), None
     if not plan.candidates:  # planned exact, or auto with nothing cheaper
@@ -167,7 +182,8 @@ def _decide(site, plan, context, policy, tolerance) -> tuple[SiteOutcome, Any]:
                            "the site was not reached on the example inputs, so it cannot be verified: kept exact"), None
     tried = []
     for form, params in plan.candidates:
-        attempt, module = try_form(site, form, params, context, tolerance_of(form, params, tolerance, policy))
+        attempt, module = try_form(site, form, params, context, tolerance_of(form, params, tolerance, policy),
+                                   on_fit_step)
         tried.append(attempt)
         if module is not None:
             reason = (f"auto: {form} is the cheapest form within tolerance ({attempt.reason})" if plan.rule == "auto"

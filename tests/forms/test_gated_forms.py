@@ -171,3 +171,41 @@ def test_a_masked_decoding_token_leaves_its_row_as_if_it_were_not_there(name):
     got = torch.cat(outs, dim=2)
     real = keep[:, None, :, None]
     assert torch.allclose(got * real, want * real, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", GATED)
+def test_gates_stay_finite_and_bounded_however_far_the_gate_tensors_move(name):
+    _, m = _module(name, fit_steps=0)
+    k = torch.randn(B, HKV, N, D)
+    for bias in (-1e30, 1e30):
+        with torch.no_grad():
+            m.gates.gate_bias_HkvG.fill_(bias)
+        g = m.gates.log_gates(k)
+        assert torch.isfinite(g).all() and float(g.min()) >= -60.0 / GATE_NORMALIZER - 1e-6 and float(g.max()) <= 0
+
+
+def test_gla_window_fit_loss_equals_the_module_loss():
+    """The fit computes each call's window softmax once: its loss must be the module's own, with and
+    without a padding mask."""
+    from attnopt.forms.gla.form import module_loss
+    from attnopt.forms.gla_window.form import window_fixed_loss
+
+    _, m = _module("gla+window", fit_steps=0, sinks=2)
+    c = _call(seed=4, locality=2.0)
+    keep = torch.ones(B, N, dtype=torch.bool)
+    keep[1, :7] = False  # left padding: a [B, 1, 1, N] keep mask
+    masked = SiteCall(c.q, c.k, c.v, keep[:, None, None, :], c.out)
+    with torch.no_grad():
+        m.gates.gate_bias_HkvG.add_(torch.randn(m.gates.gate_bias_HkvG.shape))
+        m.log_beta.add_(0.3)
+        for calls in ([c], [masked], [c, masked]):
+            assert torch.allclose(window_fixed_loss(m, calls)(), module_loss(m, calls), rtol=1e-5, atol=1e-7)
+
+
+def test_compile_tells_the_progress_callback_each_fit_step(tiny_llama):
+    model, batches = tiny_llama
+    seen = []
+    attnopt.compile(model, "gla+fit_steps:10", example_inputs=batches[0], tolerance=10.0, e2e_tolerance=None,
+                    progress=lambda text, done=None, total=None: seen.append((text, done, total)))
+    fit = [s for s in seen if s[0].startswith("fit site")]
+    assert ("fit site 1/2: step 5/10", 0, 2) in fit and ("fit site 2/2: step 10/10", 1, 2) in fit, seen

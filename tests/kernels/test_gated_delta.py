@@ -318,3 +318,31 @@ def test_bad_arguments_raise_one_line_errors(case, exc, words):
         _bad_call(case)()
     msg = str(info.value)
     assert "\n" not in msg and msg.startswith("gated_delta_attention")
+
+
+def test_fp32_gradients_stay_finite_where_a_chunk_spans_nearly_the_factor_range():
+    """Chunks of 64 whose gates sum to about −58 (factored chunks; exp(b)² underflows in fp32): the fp32
+    gradients equal the fp64 ones (a division by exp(b) made them NaN)."""
+    B, H, Hkv, N, D, Dv, C = 1, 2, 1, 128, 4, 3, 64
+    q, k, v, _, beta = _problem(B, H, Hkv, N, N, D, Dv, seed=51)
+    g = torch.full((B, Hkv, N), -58.0 / C, dtype=F64) + 0.01 * torch.rand(B, Hkv, N, dtype=F64,
+                                                                          generator=torch.Generator().manual_seed(52))
+    grads = {}
+    for dtype in (F64, torch.float32):
+        args = [t.detach().to(dtype).clone().requires_grad_(True) for t in (q, k, v, g, beta)]
+        out = gated_delta_attention(*args, chunk_size=C)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=dtype).view_as(out)).sum().backward()
+        grads[dtype] = [a.grad for a in args]
+    for lo, hi in zip(grads[torch.float32], grads[F64]):
+        assert torch.isfinite(lo).all() and _rel(lo, hi) <= 1e-4
+
+
+def test_strong_gates_take_shorter_factored_chunks_and_stay_exact():
+    B, H, Hkv, N, D, Dv = 1, 2, 1, 96, 4, 3
+    q, k, v, _, beta = _problem(B, H, Hkv, N, N, D, Dv, seed=53)
+    for per_step in (-2.0, -5.0):  # a chunk of 16 spans 32 (factored), then 80 (the exact form)
+        g = torch.full((B, Hkv, N), per_step, dtype=F64)
+        ref, S_ref = delta_oracle(q, k, v, g, beta)
+        out, S = gated_delta_attention(*(t.float() for t in (q, k, v, g, beta)),
+                                       state=init_gated_delta_state(B, Hkv, D, Dv))
+        assert torch.isfinite(out).all() and _rel(out, ref) <= 2e-5 and _rel(S, S_ref) <= 2e-5, per_step

@@ -395,3 +395,36 @@ def test_bad_arguments_raise_one_line_errors(case, exc, words):
         _bad_call(case)()
     msg = str(info.value)
     assert "\n" not in msg and msg.startswith("gated_linear_attention")
+
+
+@pytest.mark.parametrize("kind", ["channel", "head"])
+def test_fp32_gradients_stay_finite_where_a_chunk_spans_nearly_the_factor_range(kind):
+    """Chunks of 64 whose gates sum to about −58: inside FACTOR_RANGE, so the two-matmul chunks run, and
+    exp(b)² underflows in fp32 there. The fp32 gradients of q, k, v and g equal the fp64 ones (a
+    gradient through a division by exp(b) was NaN here and made the compile-time gate fit diverge)."""
+    B, H, Hkv, N, D, C = 1, 2, 1, 128, 4, 64
+    q, k, v = _inputs(B, H, Hkv, N, N, D, D, seed=41)
+    shape = (B, Hkv, N, D) if kind == "channel" else (B, Hkv, N)
+    g = torch.full(shape, -58.0 / C, dtype=F64) + 0.01 * torch.rand(shape, dtype=F64, generator=torch.Generator().manual_seed(42))
+    assert gl.factorable(g.reshape(B * Hkv, N, -1), C)
+    grads = {}
+    for dtype in (F64, torch.float32):
+        args = [t.detach().to(dtype).clone().requires_grad_(True) for t in (q, k, v, g)]
+        out = gated_linear_attention(*args, feature_map="elu", normalize=True, chunk_size=C)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=dtype).view_as(out)).sum().backward()
+        grads[dtype] = [a.grad for a in args]
+    for lo, hi in zip(grads[torch.float32], grads[F64]):
+        assert torch.isfinite(lo).all() and _rel(lo, hi) <= 1e-4
+
+
+def test_strong_gates_take_shorter_factored_chunks_and_stay_exact():
+    # −2 per step: a chunk of 64 spans 128 of decay, one of 16 spans 32; at −5 even 16 spans 80.
+    B, H, Hkv, N, D = 1, 2, 1, 128, 4
+    q, k, v = _inputs(B, H, Hkv, N, N, D, D, seed=43)
+    jitter = 0.1 * torch.rand(B, Hkv, N, D, dtype=F64, generator=torch.Generator().manual_seed(44))
+    for per_step, chunk in ((-2.0, 16), (-0.5, 64), (-5.0, None)):
+        g = per_step + jitter
+        assert gl.factored_chunk(g.reshape(B * Hkv, N, D), 64) == chunk
+        ref = gla_oracle(q, k, v, g, feature_map="elu", normalize=True)[0]
+        out = gated_linear_attention(*(t.float() for t in (q, k, v, g)), feature_map="elu", normalize=True)
+        assert torch.isfinite(out).all() and _rel(out, ref) <= 2e-5, per_step

@@ -22,7 +22,8 @@ K̃_cᵀW_c and B_c = K̃_cᵀU_c (K̃ = K ⊙ exp(b_C − b), both batched befo
 per chunk), and Δ_c = U_c − W_c S_c follows batched. Outputs, batched again: O = s[(Q ⊙ exp b) S0 + (Q Kᵀ ⊙ Γ ⊙ tril) Δ].
 When every chunk spans at most 60 of decay (`factorable`, every practical gate), Γ_ij is formed as
 exp(b_i)·exp(−b_j) and folded into the operands (K ⊙ e^{−b}, Q ⊙ e^{b}), so L and Q Kᵀ ⊙ Γ are one
-matmul and a triangle each and no C×C decay matrix exists; factors stay within e^{±60}. Otherwise Γ
+matmul and a triangle each and no C×C decay matrix exists; factors stay within e^{±60}. Stronger
+gates first try chunks of C/2, C/4, ... down to 16 (`factored_chunk`). Otherwise Γ
 and the exponents are range sums of log-gates formed by masked cumsums (never differences of a
 long prefix), masked to -inf before the exp: every factor is exp(<= 0).
 Memory O(N·(C·G + D + Dv) + (N/C)·D·Dv) per kv head: chunk-local C×C only, a state per chunk.
@@ -52,9 +53,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnopt.forms.common.plain_autograd import wants_plain_autograd
 from attnopt.forms.gla.reference import (
     check_log_gate,
-    factorable,
+    factored_chunk,
     own,
     pad_positions,
     rev_cumsum_exclusive,
@@ -133,7 +135,7 @@ def _chunk_operands_factored(qc, kc, vc, gc, bc):
     G = qc.shape[2] // C
     b = torch.cumsum(gc, dim=2)  # [X, nc, C, 1]
     e = torch.exp(b)
-    k_neg = kc / e  # k_j e^{−b_j}
+    k_neg = kc * torch.exp(-b)  # k_j e^{−b_j}; not kc / e, whose gradient (÷ e²) underflows to NaN for b < −52
     rhs = torch.cat([vc * bc[..., None], kc * (bc[..., None] * e)], dim=-1)  # [βV, diag(β e^b) K]
     Lmat = (rhs[..., vc.shape[-1]:] @ k_neg.transpose(-1, -2)).tril_(-1)
     q_in = (qc.view(X, nc, G, C, D) * e[:, :, None]).view(X, nc, G * C, D)
@@ -142,16 +144,17 @@ def _chunk_operands_factored(qc, kc, vc, gc, bc):
     return Lmat, rhs, q_in, QK, k_neg * decay[..., None, None], decay
 
 
-def _delta_chunks(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S0: Tensor, C: int):
+def _delta_chunks(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S0: Tensor, C: int, factored: bool):
     """q [X, G, L, D] (scale applied), k [X, L, D], v [X, L, Dv], g/beta [X, L] (L a multiple of C),
-    S0 [X, D, Dv] -> (out [X, G, L, Dv], final state [X, D, Dv])."""
+    S0 [X, D, Dv] -> (out [X, G, L, Dv], final state [X, D, Dv]). factored: every chunk of g passes
+    `factorable` (the operands then fold the decays in)."""
     X, G, L, D = q.shape
     Dv = v.shape[-1]
     nc = L // C
     qc = q.reshape(X, G, nc, C, D).transpose(1, 2).reshape(X, nc, G * C, D)  # the G heads share each product
     kc, vc = k.reshape(X, nc, C, D), v.reshape(X, nc, C, Dv)
     gc, bc = g.reshape(X, nc, C, 1), beta.reshape(X, nc, C)
-    operands = _chunk_operands_factored if factorable(gc.view(X, L, 1), C) else _chunk_operands_exact
+    operands = _chunk_operands_factored if factored else _chunk_operands_exact
     Lmat, rhs, q_in, QK, k_out, decay = operands(qc, kc, vc, gc, bc)
 
     # WY / UT transform: (I + L)⁻¹ [βV, diag(β exp b) K] by one unit-lower-triangular solve per chunk.
@@ -200,9 +203,10 @@ def _delta_forward(q, k, v, g, beta, key_mask, scale: float, chunk_size: int, S0
     kk, vv = (pad_positions(t, 0, L - Nk) for t in (kk, vv))
     if L > Nk:  # tail: g = 0, β = 0 changes nothing
         gg, bb = (F.pad(t, (0, L - Nk)) for t in (gg, bb))
+    Cf = factored_chunk(gg.reshape(B * Hkv, L, 1), C)  # strong gates: a shorter chunk that still factors
     out, S = _delta_chunks(
         qq.reshape(B * Hkv, G, L, D), kk.reshape(B * Hkv, L, D), vv.reshape(B * Hkv, L, Dv),
-        gg.reshape(B * Hkv, L), bb.reshape(B * Hkv, L), S.reshape(B * Hkv, D, Dv), C,
+        gg.reshape(B * Hkv, L), bb.reshape(B * Hkv, L), S.reshape(B * Hkv, D, Dv), Cf or C, Cf is not None,
     )
     out = out.reshape(B, H, L, Dv)[:, :, Nk - Nq : Nk]
     return out.to(out_dtype), S.reshape(B, Hkv, D, Dv)
@@ -262,6 +266,8 @@ def gated_delta_attention(
     tk = None if state is not None else cuda_kernels(q, __package__)
     if tk is not None and tk.unsupported(q, k=k, v=v, g=g, beta=beta) is None:
         return tk.gated_delta_attention(q, k, v, g, beta, scale=s, key_mask=key_mask)
+    if state is None and wants_plain_autograd(q, k, v, g, beta):  # a compile-time fit: no recompute in the backward
+        return _delta_forward(q, k, v, g, beta, key_mask, s, chunk_size)[0]
     if state is None:
         return torch.ops.attnopt.gated_delta_attention(q, k, v, g, beta, key_mask, s, chunk_size)
     S0 = _check_state(state, B, Hkv, D, Dv)

@@ -39,6 +39,7 @@ from attnopt.forms.common.base import (
     no_arbitrary_mask,
 )
 from attnopt.forms.common.fitting import adam_fit, relative_mse, sample_rows
+from attnopt.forms.common.plain_autograd import plain_autograd
 from attnopt.forms.gla.reference import (
     gated_linear_attention,
     gated_linear_attention_step,
@@ -49,6 +50,11 @@ from attnopt.ir.masks import key_keep
 from attnopt.kernels.feature_maps import make_feature_map
 
 GATE_NORMALIZER = 16.0  # Liger's gate_logit_normalizer: g = logsigmoid(·) / 16
+# k P + b is clamped to ±60 before the logsigmoid: g = logsigmoid(x) / 16 then lies in [−3.75, 0] (a decay
+# of at least 0.024 per token, below DECAY_RANGE's 0.05), so a fit or calibration step that drives x far
+# out leaves the gates finite with no gradient pushing x further, and a chunk of 16 tokens never spans
+# more than 60 of decay: the ops' two-matmul chunks (gla.reference.factored_chunk) serve every gate.
+GATE_PRE_LIMIT = 60.0
 GLA_FEATURE_MAPS = ("hedgehog", "elu", "relu")  # names of attnopt.kernels.feature_maps the gated forms accept
 DECAY_RANGE = (0.05, 0.9995)  # the decays a compile-time initialisation may pick
 
@@ -107,10 +113,10 @@ class KeyGates(nn.Module):
         return k_BHkvND @ proj[None] + self.gate_bias_HkvG.to(k_BHkvND.dtype)[None, :, None, :]
 
     def log_gates(self, k_BHkvND: Tensor) -> Tensor:
-        """g = logsigmoid(k P + b) / 16 <= 0: [B, Hkv, Nk, M] per channel, [B, Hkv, Nk] per head.
+        """g = logsigmoid(clamp(k P + b, ±60)) / 16 in [−3.75, 0]: [B, Hkv, Nk, M] per channel, [B, Hkv, Nk] per head.
         Written min(x, 0) − log(1 + e^{−|x|}): exported, F.logsigmoid becomes Log(Sigmoid(x)), and ONNX
         Runtime's Sigmoid is 0 from x = −18 (2× off at −17): −inf for a gate bias fitted to a short look-back."""
-        x = self.pre_activation(k_BHkvND)
+        x = self.pre_activation(k_BHkvND).clamp(-GATE_PRE_LIMIT, GATE_PRE_LIMIT)
         g = (x.clamp(max=0.0) - torch.log1p(torch.exp(-x.abs()))) / GATE_NORMALIZER
         return g if self.per_channel else g[..., 0]
 
@@ -162,23 +168,27 @@ def module_loss(module: SiteModule, calls: list) -> Tensor:
 
 
 def fit_with_init(what: str, module: SiteModule, calls: list, init, params: list, *, steps: int,
-                  lr: float = 3e-2, seed: int = 0) -> FitResult:
+                  lr: float = 3e-2, seed: int = 0, loss_on=None) -> FitResult:
     """`init()` (a closed-form start from the calls), then Adam on `params` against the module's own
     output (the op: exact, O(N) memory, and at compile-time lengths as fast as any dense shortcut);
-    never hands back a module worse than the one it was given (relative RMS on all calls)."""
+    never hands back a module worse than the one it was given (relative RMS on all calls).
+    `loss_on(calls)` may give a zero-argument loss equal to `module_loss` that precomputes what the
+    fitted tensors do not change (default: module_loss itself)."""
     calls = [c.detached() for c in calls]
     with torch.no_grad():
-        before = float(module_loss(module, calls)) ** 0.5
+        loss = loss_on(calls) if loss_on is not None else (lambda: module_loss(module, calls))
+        before = float(loss()) ** 0.5
         start = [p.detach().clone() for p in params]
         init()
 
-    result = adam_fit(what, params, lambda sampled: module_loss(module, calls), steps=steps, lr=lr, seed=seed)
+    with plain_autograd():
+        result = adam_fit(what, params, lambda sampled: loss(), steps=steps, lr=lr, seed=seed)
     if not result.rel_rms_after <= before:
         with torch.no_grad():
             for p, kept in zip(params, start):
                 p.copy_(kept)
-        return FitResult(what, before, before, steps)
-    return FitResult(what, before, result.rel_rms_after, steps)
+        return FitResult(what, before, before, result.steps)
+    return FitResult(what, before, result.rel_rms_after, result.steps)
 
 
 def init_gates_from_calls(module: SiteModule, gates: KeyGates, calls: list, offset: int = 0) -> None:

@@ -17,7 +17,8 @@ Chunk algorithm. When no chunk spans more than FACTOR_RANGE (60) of decay -- eve
 that is a mean decay of e^(−60/C) per step and chunk -- the in-chunk weights exp(b_i − b_j) are
 formed as exp(b_i)·exp(−b_j) (b the in-chunk cumsum), both within e^(±60), so the chunk is two
 matmuls for any gate kind (`_gla_chunks_factored`); products carry no cancellation, so this is as
-accurate as the exact form. Otherwise (strong gates), the exact two-level form below, in which every
+accurate as the exact form. Stronger gates first try chunks of C/2, C/4, ... down to 16
+(`factored_chunk`). Otherwise (very strong gates), the exact two-level form below, in which every
 exponent is a sum of log-gates over a causal range, so every factor is exp(<= 0) and strong gates
 underflow to 0 instead of overflowing:
 
@@ -69,6 +70,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnopt.forms.common.plain_autograd import wants_plain_autograd
 from attnopt.forms.ssm.schedule import DECAY_FEATURE_MAPS
 from attnopt.kernels.dispatch import cuda_kernels
 from attnopt.kernels.feature_maps import feature_map_class
@@ -91,6 +93,7 @@ __all__ = [
     "own",
     "values_known",
     "pad_positions",
+    "factored_chunk",
 ]
 
 GATED_LINEAR_FEATURE_MAPS = DECAY_FEATURE_MAPS  # the same vocabulary, not a second list
@@ -314,6 +317,25 @@ def factorable(g: Tensor, C: int) -> bool:
     return bool((g.reshape(X, L // C, C, Mg).sum(2) >= -FACTOR_RANGE).all())
 
 
+# The shortest chunk `factored_chunk` halves down to: below it the per-chunk loop of `_scan_chunks`
+# costs more than the exact blocks save. With the forms' gates (g >= −3.75, form.GATE_PRE_LIMIT) a
+# chunk of 16 always spans at most 60.
+MIN_FACTOR_CHUNK = 16
+
+
+def factored_chunk(g: Tensor, C: int) -> Optional[int]:
+    """The longest chunk among C, C/2, C/4, ... (>= MIN_FACTOR_CHUNK, dividing C) at which the log-gates
+    g [X, L, Mg] (L a multiple of C) pass `factorable`, or None (then the exact blocks at C). Strong
+    gates, as a fit at a short look-back makes them, then still take the two-matmul chunks."""
+    c = C
+    while True:
+        if factorable(g, c):
+            return c
+        if c % 2 or c // 2 < MIN_FACTOR_CHUNK:
+            return None
+        c //= 2
+
+
 def _gla_chunks_factored(fq: Tensor, fk: Tensor, v: Tensor, g: Tensor, T0: Tensor, C: int) -> tuple[Tensor, Tensor]:
     """`_gla_chunks` for gates whose in-chunk range passes `factorable`: with b the in-chunk inclusive
     cumsum, A_ij = Σ_m (φq_im e^{b_im})(φk_jm e^{−b_jm}) for j <= i is one C×C matmul per chunk (every
@@ -327,7 +349,9 @@ def _gla_chunks_factored(fq: Tensor, fk: Tensor, v: Tensor, g: Tensor, T0: Tenso
     total = b[:, :, -1]  # [X, nc, Mg]
     e = torch.exp(b)
     q_in = (q5 * e[:, :, None]).reshape(X, nc, G * C, M)  # decayed from the chunk start to the query
-    k_in = k4 / e  # one division instead of a second exp
+    # A product with exp(−b), not a division by exp(b): the division's gradient divides by exp(b)²,
+    # which underflows to 0 in fp32 once b < −52 (inside FACTOR_RANGE) and made the gate fit NaN.
+    k_in = k4 * torch.exp(-b)
     A = (q_in @ k_in.transpose(-1, -2)).masked_fill_(~_tril(C, fq.device).repeat(G, 1), 0.0)  # [X, nc, G·C, C]
     # chunk keys as a state at its end [X, nc, M, W]: rows scaled by exp(total) after the product
     U = (k_in.transpose(-1, -2) @ v4).mul_(torch.exp(total)[..., None])
@@ -387,10 +411,11 @@ def _gla_forward(
         fq = pad_positions(fq, Nk - Nq, L - Nk)
         fk, vv, gg = (pad_positions(t, 0, L - Nk) for t in (fk, vv, gg))
         g3 = gg.reshape(B * Hkv, L, Mg)
-        chunks = _gla_chunks_factored if factorable(g3, C) else _gla_chunks
+        Cf = factored_chunk(g3, C)
+        chunks = _gla_chunks_factored if Cf is not None else _gla_chunks
         out, T = chunks(
             fq.reshape(B * Hkv, G, L, M), fk.reshape(B * Hkv, L, M), vv.reshape(B * Hkv, L, W),
-            g3, T0.reshape(B * Hkv, M, W), C,
+            g3, T0.reshape(B * Hkv, M, W), Cf or C,
         )
         out = out.reshape(B, H, L, W)[:, :, Nk - Nq : Nk]
         T = T.reshape(B, Hkv, M, W)
@@ -475,6 +500,8 @@ def gated_linear_attention(
     if tk is not None and tk.unsupported(q, k=k, v=v, g=g, feature_map=feature_map) is None:
         return tk.gated_linear_attention(q, k, v, g, feature_map=feature_map, normalize=normalize, scale=s,
                                          eps=float(eps), key_mask=key_mask)
+    if state is None and wants_plain_autograd(q, k, v, g):  # a compile-time fit: no recompute in the backward
+        return _gla_forward(q, k, v, g, key_mask, feature_map, normalize, s, float(eps), chunk_size)[0]
     if state is None:
         return torch.ops.attnopt.gated_linear_attention(q, k, v, g, key_mask, feature_map, normalize, s, float(eps), chunk_size)
     S0, z0 = _check_state(state, B, Hkv, D, Dv, normalize)

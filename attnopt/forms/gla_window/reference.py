@@ -45,16 +45,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnopt.forms.common.plain_autograd import wants_plain_autograd
 from attnopt.forms.gla.reference import check_log_gate, gated_linear_attention, own
 from attnopt.forms.window.reference import first_real_keys, sink_key_mask
 from attnopt.kernels.dispatch import cuda_kernels
 from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
 from attnopt.kernels.registration import register_recompute_autograd
 
-__all__ = ["gla_window_attention", "window_sums", "window_gate_sums", "combine", "gla_window_reference"]
+__all__ = ["gla_window_attention", "window_sums", "window_gate_sums", "combine", "gla_window_reference", "window_part",
+           "with_gated_part"]
 
 _WHO = "gla_window_attention"
 BLOCK = 128  # queries per window block
+CHUNK = 64  # the gated part's chunk length (gla.reference)
 
 
 def window_sums(q: Tensor, k: Tensor, v: Tensor, keep_BN: Tensor, window: int, sinks: int, scale: float,
@@ -146,19 +149,39 @@ def _gated_part(phi_q: Tensor, phi_k: Tensor, v: Tensor, g: Tensor, keep_BN: Ten
                                   chunk_size=chunk_size)
 
 
+def _keep(key_mask: Optional[Tensor], B: int, Nk: int, device) -> Tensor:
+    return torch.ones(B, Nk, dtype=torch.bool, device=device) if key_mask is None else key_mask
+
+
+def window_part(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], window: int, sinks: int,
+                scale: float) -> tuple[Tensor, Tensor]:
+    """(o_W [B, H, Nq, Dv], lse [B, H, Nq]) in the compute dtype: the half of the op that reads no φ, gate
+    or β, so a fit of those computes it once per recorded call (`with_gated_part` finishes the op)."""
+    cdt = compute_dtype(q.dtype)
+    keep = _keep(key_mask, q.shape[0], k.shape[2], q.device)
+    return window_sums(q.to(cdt), k.to(cdt), v.to(cdt), keep, window, sinks, scale)
+
+
+def with_gated_part(o_w: Tensor, lse: Tensor, v: Tensor, phi_q: Tensor, phi_k: Tensor, g: Tensor, beta: Tensor,
+                    key_mask: Optional[Tensor], window: int, sinks: int, chunk_size: int) -> Tensor:
+    """The op's output from its `window_part` (o_W, lse): the gated sums beyond the window, combined
+    under one normaliser. In the compute dtype; differentiable in φ(q), φ(k), g and β."""
+    B, Nk = v.shape[0], v.shape[2]
+    cdt = o_w.dtype
+    keep = _keep(key_mask, B, Nk, v.device)
+    lin_keep = keep & ~sink_key_mask(key_mask, sinks, B, Nk, v.device)
+    lin = _gated_part(phi_q.to(cdt), phi_k.to(cdt), v.to(cdt), g.to(cdt), keep, lin_keep, window, chunk_size)
+    return combine(o_w, lse, lin, beta.to(device=v.device, dtype=cdt))
+
+
 def _forward(q, k, v, phi_q, phi_k, g, beta, key_mask, window: int, sinks: int, scale: float, chunk_size: int):
     """The op's differentiable plain-PyTorch body."""
     B, H, Nq, _ = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
-    cdt = compute_dtype(q.dtype)
     if Nq == 0 or Nk == 0:
         return q.new_zeros(B, H, Nq, Dv)
-    keep = torch.ones(B, Nk, dtype=torch.bool, device=q.device) if key_mask is None else key_mask
-    qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
-    o_w, lse = window_sums(qc, kc, vc, keep, window, sinks, scale)
-    lin_keep = keep & ~sink_key_mask(key_mask, sinks, B, Nk, q.device)
-    lin = _gated_part(phi_q.to(cdt), phi_k.to(cdt), vc, g.to(cdt), keep, lin_keep, window, chunk_size)
-    return combine(o_w, lse, lin, beta.to(device=q.device, dtype=cdt)).to(q.dtype)
+    o_w, lse = window_part(q, k, v, key_mask, window, sinks, scale)
+    return with_gated_part(o_w, lse, v, phi_q, phi_k, g, beta, key_mask, window, sinks, chunk_size).to(q.dtype)
 
 
 @torch.library.custom_op("attnopt::gla_window_attention", mutates_args=())
@@ -220,7 +243,7 @@ def gla_window_attention(
     scale: Optional[float] = None,
     linear_weight: Union[float, Tensor] = 1.0,
     key_mask: Optional[Tensor] = None,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK,
 ) -> Tensor:
     """Causal window softmax (+ sinks) plus gated linear attention beyond the window, one normaliser
     (see the module docstring). q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv]; φ(q) [B, H,
@@ -233,6 +256,8 @@ def gla_window_attention(
     if tk is not None and tk.unsupported(q, k=k, v=v, phi_q=phi_q, phi_k=phi_k, g=g, linear_weight=beta) is None:
         return tk.gla_window_attention(q, k, v, phi_q, phi_k, g, window=window, sinks=sinks, scale=s,
                                        linear_weight=beta, key_mask=key_mask)
+    if wants_plain_autograd(q, k, v, phi_q, phi_k, g, beta):  # a compile-time fit: no recompute in the backward
+        return _forward(q, k, v, phi_q, phi_k, g, beta, key_mask, window, sinks, s, chunk_size)
     return torch.ops.attnopt.gla_window_attention(q, k, v, phi_q, phi_k, g, beta, key_mask, window, sinks, s,
                                                   chunk_size)
 
