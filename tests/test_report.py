@@ -157,7 +157,7 @@ def _timed_report():
     from attnopt.passes.crossover import Threshold
 
     quiet = Conditions(threads=2, cores=2, load=0.3, others=0.1)
-    busy = Conditions(threads=2, cores=2, load=6.0, others=1.4)
+    busy = Conditions(threads=2, cores=2, load=6.0, others=1.4, loaded=True)
     sites = [record(i, f"enc.layer.{i}.attn", "linear", "linear", "rewritten", "ok", Drift(0.1, 0.99, 0.5), 0.8,
                     {"feature_map": "elu"}) for i in range(3)]
     timings = ((64, 2e-4, 1e-4), (128, 3e-4, 3e-4), (256, 4e-4, 8e-4))
@@ -193,6 +193,7 @@ def test_measured_time_is_in_markdown_json_and_html_with_its_conditions():
     assert data["conditions"]["loaded"] is True
     again = CompileReport.from_dict(data)
     assert again.forward_time == rep.forward_time and again.conditions == rep.conditions
+    assert json.loads(again.to_json()) == data  # "loaded" is kept as judged when measured, not re-judged here
     assert again.to_markdown() == md
 
     page = rep.to_html()

@@ -29,7 +29,7 @@ Run = Callable[[], Measurement]
 # compile's forward timing: the rounds stop once they have taken this long (one warm-up and one timed
 # round always run), and a model whose warm-up round alone took longer is not timed at all: it
 # would add more than this to the compile (`attnopt bench` times it on request).
-FORWARD_BUDGET_S = 3.0
+FORWARD_BUDGET_S = 2.0
 FORWARD_REPEATS = 3
 
 
@@ -101,23 +101,21 @@ def timed(fn: Callable[[], Any], clock: Clock = time.perf_counter,
 @dataclass(frozen=True)
 class Conditions:
     """What a time depends on besides the code: torch's threads, the cores, the 1-minute load average,
-    and the cores other work held while it was measured (None: unknown)."""
+    the cores other work held while it was measured (None: unknown), and whether that made the
+    machine a loaded one (the dispatch's own rule, `crossover.is_loaded`, judged when measured)."""
 
     threads: int
     cores: int
     load: Optional[float]
     others: Optional[float] = None
     device: str = "cpu"
+    loaded: bool = False
 
     @classmethod
     def now(cls, others: Optional[float] = None, device: str = "cpu") -> "Conditions":
-        return cls(torch.get_num_threads(), os.cpu_count() or 1, round(load_average(), 2),
-                   None if others is None else round(others, 2), device)
-
-    @property
-    def loaded(self) -> bool:
-        """Whether other work shared the cores (the dispatch's own rule, `crossover.is_loaded`)."""
-        return is_loaded(self.load, self.others)
+        load = round(load_average(), 2)
+        return cls(torch.get_num_threads(), os.cpu_count() or 1, load, None if others is None else round(others, 2),
+                   device, is_loaded(load, others))
 
     def text(self) -> str:
         """E.g. "2 torch threads on 2 cores (cpu), load average 7.9, other work holding 1.2 cores: a
@@ -136,13 +134,14 @@ class Conditions:
                                                                                     else "")
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "loaded": self.loaded}
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, d: Optional[Mapping]) -> Optional["Conditions"]:
         if not d:
             return None
-        return cls(d["threads"], d["cores"], d.get("load"), d.get("others"), d.get("device", "cpu"))
+        return cls(d["threads"], d["cores"], d.get("load"), d.get("others"), d.get("device", "cpu"),
+                   bool(d.get("loaded", False)))
 
 
 # ---------------------------------------------------------------- compile's forward timing
