@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from attnopt.analysis.cost import cost_curve, element_bytes, feature_count, reuse_projection_flops_saved, site_cost
+from attnopt.analysis.cost import cost_curve, element_bytes, feature_count, site_cost
 from attnopt.ir.site import AttentionSite, MaskInfo, SiteNodes
 
 B, H, D, DV = 2, 3, 8, 4
@@ -80,13 +80,15 @@ def test_cross_attention_scales_only_the_query():
     assert c4.flops == pytest.approx(4 * c1.flops)
 
 
-def test_reuse_is_quadratic_over_widened_qk():
-    site = make_site(q_len=16)
-    c = site_cost(site, "reuse", {"rank": 8}, 16)
-    assert c.flops == 2 * B * H * 16 * 16 * (D + 8 + DV)
-    assert site_cost(site, "reuse", {"rank": 8}, 64).flops == pytest.approx(16 * c.flops)
-    saved = reuse_projection_flops_saved(site, {"rank": 0}, 16)
-    assert saved == 2 * B * (H * D) * (16 * H + 16 * H) * D
+def test_reuse_reads_its_blocks_and_scores_its_probes():
+    site = make_site(q_len=64, causal=True)
+    params = {"top_k": 1, "block": 8, "window": 1, "sinks": 1}  # 4 blocks of 8 read per query (causal)
+    for n in (64, 256):
+        M = n // 8  # query blocks; each one's 8 probes score 2 bounds of every block, per head and head dim
+        want = 2 * B * H * n * 32 * (D + DV) + B * 2.0 * 8 * M * M * H * D * 2
+        assert site_cost(site, "reuse", params, n).flops == pytest.approx(want)
+    # Up to (sinks + window + 1 + top_k) blocks everything is read: the cost of exact attention.
+    assert site_cost(site, "reuse", params, 32).flops == site_cost(site, "exact", {}, 32).flops
 
 
 def test_cost_curve_and_symbolic_lengths():

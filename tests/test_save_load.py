@@ -78,12 +78,12 @@ def llama_compiled():
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
     ids = torch.randint(0, VOCAB, (B, N), generator=torch.Generator().manual_seed(1))
-    # One site per kind of saved state: none (exact), a fitted hedgehog map + β, a reuse residual
+    # One site per kind of saved state: none (exact), a fitted hedgehog map + β, a reuse anchor layer
     # (its anchor a rewritten site), and a buffer rebuilt from params (ssm's decay, not persistent).
     policy = {"name": "mixed", "rules": [
         {"form": "exact", "layers": [0, 0]},
         {"form": "linear+window", "params": {"window": 8, "sinks": 2, "fit_steps": 20}, "layers": [1, 1]},
-        {"form": "reuse", "params": {"anchor": -1, "rank": 4}, "layers": [2, 2]},
+        {"form": "reuse", "params": {"anchor": -1, "block": 4, "top_k": 2}, "layers": [2, 2]},
         {"form": "ssm", "layers": [3, 3]},
     ]}
     opt = attnopt.compile(model, policy, example_inputs={"input_ids": ids, "use_cache": False}, tolerance=0.99,
@@ -106,7 +106,7 @@ def test_llama_loads_in_a_fresh_process_with_the_same_logits_generation_and_repo
     assert got["class"] == "LlamaForCausalLM"
     assert torch.equal(got["output"], logits)
     assert not torch.allclose(got["output"], original, atol=1e-3)  # the rewrite is what came back
-    assert torch.equal(got["generate"], generated)  # cached decoding, the reuse anchor and x cache included
+    assert torch.equal(got["generate"], generated)  # cached decoding, the reuse anchor and selection state included
     assert got["report"] == opt.attnopt_report.to_json()
     # Plain transformers refuses the directory, naming attnopt, instead of returning the exact model;
     # also in a process where attnopt has registered its own attention implementations.
@@ -116,7 +116,7 @@ def test_llama_loads_in_a_fresh_process_with_the_same_logits_generation_and_repo
     header = json.loads((saved / HEADER_FILE).read_text())
     assert [(s["site_id"], s["form"], s["accepted"], s["state"]) for s in header["sites"]] == [
         ("model.layers.1.self_attn#0", "linear+window", True, {"log_beta": [6], "feature_map.weight_HDP": [6, 8, 8]}),
-        ("model.layers.2.self_attn#0", "reuse", True, {"residual_A": [6, 49, 4], "residual_B": [6, 49, 4]}),
+        ("model.layers.2.self_attn#0", "reuse", True, {"anchor_layer": []}),
         ("model.layers.3.self_attn#0", "ssm", True, {}),
     ]
     assert header["policy"] == opt.attnopt_report.policy.to_dict()
@@ -125,7 +125,7 @@ def test_llama_loads_in_a_fresh_process_with_the_same_logits_generation_and_repo
 
     weights = load_file(str(saved / "model.safetensors"))
     assert set(weights) == set(model.state_dict()) and not any("attnopt" in k for k in weights)
-    assert len(load_file(str(saved / SITE_STATE_FILE))) == 4
+    assert len(load_file(str(saved / SITE_STATE_FILE))) == 3
     # Saving left the compiled model whole.
     with torch.no_grad():
         assert torch.equal(opt(input_ids=ids, use_cache=False).logits, logits)
@@ -422,7 +422,7 @@ GRAPH_FORMS = {
     "gla+window": {"form": "gla+window", "params": {"window": 8, "fit_steps": 3}},
     "delta": {"form": "delta", "params": {"fit_steps": 3}},
     "ssm": {"form": "ssm"},
-    "reuse": {"form": "reuse", "params": {"anchor": -1, "rank": 0}, "layers": [1, 1]},
+    "reuse": {"form": "reuse", "params": {"anchor": -1, "block": 4, "top_k": 1}, "layers": [1, 1]},
     "exact": {"form": "exact"},
     # exact below 24 query positions, the form past them: both branches must come back
     "linear below 24 exact": {"form": "linear", "params": {"min_seq_len": 24}},

@@ -1,8 +1,7 @@
 """Attention-only cost of a site under a rewrite form, at any sequence length.
 
 Counts the score and aggregation work that the form changes -- not the q/k/v/o projections, which
-every form keeps (`reuse` is the exception: it skips q/k projections, reported separately by
-`reuse_projection_flops_saved` because it is not attention work and scales linearly).
+every form keeps.
 
 Letters: B batch, H query heads, Nq query length, Nk key length, D head dim of q/k, Dv of v, M
 feature count of a kernel feature map, W visible keys per query, C chunk length of causal linear
@@ -96,21 +95,3 @@ def cost_curve(
             f"site {site.id}: q_len is symbolic ({site.q_len!r}); pass example_len= the length of the example input"
         )
     return [site_cost(site, form, params, base * m, batch=batch) for m in multipliers]
-
-
-def reuse_projection_flops_saved(site: Any, params: Optional[Mapping] = None, seq_len: Optional[int] = None, *, batch: Optional[int] = None) -> float:
-    """FLOPs a `reuse` site saves outside attention: its own q and k projections, less the rank-r correction.
-
-    The model width is taken as H·D (the usual hidden size); the correction adds rank-r q/k projections.
-    """
-    p = forms.get("reuse").validate(dict(params or {}))
-    if seq_len is None:
-        if not isinstance(site.q_len, int):
-            raise ValueError(f"site {site.id}: q_len is symbolic ({site.q_len!r}); pass seq_len explicitly")
-        seq_len = site.q_len
-    B = _batch(site, batch)
-    Nq, Nk = scaled_lengths(site, seq_len)
-    width = site.heads * site.head_dim
-    saved = 2 * B * width * (Nq * site.heads + Nk * site.kv_heads) * site.head_dim
-    added = 2 * B * width * (Nq * site.heads + Nk * site.kv_heads) * p["rank"]
-    return float(saved - added)

@@ -2,7 +2,6 @@
 attention on more data than compile saw, on one process or many, and re-verify on held-out data."""
 
 from attnopt.calibration.calibrate import Calibration, calibrate
-from attnopt.calibration.reuse_plan import ReusePlan, plan_reuse
 from attnopt.ir.errors import CalibrationError
 
-__all__ = ["calibrate", "Calibration", "CalibrationError", "plan_reuse", "ReusePlan"]
+__all__ = ["calibrate", "Calibration", "CalibrationError"]

@@ -26,9 +26,9 @@ from torch import nn
 from attnopt.calibration.distributed import World, barrier, broadcast_, shard
 from attnopt.calibration.lora import train_lora
 from attnopt.calibration.options import CalibrateOptions
-from attnopt.calibration.reuse_plan import reuse_matrix_in_use
 from attnopt.calibration.targets import record_targets, site_modules
 from attnopt.calibration.train import SiteTraining, train_site, trainable_tensors
+from attnopt.forms.reuse.plan import overlap_in_use
 from attnopt.ir.calls import Recording
 from attnopt.ir.errors import CalibrationError
 from attnopt.ir.outcomes import Status
@@ -54,7 +54,7 @@ class Calibration:
     end_to_end_before: Optional[dict] = None  # OutputDrift.to_dict() on the held-out batches
     end_to_end_after: Optional[dict] = None
     lora: Optional[dict] = None
-    reuse: Optional[dict] = None  # similarity matrix and the plan in use, when reuse sites exist
+    reuse: Optional[dict] = None  # reuse's top-block overlap matrix and the anchors in use, when reuse sites exist
     seconds: float = 0.0
     notes: list = field(default_factory=list)
 
@@ -70,7 +70,7 @@ def calibrate(model: nn.Module, batches: Sequence[Any], *, steps: Optional[int] 
     batches: inputs the model is called with (as compile's example_inputs); without `held_out`,
     every 4th is held out for re-verification. Under torchrun (a process group initialised) each
     rank trains on its share and the trained tensors stay identical on all ranks. params: "forms"
-    (feature maps, β, reuse residuals) or "forms+lora" (then LoRA on q/k/v/o, transformers models).
+    (feature maps, β) or "forms+lora" (then LoRA on q/k/v/o, transformers models).
     checkpoint: a directory; finished sites are saved there (safetensors) and skipped on a rerun.
     """
     start = time.perf_counter()
@@ -82,7 +82,7 @@ def calibrate(model: nn.Module, batches: Sequence[Any], *, steps: Optional[int] 
     result = Calibration(opts.params, opts.steps, opts.lr, opts.seed, opts.world.size, len(opts.train),
                          len(opts.held))
     if any(m.uses_anchor_qk for m in sites.modules.values()):
-        result.reuse = reuse_matrix_in_use(opts.report.sites, recorded.targets.calls, sites.modules)
+        result.reuse = overlap_in_use(opts.report.sites, recorded.targets.calls, sites.modules)
     result.sites = reverify_held_out(sites, recorded, trained)
     if opts.params == "forms+lora":
         result.lora = train_lora(model, opts.report, recorded.mine, recorded.targets.outputs, steps=opts.steps,
@@ -116,7 +116,7 @@ def trainable_sites(model: nn.Module, opts: CalibrateOptions) -> SitesToTrain:
     if not trainable and opts.params == "forms":
         forms_in_use = sorted({m.form for m in modules.values()}) or ["none (every site exact)"]
         raise CalibrationError(f"nothing to calibrate: the rewritten sites' forms ({', '.join(forms_in_use)}) have no "
-                               "trainable tensors; use linear:hedgehog, linear+window or reuse with rank > 0, or "
+                               "trainable tensors; use linear:hedgehog or linear+window, or "
                                "params='forms+lora' on a transformers model")
     torch.manual_seed(opts.seed)
     for m in trainable.values():  # every rank starts from rank 0's tensors
@@ -214,7 +214,7 @@ class EndToEnd:
 def end_to_end_guard(model: nn.Module, opts: CalibrateOptions, sites: SitesToTrain, recorded: CalibrationTargets,
                      trained: TrainedSites, entries: list) -> EndToEnd:
     """Measure the model end to end on the held-out batches; with params="forms", when it got worse
-    although each site improved (errors compound: reuse sites read drifted anchors), every site goes
+    although each site improved (errors compound from layer to layer), every site goes
     back to what compile built and its entry says so."""
     e2e_before = recorded.e2e_before
     e2e_after = output_drift(_run(model, opts.held), recorded.held_targets.outputs, recorded.masks)

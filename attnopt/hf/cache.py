@@ -17,8 +17,8 @@ another model) is left alone: the site then recomputes over the full KV cache, w
 but not O(1). `make_cache(model)` builds the right layers up front for users who make caches.
 
 Exact sites and the anchors reuse reads keep HF's own layers: softmax attention needs its keys. A
-reuse site with a residual keeps HF's K/V in a `ReuseCacheLayer`, which also holds the layer
-inputs x of the cached tokens and crops them with the keys. A site under `min_seq_len` carries its
+reuse site keeps HF's K/V in a `ReuseCacheLayer`, which also holds its anchor's block-selection
+state and crops it with the keys. A site under `min_seq_len` carries its
 exact prefix inside the state until every row passes the threshold (see SiteModule.decode).
 """
 
@@ -29,10 +29,11 @@ from typing import Optional
 import torch
 from torch import nn
 import transformers.cache_utils as hf_cache
-from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
 
 from attnopt.forms.common.decoding import (
     index_batch,
+    map_tensors,
     repeat_batch,
     state_nbytes,
     to_device,
@@ -244,86 +245,60 @@ def refusal_line(layers: list) -> str:
             f"(policy rule {rule}) to use them, or generate without them")
 
 
-class LayerInputs:
-    """The layer inputs x of the tokens a reuse site's K/V cache layer holds, kept and cut with its keys:
-    the reuse residual reads x for every key (its x·B replaces a K cache of its own). Mixed into HF's
-    own layer classes, so the keys are kept exactly as the model keeps them (all, or the last W - 1)."""
+class ReuseCacheLayer(DynamicLayer):
+    """HF's growing K/V of a reuse site, plus the block-selection state of its anchor (the last
+    anchor queries and the blocks chosen so far, attnopt.forms.reuse.selection): reuse saves compute,
+    not memory, so the keys stay. The state is cropped, reordered and repeated with the keys."""
 
     decodes = False
 
     def __init__(self, site_module: nn.Module, **kwargs):
-        super().__init__(**kwargs)
+        super().__init__()
         self.site_module = site_module
-        self.inputs: Optional[torch.Tensor] = None  # [B, N, C] layer inputs of every cached token
+        self.selection = None  # SelectionState after the tokens held (None before the first call)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         keys, values = super().update(key_states, value_states)
         hand_over(self, kwargs, keys)
         return keys, values
 
-    def layer_inputs(self, x: torch.Tensor, nk: int) -> torch.Tensor:
-        """Append this call's x; the inputs of every key this call sees (as many as the keys, or an error)."""
-        prev = self.inputs
-        if prev is not None and prev.shape[0] != x.shape[0]:
-            prev = None
-        seen = x if prev is None else torch.cat([prev, x], dim=1)
-        if seen.shape[1] != nk:
-            raise RuntimeError(
-                f"reuse residual: the cache holds the layer inputs of {seen.shape[1]} tokens but {nk} keys "
-                "(was the KV cache built by another model or edited?); run the prompt through this compiled model first")
-        self.inputs = _last_columns(seen, self.keys.shape[-2])
-        return seen
-
     def crop(self, tokens_to_remove: int) -> None:
+        before = self.get_seq_length()
         super().crop(tokens_to_remove)
-        if self.inputs is not None:
-            kept = self.inputs if tokens_to_remove >= 0 else self.inputs[:, :tokens_to_remove]
-            self.inputs = _last_columns(kept, self.keys.shape[-2])
+        if self.selection is not None and before > self.get_seq_length():
+            self.selection = self.selection.crop(before - self.get_seq_length(), self.site_module.rule)
 
     def reset(self) -> None:
         super().reset()
-        self.inputs = None
+        self.selection = None
+
+    def _map(self, fn) -> None:
+        if self.selection is not None:
+            self.selection = map_tensors(self.selection, fn)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        if self.inputs is not None:
-            self.inputs = self.inputs.index_select(0, beam_idx.to(self.inputs.device))
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
-        if self.inputs is not None:
-            self.inputs = self.inputs[indices]
+        self._map(lambda t: t[indices])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        if self.inputs is not None:
-            self.inputs = self.inputs.repeat_interleave(repeats, dim=0)
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def offload(self):
         super().offload()
-        if self.inputs is not None:
-            self.inputs = self.inputs.to("cpu", non_blocking=True)
+        self._map(lambda t: t.to("cpu", non_blocking=True))
 
     def prefetch(self):
         super().prefetch()
-        if self.inputs is not None and self.inputs.device != self.device:
-            self.inputs = self.inputs.to(self.device, non_blocking=True)
-
-
-def _last_columns(x_BNC: torch.Tensor, n: int) -> torch.Tensor:
-    return x_BNC[:, x_BNC.shape[1] - n:] if n < x_BNC.shape[1] else x_BNC
-
-
-class ReuseCacheLayer(LayerInputs, DynamicLayer):
-    """HF's growing K/V of a reuse site on a full-attention layer, plus the layer inputs of the same tokens."""
-
-
-class SlidingReuseCacheLayer(LayerInputs, DynamicSlidingWindowLayer):
-    """HF's K/V of a reuse site on a layer that slides its window (the last W - 1 tokens), plus their inputs."""
+        self._map(lambda t: t.to(self.device, non_blocking=True))
 
 
 def decoding_modules(model: nn.Module) -> list[nn.Module]:
-    """The attention modules whose site keeps a cache layer of its own (a decode state, or reuse inputs)."""
+    """The attention modules whose site keeps a cache layer of its own (a decode state, or reuse's selection)."""
     out = []
     for m in model.modules():
         state = m.__dict__.get("_attnopt_state")
@@ -364,7 +339,7 @@ def bind_layer(module: nn.Module, cache) -> Optional[CacheLayerMixin]:
         while len(layers) <= idx:
             layers.append(replicate())
     layer = layers[idx]
-    if isinstance(layer, (SiteCacheLayer, LayerInputs)):
+    if isinstance(layer, (SiteCacheLayer, ReuseCacheLayer)):
         if layer.site_module is not site:
             raise ValueError(f"attnopt: cache layer {idx} belongs to another compiled model's site; "
                              "make a new cache for each model (attnopt.hf.make_cache(model))")
@@ -375,10 +350,8 @@ def bind_layer(module: nn.Module, cache) -> Optional[CacheLayerMixin]:
         return None  # a layer that also keeps other state (conv, recurrent, an indexer) stays HF's own
     if state.cache_role == "state":
         layers[idx] = SiteCacheLayer(site, state.crop_refusal)
-    elif type(layer) is DynamicLayer:  # reuse: the model's own kind of K/V layer, with the inputs beside it
+    elif type(layer) is DynamicLayer:  # reuse: HF's full K/V layer (reuse refuses a layer that slides a window)
         layers[idx] = ReuseCacheLayer(site)
-    elif type(layer) is DynamicSlidingWindowLayer:
-        layers[idx] = SlidingReuseCacheLayer(site, sliding_window=layer.sliding_window)
     else:
         return None
     return layers[idx]
@@ -468,7 +441,7 @@ def set_cache_roles(model: nn.Module, sites: list) -> int:
             # (an anchor keeps HF's keys: the sites reusing it read them)
             state.cache_role = "state"
             stateful.append((m, layer_index(m), site.form))
-        elif site.uses_anchor_qk and site.needs_layer_input:
+        elif site.uses_anchor_qk:
             state.cache_role = "reuse"
         marked += state.cache_role is not None
     refusal = refusal_line([(i, f) for _, i, f in stateful])

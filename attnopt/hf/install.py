@@ -18,7 +18,6 @@ from torch import nn
 
 from attnopt.hf.cache import decoding_modules, set_cache_roles, watch_cache, watch_model_cache
 from attnopt.hf.interface import ModuleState, layer_index
-from attnopt.hf.recording import watch_layer_input
 from attnopt.hf.routes import keep_routes_of
 
 
@@ -45,21 +44,16 @@ def install(model: nn.Module, sites: list, modules: dict) -> dict:
     install; return the counts."""
     uninstall(model)
     by_id = {s.id: s for s in sites}
-    anchors = watched = 0
+    anchors = 0
     for site_id, module in modules.items():
         target = model.get_submodule(by_id[site_id].module_path)
         target.attnopt_site = module
         state = target.__dict__.setdefault("_attnopt_state", ModuleState())
-        if module.uses_anchor_qk:
+        if module.uses_anchor_qk:  # the anchor hands its q and k of each call to the sites reusing it
             anchor_mod = model.get_submodule(by_id[module.anchor_id].module_path)
             astate = anchor_mod.__dict__.setdefault("_attnopt_state", ModuleState())
             astate.store_qk, state.anchor = True, astate
             anchors += 1
-            if module.needs_layer_input:
-                hook = watch_layer_input(target)
-                if hook is not None:
-                    state.hooks.append(hook)
-                    watched += 1
     keep_routes_of(model, {by_id[i].module_path for i in modules}
                    | {by_id[m.anchor_id].module_path for m in modules.values() if m.uses_anchor_qk})
     set_cache_roles(model, sites)  # after the loop above: anchors are known by now
@@ -72,5 +66,5 @@ def install(model: nn.Module, sites: list, modules: dict) -> dict:
         top = model.__dict__.setdefault("_attnopt_state", ModuleState())
         top.stateful = stateful  # a deep copy of the model maps these to its own modules
         top.hooks.append(watch_model_cache(model))
-    return {"installed": len(modules), "reuse_anchors": anchors, "layer_inputs_watched": watched,
+    return {"installed": len(modules), "reuse_anchors": anchors,
             "decode_state_sites": sum(m.__dict__["_attnopt_state"].cache_role == "state" for m in stateful)}

@@ -11,7 +11,8 @@ What one call hands to a later step of the same call lives in the call itself --
   the cache layer of a site     the layer's `update` puts itself into the kwargs dict the module
                                 passes on to the attention function (`LAYER_KW`); models whose
                                 `update` gets no kwargs hand it over per thread (`hand_over`)
-  a reuse anchor's (q, k), x    `ModuleState.call`, a per-thread slot of the module
+  a reuse anchor's (q, k) and   `ModuleState.call`, a per-thread slot of the anchor's module
+  the selections made from them
 -- and what a sequence keeps between calls lives in its cache object (attnopt.hf.cache).
 """
 
@@ -88,13 +89,14 @@ class ModuleState:
     anchor: Optional["ModuleState"] = None  # reuse site: its anchor module's state (a deep copy maps it along)
     hooks: list = field(default_factory=list)  # forward hooks install() added (removed by uninstall)
     # Which cache layer this module's site keeps (attnopt.hf.cache): "state" (its form's decode
-    # state), "reuse" (HF's K/V plus the layer inputs the residual reads) or None (HF's own layer).
+    # state), "reuse" (HF's K/V plus the block selection state) or None (HF's own layer).
     cache_role: Optional[str] = None
     crop_refusal: str = ""  # the one-line error a "state" layer raises when asked to drop tokens
     # The exact attention of a module attnopt routes itself (attnopt.hf.routes), in the attention
     # function's signature; None: the model's own attention function (original_attention).
     original: Optional[Callable] = None
-    call: PerThread = field(default_factory=PerThread)  # "qk" (anchor) and "x" (layer input) of this call
+    # An anchor's "qk" of this call and the "selections" its reuse sites made from them.
+    call: PerThread = field(default_factory=PerThread)
     # The top-level model, and the first module to decode: the modules whose cache layers it binds.
     stateful: list = field(default_factory=list)
 
@@ -209,6 +211,7 @@ def attention_forward(
     exact = exact or original_attention(module)
     if state is not None and state.store_qk:
         state.call.set("qk", (query, key))
+        state.call.set("selections", {})  # made by the first reuse site of each rule, read by the others
     if state is not None and state.recorder is not None:
         out, weights = exact(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                              is_causal=is_causal, **kwargs)
@@ -232,33 +235,32 @@ def attention_forward(
         # Below the site's threshold: the model's own attention, with no attnopt step in between.
         return exact(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
                      **kwargs)
-    x = None
     if site_module.uses_anchor_qk:
-        qk = state.anchor.call.get("qk") if state is not None and state.anchor is not None else None
-        if qk is None:
-            raise RuntimeError(f"attnopt: reuse site {site_module.geometry.site_id} runs before its anchor in this call; "
-                               "call the whole compiled model, not one of its layers")
-        query, key = qk
-        if site_module.needs_layer_input:
-            x = _layer_input_for_keys(state.call.get("x"), layer, query.shape[-2], key.shape[-2])
-    out = site_module(query, key, value, attention_mask, x=x)
+        anchor = _anchor_selection(site_module, state, layer, attention_mask)
+        out = site_module(query, key, value, attention_mask, anchor=anchor)
+    else:
+        out = site_module(query, key, value, attention_mask)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _layer_input_for_keys(x: torch.Tensor, layer, nq: int, nk: int) -> torch.Tensor:
-    """The layer input x for every key: a prefill sees all of it; decoding appends to the cache's x.
-
-    Caching x of earlier tokens is what replaces this layer's K cache (x·B is r wide per head); it
-    lives in the sequence's cache layer (attnopt.hf.cache.ReuseCacheLayer), cropped with its keys.
-    """
+def _anchor_selection(site_module: nn.Module, state: Optional[ModuleState], layer, attention_mask):
+    """What a reuse site reads of its anchor this call: the block selection made from the anchor's
+    q and k, advancing the selection state the site's cache layer keeps (None without a cache: a
+    prefill). The first reuse site of an anchor makes it; later ones with the same rule and the same
+    state before (decoding advances them alike) read it from the anchor's per-call slot."""
+    qk = state.anchor.call.get("qk") if state is not None and state.anchor is not None else None
+    if qk is None:
+        raise RuntimeError(f"attnopt: reuse site {site_module.geometry.site_id} runs before its anchor in this call; "
+                           "call the whole compiled model, not one of its layers")
+    held = getattr(layer, "selection", None)
+    made = state.anchor.call.get("selections")
+    key = (site_module.rule, site_module.anchor_scale, id(held))
+    if key not in made:
+        made[key] = site_module.select_for(qk[0], qk[1], attention_mask, held)
+    selection, after = made[key]
     if layer is not None:
-        return layer.layer_inputs(x, nk)
-    if nq == nk:
-        return x
-    raise RuntimeError(
-        "reuse residual: the cached layer inputs do not match the key cache (was the KV cache built "
-        "by another model or edited?); run the prompt through this compiled model first"
-    )
+        layer.selection = after
+    return selection
 
 
 def register_names(planner: Optional[Callable] = None) -> None:

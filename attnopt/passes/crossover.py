@@ -76,8 +76,8 @@ MODEL_MARGIN = 0.25
 DECODE_WIN = 0.9
 # Forms with a fixed threshold, and why they are not timed.
 FIXED = {
-    "reuse": "reuse saves the site's own q/k projections, outside the attention op, and below a threshold it "
-             "would still read the anchor's q and k: always the form (0)",
+    "reuse": "a reused layer runs exact attention itself while every block is read, and its speed depends on "
+             "its anchor's selection, which a timing of the site alone cannot give: always the form (0)",
 }
 # The parameters that cannot change an op's speed stay out of the cache key.
 UNTIMED_PARAMS = ("min_seq_len", "tolerance", "seed", "fit_steps")

@@ -1,7 +1,7 @@
 """Splice pass (graph path): replace each accepted site in a captured FX graph by a call to its module.
 
 The transformers path installs the same site modules on the attention modules instead
-(`attnopt.hf.install`). A reuse site's module is called with its anchor's q and k nodes.
+(`attnopt.hf.install`). A reuse site's module is also handed its anchor's q and k nodes (`anchor=`).
 """
 
 from __future__ import annotations
@@ -27,16 +27,14 @@ def splice_graph(graph_module: torch.fx.GraphModule, sites: list, modules: dict)
     before = len(graph.nodes)
     for i, (site_id, module) in enumerate(modules.items()):
         sn = by_id[site_id].nodes
-        qsite = by_id[module.anchor_id] if module.uses_anchor_qk else by_id[site_id]
-        q, k = nodes[qsite.nodes.query], nodes[qsite.nodes.key]
         out = nodes[sn.output]
         mask = nodes[sn.mask] if sn.mask else None
         name = f"attnopt_site_{i}"
         graph_module.add_submodule(name, module)
         with graph.inserting_before(out):
-            if qsite.nodes.key_is_transposed:
-                k = graph.call_function(torch.ops.aten.transpose.int, (k, -2, -1))
-            new = graph.call_module(name, (q, k, nodes[sn.value], mask))
+            q, k = _query_key(graph, nodes, by_id[site_id])
+            extra = {"anchor": _query_key(graph, nodes, by_id[module.anchor_id])} if module.uses_anchor_qk else {}
+            new = graph.call_module(name, (q, k, nodes[sn.value], mask), extra)
         new.meta.update({key: val for key, val in out.meta.items() if key in ("nn_module_stack", "stack_trace", "val")})
         out.replace_all_uses_with(new)
     # The replaced chains are dead now, but FX keeps impure-looking nodes: SDPA is tagged
@@ -48,3 +46,11 @@ def splice_graph(graph_module: torch.fx.GraphModule, sites: list, modules: dict)
     graph.lint()
     graph_module.recompile()
     return Splice(graph_module, {"spliced": len(modules), "removed_nodes": before - len(graph.nodes) + len(modules)})
+
+
+def _query_key(graph: torch.fx.Graph, nodes: dict, site) -> tuple:
+    """A site's q and k nodes, k in [.., N, D] (a chain that multiplies by kᵀ keeps k transposed)."""
+    q, k = nodes[site.nodes.query], nodes[site.nodes.key]
+    if site.nodes.key_is_transposed:
+        k = graph.call_function(torch.ops.aten.transpose.int, (k, -2, -1))
+    return q, k

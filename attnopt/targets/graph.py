@@ -175,8 +175,9 @@ class GraphTarget(Target):
     def record_exact(self, batches: list, report) -> Recording:
         modules = self.site_modules()
         if any(m.uses_anchor_qk for m in modules.values()):
-            raise CalibrationError("calibrate: a graph-path model with reuse sites cannot be recorded (a reuse site "
-                                   "is handed its anchor's q and k, not its own); compile a transformers model for reuse")
+            raise CalibrationError("calibrate: a graph-path model with reuse sites cannot be recorded (their anchors "
+                                   "run inside the captured graph, which records no call); compile a transformers "
+                                   "model for reuse")
         recording = Recording(calls={sid: [] for sid in modules})
         with _exact_sites(modules, recording.calls), torch.no_grad():
             for args, kwargs in batches:

@@ -33,9 +33,8 @@ from torch import nn
 
 from attnopt import forms
 from attnopt.forms.common.base import BuildContext
-from attnopt.forms.reuse.form import ReuseSite, find_anchor
 from attnopt.hf.interface import IMPL_EAGER, IMPL_SDPA, layer_index
-from attnopt.hf.recording import call_model, qk_projections, record_calls
+from attnopt.hf.recording import call_model, record_calls
 from attnopt.hf.routes import INTERFACE, MODULE, is_hf_model, reached, route, route_kind
 from attnopt.hf.sites import model_keeps_exact, site_from_call
 from attnopt.ir.calls import Recording
@@ -123,9 +122,7 @@ class HfTarget(Target):
         return rec
 
     def build_context(self, sites: list, recording: Recording) -> BuildContext:
-        modules = dict(self.model.named_modules())
-        return BuildContext(sites=sites, calls=recording.calls,
-                            projections=lambda s: qk_projections(modules[s.module_path]))
+        return BuildContext(sites=sites, calls=recording.calls)
 
     def adapt_site(self, site):
         # HF hands masks in its own spelling (bool keep for sdpa, additive for eager): read them as such.
@@ -450,17 +447,6 @@ def _route_notes(routed, sites: list, recorded: dict) -> list:
 
 def _build_site(site, entry: dict, sites: list) -> nn.Module:
     params = entry["params"]
-    if entry["form"] == "reuse" and params.get("rank", 0) > 0:
-        # The residual is fitted from the compile-time projections and inputs; its saved values
-        # replace these zeros right after.
-        anchor = find_anchor(site, sites, params["anchor"])
-        if anchor is None:
-            raise SaveError(f"attnopt.load: reuse site {site.id} finds no anchor at {params['anchor']} among the saved sites")
-        shapes = entry["state"]
-        if not {"residual_A", "residual_B"} <= set(shapes):
-            raise SaveError(f"attnopt.load: reuse site {site.id} has no saved residual_A / residual_B tensors")
-        residual = (torch.zeros(shapes["residual_A"]), torch.zeros(shapes["residual_B"]))
-        return ReuseSite(site, params, anchor, residual)
     try:
         return forms.get(entry["form"]).build(site, params, BuildContext(sites=sites))
     except ValueError as exc:  # SiteUnsupported: the saved form cannot serve the saved site

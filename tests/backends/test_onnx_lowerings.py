@@ -3,7 +3,7 @@ torch ops the lowerings replace): exported once at one length with dynamic batch
 in ONNX Runtime at another length and batch, and (standard ops) in onnx.reference.
 
 The cases are the variants the model tests do not reach: per-head and stabilised feature maps,
-bidirectional bands with sinks, padded keys, GQA, a low-rank reuse residual.
+bidirectional bands with sinks, padded keys, GQA (reuse's block-sparse lowering: tests/forms/test_reuse_onnx.py).
 """
 
 import numpy as np
@@ -18,13 +18,11 @@ from onnx.reference import ReferenceEvaluator  # noqa: E402
 from attnopt.forms.ssm import onnx as decay
 from attnopt.forms.linear import onnx as linear
 from attnopt.forms.linear_window import onnx as linear_window
-from attnopt.forms.reuse import onnx as reuse
 from attnopt.forms.window import onnx as window  # noqa: E402
 from attnopt.forms.ssm.reference import decay_attention, decay_attention_reference
 from attnopt.kernels.feature_maps import make_feature_map
 from attnopt.forms.linear.reference import linear_attention, linear_attention_reference
 from attnopt.forms.linear_window.reference import linear_window_attention, linear_window_attention_reference
-from attnopt.forms.reuse.reference import reuse_attention, reuse_attention_reference
 from attnopt.forms.window.reference import window_attention, window_attention_reference
 
 H, HKV, D, DV = 4, 2, 16, 12
@@ -138,19 +136,6 @@ def test_decay_with_padded_keys(target):
     rules = [a.s for n in proto.graph.node if n.op_type == "LinearAttention" for a in n.attribute
              if a.name == "update_rule"]
     assert rules == ([b"gated"] if target == "ort" else [])
-
-
-def test_reuse_with_a_low_rank_residual():
-    g = torch.Generator().manual_seed(4)
-    A, B_ = torch.randn(H, 17, 2, generator=g) * 0.3, torch.randn(H, 17, 2, generator=g) * 0.3  # C + 1 rows: bias
-    x_of = torch.nn.Linear(DV, 16)  # the layer input, made from v so the op sees one more [B, N, C] tensor
-
-    def call(q, k, v, keep, fn):
-        return fn(q, k, v, x_of(v[:, 0]), A, B_, scale=0.25, causal=True, key_mask=keep)
-
-    m = Op(lambda q, k, v, keep: call(q, k, v, keep, reuse_attention),
-           lambda q, k, v, keep: call(q, k, v, keep, reuse_attention_reference), [x_of])
-    _check(m, reuse.LOWERING, "onnx-std")
 
 
 def _exact_below_oracle(q, k, v, keep, form_out, T, scale):

@@ -1,7 +1,6 @@
 """attnopt.calibrate: attention transfer on compiled models, held-out re-verification, errors, checkpoints."""
 
 import json
-import math
 
 import pytest
 import torch
@@ -131,63 +130,6 @@ def test_non_finite_loss_keeps_the_site_exact_and_says_why(monkeypatch):
     assert hasattr(opt.get_submodule(opt.attnopt_report.sites[1].site.module_path), "attnopt_site")
 
 
-def test_reuse_residuals_are_calibrated_and_the_drift_matrix_is_measured(tiny_lm):
-    model, cal, held = tiny_lm
-    opt = _compile(model, "reuse:-1+rank:4", cal)
-    assert opt.attnopt_report.count("rewritten") == 3
-    attnopt.calibrate(opt, cal, held_out=held, steps=25, progress=False)
-    c = opt.attnopt_report.calibration
-    for s in c["sites"]:
-        assert s["tensors"] == ["residual_A", "residual_B"]
-        assert s["held_out_after"]["rel_rms"] < s["held_out_before"]["rel_rms"]
-    drift, ids = c["reuse"]["drift"], c["reuse"]["site_ids"]
-    assert len(drift) == 4 and all(drift[i][j] is None for i in range(4) for j in range(i, 4))
-    assert all(drift[i][j] > 0 for i in range(4) for j in range(i))
-    assert c["reuse"]["reuse"] == {ids[1]: ids[0], ids[2]: ids[1], ids[3]: ids[2]}
-    # Oracle for drift[1][0]: softmax of layer 0's causal logits applied to layer 1's values.
-    from attnopt.calibration.targets import record_targets
-
-    calls = record_targets(opt, [((), b) for b in cal], opt.attnopt_report).calls
-    a, l = (calls[sid] for sid in c["reuse"]["site_ids"][:2])
-    worst = 0.0
-    for ca, cl in zip(a, l):
-        k0, v1 = ca.k.repeat_interleave(2, 1).double(), cl.v.repeat_interleave(2, 1).double()
-        logits = ca.q.double() @ k0.transpose(-1, -2) / math.sqrt(ca.q.shape[-1])
-        n = logits.shape[-1]
-        logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-        o = torch.softmax(logits, -1) @ v1
-        worst = max(worst, float((o - cl.out.double()).norm() / cl.out.double().norm()))
-    assert abs(drift[1][0] - worst) < 1e-5
-    page = opt.attnopt_report.to_html()
-    assert "Reuse drift" in page and page.count('stroke="#1c7ed6" stroke-width="3"') == 3
-
-
-def test_choose_anchors_by_dynamic_programming():
-    from attnopt.calibration.reuse_plan import choose_anchors
-
-    d = [[None] * 4, [0.1, None, None, None], [0.9, 0.2, None, None], [0.3, 0.8, 0.1, None]]
-    assert choose_anchors(d, 0.5) == ([0, 2], {1: 0, 3: 2})
-    assert choose_anchors(d, 0.95) == ([0], {1: 0, 2: 0, 3: 0})
-    assert choose_anchors(d, 0.05) == ([0, 1, 2, 3], {})
-    # Shapes that differ (None) can never be reused across.
-    d[2][1] = d[2][0] = None
-    assert choose_anchors(d, 0.95) == ([0, 2], {1: 0, 3: 2})
-
-
-def test_plan_reuse_policy_compiles_to_the_chosen_anchors():
-    from attnopt.calibration.reuse_plan import plan_reuse
-
-    model, batches = random_llama(layers=3), id_batches(2, seed=5)
-    plan = plan_reuse(model, batches, budget=10.0, rank=2)
-    assert plan.anchors == plan.site_ids[:1] and len(plan.reuse) == 2
-    opt = attnopt.compile(model, plan.policy, example_inputs=batches[0], tolerance=10.0, e2e_tolerance=None)
-    anchors = {sid: m.anchor_id for sid, m in site_modules(opt).items()}
-    assert anchors == {s: plan.site_ids[0] for s in plan.site_ids[1:]}
-    assert all(m.residual_A.shape[-1] == 2 for m in site_modules(opt).values())
-    tight = plan_reuse(model, batches, budget=1e-6)
-    assert tight.anchors == tight.site_ids and tight.reuse == {} and tight.policy["rules"] == []
-
-
 def test_lora_stage_lowers_output_loss_and_leaves_plain_linears(tiny_lm):
     from peft.tuners.lora import LoraLayer
 
@@ -234,11 +176,11 @@ def test_graph_path_model_is_calibrated():
 
 
 def test_a_site_that_gets_worse_held_out_keeps_its_compiled_values():
-    # Random weights attend almost uniformly: a rank-4 residual fits the 4 training batches' noise.
-    batches = id_batches(5, seed=3)
-    opt = compiled_llama("reuse:-1+rank:4", layers=3)
+    # Trained on three tokens only, the hedgehog maps fit those and get worse on random held-out text.
+    train = [{"input_ids": b["input_ids"] % 3} for b in id_batches(4, seed=3)]
+    opt = compiled_llama("linear:hedgehog", layers=3)
     compiled = _tensors(opt)
-    attnopt.calibrate(opt, batches, steps=25, lr=1e-2, progress=False)
+    attnopt.calibrate(opt, train, held_out=id_batches(2, seed=9), steps=25, lr=0.05, progress=False)
     sites = opt.attnopt_report.calibration["sites"]
     kept = [s for s in sites if s["reason"].startswith("held-out drift rose")]
     assert kept, [s["reason"] for s in sites]

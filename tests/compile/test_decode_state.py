@@ -159,7 +159,8 @@ def test_a_deep_copy_of_a_compiled_model_with_reuse_generates_like_the_original(
     # (q, k) must be filed under a key that survives the copy (not id(module)).
     import copy
 
-    policy = {"rules": [{"layers": "0", "form": "exact"}, {"layers": "1", "form": "reuse", "anchor": 0, "rank": 4},
+    policy = {"rules": [{"layers": "0", "form": "exact"},
+                        {"layers": "1", "form": "reuse", "anchor": 0, "block": 2, "top_k": 1, "window": 0},
                         {"form": "linear"}]}
     opt = _compile(base, policy)
     assert [r.outcome.final_form for r in opt.attnopt_report.sites] == ["exact", "reuse", "linear", "linear"]
@@ -168,8 +169,9 @@ def test_a_deep_copy_of_a_compiled_model_with_reuse_generates_like_the_original(
     seq, steps, _ = _generate(opt, ids, am)
     seq_t, steps_t, cache = _generate(twin, ids, am)
     assert torch.equal(seq, seq_t) and torch.equal(steps, steps_t)
-    # The reuse site keeps HF's K/V plus its layer inputs (ReuseCacheLayer), in the cache, not on a module.
+    # The reuse site keeps HF's K/V plus its selection state (ReuseCacheLayer), in the cache, not on a module.
     assert [type(layer).__name__ for layer in cache.layers] == ["DynamicLayer", "ReuseCacheLayer"] + ["SiteCacheLayer"] * 2
     assert all(layer.site_module is twin.get_submodule(f"model.layers.{i}.self_attn").attnopt_site
                for i, layer in enumerate(cache.layers) if i > 0)
-    assert cache.layers[1].inputs.shape[1] == cache.layers[1].keys.shape[-2] == PROMPT + NEW - 1
+    assert cache.layers[1].keys.shape[-2] == PROMPT + NEW - 1
+    assert cache.layers[1].selection.seen_B.tolist() == [PROMPT + NEW - 1, PROMPT + NEW - 1 - PAD]  # the last row is padded

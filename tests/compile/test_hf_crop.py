@@ -1,5 +1,5 @@
 """Decoding that drops tokens from the cache (prompt lookup, assisted decoding): a reuse site crops
-the layer inputs it keeps with the keys, so both give plain greedy's tokens; a site that decodes from
+its block-selection state with the keys, so both give plain greedy's tokens; a site that decodes from
 a fixed-size state refuses at once, in attnopt's words, naming the layers to compile as exact."""
 
 import pytest
@@ -12,7 +12,8 @@ transformers = pytest.importorskip("transformers")
 from attnopt.hf.cache import ReuseCacheLayer  # noqa: E402
 
 V, NEW = 97, 10
-REUSE = {"rules": [{"layers": "0", "form": "exact"}, {"layers": "1", "form": "reuse", "anchor": 0, "rank": 4}]}
+REUSE = {"rules": [{"layers": "0", "form": "exact"},
+                   {"layers": "1", "form": "reuse", "anchor": 0, "block": 2, "top_k": 1, "window": 0}]}
 
 
 def _llama(seed):
@@ -53,7 +54,7 @@ def test_reuse_with_prompt_lookup_and_an_assistant_gives_greedy_tokens(llama, mo
     def counting_crop(self, tokens_to_remove):
         dropped.append(-tokens_to_remove)
         crop(self, tokens_to_remove)
-        assert self.inputs.shape[1] == self.keys.shape[-2]  # the layer inputs follow the keys
+        assert bool((self.selection.seen_B == self.keys.shape[-2]).all())  # the selection state follows the keys
 
     monkeypatch.setattr(ReuseCacheLayer, "crop", counting_crop)
     with torch.no_grad():

@@ -105,9 +105,9 @@ def test_threads_generating_from_decode_states_equal_the_serial_runs(llama):
 
 
 def test_threads_running_a_reuse_model_equal_the_serial_runs(llama):
-    # Layer 1 reads layer 0's q and k, and its own layer input x, from the same forward call.
+    # Layer 1 reads layer 0's q and k of the same forward call, and its selection state from the cache.
     opt = _compile(llama, {"rules": [{"layers": "0", "form": "exact"},
-                                     {"layers": "1", "form": "reuse", "anchor": 0, "rank": 4}]})
+                                     {"layers": "1", "form": "reuse", "anchor": 0, "block": 2, "top_k": 1}]})
     assert [r.outcome.final_form for r in opt.attnopt_report.sites] == ["exact", "reuse"]
     prompts = _prompts()
     with torch.no_grad():
@@ -119,7 +119,7 @@ def test_threads_running_a_reuse_model_equal_the_serial_runs(llama):
         threaded = _in_threads(opt, "model.layers.1.self_attn", work)
     for alone, runs in zip(serial, threaded):
         assert all(torch.equal(alone, run) for run in runs)
-    # Generation decodes from the reuse inputs the cache holds: threads again equal serial.
+    # Generation decodes from the selection state the cache holds: threads again equal serial.
     serial_gen = [_generate(opt, ids) for ids in prompts]
     threaded_gen = _in_threads(opt, "model.layers.1.self_attn", lambda i: _generate(opt, prompts[i]))
     for (seq, logits), (seq_t, logits_t) in zip(serial_gen, threaded_gen):

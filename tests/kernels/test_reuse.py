@@ -1,376 +1,260 @@
-"""Residual-reuse op: equals the explicit logits formula, the SVD init is exact when it should be, and
-the op is a well-formed torch.library op (gradcheck, opcheck, one node under torch.export)."""
+"""Block-sparse attention (the reuse form's op) against an fp64 oracle written here, and the anchor's
+block selection against its rule worked out by hand and against itself across prefill and decoding.
 
-import math
+The oracle imports nothing from attnopt: visibility is decided key by key from the definition
+(block of the key's position in the query's list, causality, padding, offsets), heads map by h // G
+explicitly, and the softmax is dense.
+"""
+
+from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from attnopt.forms.reuse.reference import (
-    init_reuse_factors,
-    reuse_attention,
-    reuse_attention_reference,
-    reuse_savings,
+from attnopt.forms.reuse.reference import block_sparse_attention, flex_attention_cpu, gathered_attention
+from attnopt.forms.reuse.selection import (
+    BlockRule,
+    bound_mass,
+    key_bounds,
+    choose_blocks,
+    select_call,
+    select_positions,
 )
-from oracles import reuse_oracle
 
-# Pairwise-distinct sizes so a swapped axis cannot pass unnoticed.
-B, H, N, D, C, DV = 2, 6, 11, 5, 7, 4
 F64 = torch.float64
 
 
-def _rel(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
+def oracle(q, k, v, blocks, *, block, causal, scale, key_mask=None, offsets=None):
+    """o[b, h, i] = softmax over the visible keys of scale·q·k, in fp64, key by key."""
+    B, H, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    G = H // Hkv
+    out = torch.zeros(B, H, Nq, v.shape[-1], dtype=F64)
+    for b in range(B):
+        off = 0 if offsets is None else int(offsets[b])
+        for i in range(Nq):
+            qpos = Nk - Nq + i - off
+            listed = {int(x) for x in blocks[b, i] if int(x) >= 0}
+            cols = [j for j in range(Nk) if j - off >= 0 and (j - off) // block in listed
+                    and (not causal or j - off <= qpos) and (key_mask is None or bool(key_mask[b, j]))]
+            if qpos < 0 or not cols:
+                continue
+            for h in range(H):
+                kv = h // G
+                s = torch.stack([scale * (q[b, h, i].to(F64) @ k[b, kv, j].to(F64)) for j in cols])
+                w = torch.softmax(s, 0)
+                out[b, h, i] = sum(w[n] * v[b, kv, j].to(F64) for n, j in enumerate(cols))
+    return out
 
 
-def _inputs(seed, Hkv_a, Hkv, rank, homogeneous, D=D):
+def _inputs(B, H, Hkv, Nq, Nk, D, Dv, seed, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=g, dtype=F64)  # noqa: E731
-    rows = C + 1 if homogeneous else C
-    A = rnd(H, rows, rank) * 0.5
-    B_ = rnd(H, rows, rank) * 0.5
-    return rnd(B, H, N, D), rnd(B, Hkv_a, N, D), rnd(B, Hkv, N, DV), rnd(B, N, C), A, B_
+    return (torch.randn(B, H, Nq, D, generator=g, dtype=dtype), torch.randn(B, Hkv, Nk, D, generator=g, dtype=dtype),
+            torch.randn(B, Hkv, Nk, Dv, generator=g, dtype=dtype))
 
 
-def _padding_mask():
-    keep = torch.ones(B, N, dtype=torch.bool)
-    keep[1, N - 4 :] = False  # right padding: every causal row still sees key 0
-    return keep
+def _random_lists(B, Nq, Nk, block, K, seed, *, per_block=True, offset=0):
+    """Unique block ids per query (some slots −1); queries of one block share a list when per_block."""
+    g = torch.Generator().manual_seed(seed)
+    J = -(-Nk // block)
+    out = torch.full((B, Nq, K), -1, dtype=torch.long)
+    for b in range(B):
+        for i in range(Nq):
+            pos = Nk - Nq + i - offset
+            key = pos // block if per_block else i
+            gg = torch.Generator().manual_seed(seed * 1000 + b * 97 + key)
+            n = int(torch.randint(1, K + 1, (1,), generator=gg))
+            ids = torch.randperm(J, generator=gg)[:n]
+            out[b, i, :n] = ids
+            out[b, i] = out[b, i][torch.randperm(K, generator=gg)]  # −1 anywhere, unsorted
+    del g
+    return out
 
 
-@pytest.mark.parametrize("heads", [(6, 6), (3, 2), (1, 3)], ids=["mha", "gqa-3-2", "gqa-1-3"])
-@pytest.mark.parametrize("rank,homogeneous", [(0, False), (3, False), (4, True)], ids=["r0", "r3", "r4-hom"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "pad"])
-def test_op_equals_explicit_logits(heads, rank, homogeneous, causal, masked):
-    Hkv_a, Hkv = heads
-    q_a, k_a, v, x, A, B_ = _inputs(1, Hkv_a, Hkv, rank, homogeneous)
-    key_mask = _padding_mask() if masked else None
-    out = reuse_attention(q_a, k_a, v, x, A, B_, scale=0.37, causal=causal, key_mask=key_mask)
-    ref = reuse_oracle(q_a, k_a, v, x, A, B_, scale=0.37, causal=causal, key_mask=key_mask)
-    assert out.shape == (B, H, N, DV)
-    assert _rel(out, ref) <= 1e-10
-    if rank > 0:  # the residual must actually move the output, or the comparison above proves little
-        plain = reuse_oracle(q_a, k_a, v, scale=0.37, causal=causal, key_mask=key_mask)
-        assert _rel(plain, ref) > 1e-3
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("H, Hkv", [(4, 4), (4, 2)])
+def test_gathered_path_equals_the_oracle(causal, H, Hkv):
+    q, k, v = _inputs(2, H, Hkv, 37, 37, 8, 6, seed=1)
+    blocks = _random_lists(2, 37, 37, 8, 3, seed=2)
+    key_mask = torch.ones(2, 37, dtype=torch.bool)
+    key_mask[1, 5:9] = False  # a hole
+    key_mask[0, 30] = False
+    got = gathered_attention(q, k, v, blocks, block=8, causal=causal, scale=0.4, key_mask=key_mask)
+    want = oracle(q, k, v, blocks, block=8, causal=causal, scale=0.4, key_mask=key_mask)
+    assert torch.allclose(got.to(F64), want, atol=2e-6), (got.to(F64) - want).abs().max()
 
 
-@pytest.mark.parametrize("Dv", [3, 8, 13], ids=["v-narrower", "v-equal", "v-wider"])
-def test_value_head_dim_differs_from_concatenated_dim(Dv):
-    # q' has D + r = 8 dims; the op pads the narrower side with zeros to keep SDPA on its fused kernel.
-    q_a, k_a, _, x, A, B_ = _inputs(13, 3, 2, 3, True)
-    v = torch.randn(B, 2, N, Dv, dtype=F64, generator=torch.Generator().manual_seed(14))
-    out = reuse_attention(q_a, k_a, v, x, A, B_, scale=0.3, causal=True, key_mask=_padding_mask())
-    ref = reuse_oracle(q_a, k_a, v, x, A, B_, scale=0.3, causal=True, key_mask=_padding_mask())
-    assert out.shape == (B, H, N, Dv) and out.is_contiguous()
-    assert _rel(out, ref) <= 1e-10
-    module_ref = reuse_attention_reference(q_a, k_a, v, x, A, B_, scale=0.3, causal=True, key_mask=_padding_mask())
-    assert _rel(module_ref, ref) <= 1e-10  # the module's own reference is used by verification
+def test_lists_per_query_offsets_and_queries_after_a_cache():
+    # Decoding shape: 3 new queries after 20 cached columns; rows padded on the left by 0 and 5 columns.
+    q, k, v = _inputs(2, 2, 1, 3, 23, 4, 4, seed=3)
+    offsets = torch.tensor([0, 5])
+    blocks = _random_lists(2, 3, 23, 4, 2, seed=4, per_block=False)
+    key_mask = torch.ones(2, 23, dtype=torch.bool)
+    key_mask[1, :5] = False
+    got = block_sparse_attention(q, k, v, blocks, block=4, causal=True, scale=0.5, key_mask=key_mask, offsets=offsets)
+    want = oracle(q, k, v, blocks, block=4, causal=True, scale=0.5, key_mask=key_mask, offsets=offsets)
+    assert torch.allclose(got.to(F64), want, atol=2e-6)
+    # The same offset in every row tiles by blocks; a query before its row's offset is a zero row.
+    q2, k2, v2 = _inputs(1, 2, 2, 9, 9, 4, 4, seed=5)
+    lists = _random_lists(1, 9, 9, 4, 2, seed=6, offset=2)
+    got = block_sparse_attention(q2, k2, v2, lists, block=4, causal=False, scale=0.5, offsets=torch.tensor([2]))
+    want = oracle(q2, k2, v2, lists, block=4, causal=False, scale=0.5, offsets=torch.tensor([2]))
+    assert torch.allclose(got.to(F64), want, atol=2e-6) and float(got[0, :, :2].abs().max()) == 0.0
 
 
-def test_rank0_spellings_agree_with_plain_sdpa():
-    q_a, k_a, v, x, _, _ = _inputs(2, H, H, 0, False)
-    empty = torch.empty(H, C, 0, dtype=F64)
-    via_none = reuse_attention(q_a, k_a, v, scale=0.2, causal=True)
-    via_empty = reuse_attention(q_a, k_a, v, x, empty, empty, scale=0.2, causal=True)
-    sdpa = F.scaled_dot_product_attention(q_a, k_a, v, is_causal=True, scale=0.2)
-    assert _rel(via_none, sdpa) <= 1e-12
-    assert torch.equal(via_none, via_empty)
+def test_a_query_that_sees_nothing_gets_zeros_and_fp64_stays_fp64():
+    q, k, v = _inputs(1, 2, 2, 8, 8, 4, 4, seed=7, dtype=F64)
+    blocks = torch.full((1, 8, 2), -1, dtype=torch.long)
+    blocks[0, 4:, 0] = 1  # the second half reads its own block; the first half reads nothing
+    got = block_sparse_attention(q, k, v, blocks, block=4, causal=True, scale=0.5)
+    assert got.dtype == F64 and float(got[0, :, :4].abs().max()) == 0.0
+    assert torch.allclose(got, oracle(q, k, v, blocks, block=4, causal=True, scale=0.5), atol=1e-12)
 
 
-# ---------------------------------------------------------------------------------------------
-# training-free initialisation
-# ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("causal, padded", [(True, False), (False, True)])
+def test_flex_path_equals_the_oracle(causal, padded):
+    # The prefill path (compiled FlexAttention, a few seconds the first time in a process).
+    q, k, v = _inputs(2, 4, 2, 70, 70, 16, 16, seed=8)
+    blocks = _random_lists(2, 70, 70, 16, 3, seed=9)
+    key_mask = None
+    if padded:
+        key_mask = torch.ones(2, 70, dtype=torch.bool)
+        key_mask[1, 60:] = False
+    got = flex_attention_cpu(q, k, v, blocks[:, ::16], block=16, causal=causal, scale=0.3, key_mask=key_mask)
+    want = oracle(q, k, v, blocks, block=16, causal=causal, scale=0.3, key_mask=key_mask)
+    real = torch.ones(2, 70, dtype=torch.bool) if key_mask is None else key_mask
+    assert torch.allclose(got.to(F64)[real[:, None, :, None].expand_as(got)], want[real[:, None, :, None].expand_as(want)],
+                          atol=3e-6)
 
 
-class _Layer(torch.nn.Module):
-    """Attention projections of one layer, nn.Linear with biases, GQA allowed."""
-
-    def __init__(self, C, H, Hkv, D):
-        super().__init__()
-        self.H, self.Hkv, self.D = H, Hkv, D
-        self.q = torch.nn.Linear(C, H * D)
-        self.k = torch.nn.Linear(C, Hkv * D)
-        self.v = torch.nn.Linear(C, Hkv * D)
-
-    def split(self, t, h):
-        return t.unflatten(-1, (h, self.D)).transpose(1, 2)
-
-    def qkv(self, x):
-        return self.split(self.q(x), self.H), self.split(self.k(x), self.Hkv), self.split(self.v(x), self.Hkv)
-
-    def attention(self, x, causal):
-        q, k, v = self.qkv(x)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.D**-0.5, enable_gqa=True)
-
-
-def _two_layers(seed, C, H, Hkv_l, Hkv_a, D):
-    torch.manual_seed(seed)
-    return _Layer(C, H, Hkv_l, D).double(), _Layer(C, H, Hkv_a, D).double()
-
-
-def _factors(layer, anchor, rank):
-    return init_reuse_factors(
-        layer.q.weight, layer.q.bias, layer.k.weight, layer.k.bias,
-        anchor.q.weight, anchor.q.bias, anchor.k.weight, anchor.k.bias,
-        heads=layer.H, rank=rank,
-    )
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("Hkv_l,Hkv_a", [(4, 4), (2, 1)], ids=["mha", "gqa"])
-def test_init_full_rank_reproduces_layer_exactly(causal, Hkv_l, Hkv_a):
-    C_, H_, D_ = 9, 4, 6  # 2·D = 12 > C+1 = 10: full rank is C+1
-    layer, anchor = _two_layers(3, C_, H_, Hkv_l, Hkv_a, D_)
-    x = torch.randn(2, 13, C_, dtype=F64)
-    with torch.no_grad():
-        A, B_ = _factors(layer, anchor, rank=C_ + 1)
-        q_a, k_a, _ = anchor.qkv(x)
-        _, _, v_l = layer.qkv(x)
-        out = reuse_attention(q_a, k_a, v_l, x, A, B_, scale=D_**-0.5, causal=causal)
-        exact = layer.attention(x, causal)
-        pure = reuse_attention(q_a, k_a, v_l, scale=D_**-0.5, causal=causal)
-    assert A.shape == B_.shape == (H_, C_ + 1, C_ + 1)
-    assert _rel(out, exact) <= 1e-8
-    assert _rel(pure, exact) > 1e-2  # without the residual the layers really differ
-
-
-def test_init_rank_2d_is_already_exact():
-    # M_l − M_a has rank ≤ 2·D; with 2·D < C+1 that rank must already reproduce layer l.
-    C_, H_, D_ = 16, 2, 3
-    layer, anchor = _two_layers(4, C_, H_, H_, H_, D_)
-    x = torch.randn(1, 10, C_, dtype=F64)
-    with torch.no_grad():
-        q_a, k_a, _ = anchor.qkv(x)
-        _, _, v_l = layer.qkv(x)
-        exact = layer.attention(x, True)
-        errs = {}
-        for r in (2 * D_ - 1, 2 * D_):
-            A, B_ = _factors(layer, anchor, r)
-            errs[r] = _rel(reuse_attention(q_a, k_a, v_l, x, A, B_, scale=D_**-0.5, causal=True), exact)
-    assert errs[2 * D_] <= 1e-8
-    assert errs[2 * D_ - 1] > 1e-6
-    assert reuse_savings(C_, H_, H_, D_, 1, 10)["max_useful_rank"] == 2 * D_
-
-
-def test_truncation_error_decreases_with_rank():
-    C_, H_, D_, N_ = 12, 3, 8, 40  # full rank C+1 = 13 < 2·D
-    layer, anchor = _two_layers(5, C_, H_, H_, H_, D_)
-    x = torch.randn(1, N_, C_, dtype=F64)
-    x_hat = torch.cat([x, torch.ones(1, N_, 1, dtype=F64)], dim=-1)
-    fro = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
-    with torch.no_grad():
-        q_a, k_a, _ = anchor.qkv(x)
-        q_l, k_l, v_l = layer.qkv(x)
-        # M_l − M_a built here independently of the init: per head, [Wq|bq]_hᵀ [Wk|bk]_h of l minus anchor's.
-        hat = lambda lin: torch.cat([lin.weight, lin.bias[:, None]], 1).reshape(H_, D_, C_ + 1)  # noqa: E731
-        residual = hat(layer.q).transpose(1, 2) @ hat(layer.k) - hat(anchor.q).transpose(1, 2) @ hat(anchor.k)
-        sigma = torch.linalg.svdvals(residual)
-        logits_l = q_l @ k_l.transpose(-1, -2)
-        exact = layer.attention(x, False)
-        mat_err, logit_err, out_err = [], [], []
-        for r in range(0, C_ + 2):
-            A, B_ = _factors(layer, anchor, r)
-            mat_err.append(torch.linalg.matrix_norm(residual - A @ B_.transpose(-1, -2)).norm().item())
-            # Eckart–Young: the Frobenius error of the rank-r truncation is the tail of the singular values.
-            assert mat_err[-1] == pytest.approx(sigma[:, r:].norm().item(), rel=1e-9, abs=1e-10)
-            logits = q_a @ k_a.transpose(-1, -2) + (x_hat @ A) @ (x_hat @ B_).transpose(-1, -2)
-            logit_err.append(fro(logits, logits_l))
-            out_err.append(fro(reuse_attention(q_a, k_a, v_l, x, A, B_, scale=D_**-0.5), exact))
-    for errs in (mat_err, logit_err, out_err):
-        assert all(a > b for a, b in zip(errs[:-1], errs[1:])), errs
-    assert out_err[0] > 0.1 and out_err[-1] <= 1e-12
-
-
-def _drifted_setup(kind):
-    """Layers l and anchor whose inputs differ: x_l = affine(x_a) or x_a + tanh(affine(x_a))."""
-    C_, H_, D_ = 10, 2, 8
-    layer, anchor = _two_layers(21, C_, H_, H_, H_, D_)
-    g = torch.Generator().manual_seed(3)
-    W = torch.randn(C_, C_, generator=g, dtype=F64) / C_**0.5
-    c = torch.randn(C_, generator=g, dtype=F64)
-    drift = (lambda xa: xa @ W + c) if kind == "affine" else (lambda xa: xa + torch.tanh(xa @ W + c))  # noqa: E731
-    x_a_cal = torch.randn(1, 64, C_, generator=g, dtype=F64)
-    x_a = torch.randn(1, 24, C_, generator=g, dtype=F64)  # held-out tokens
-    return layer, anchor, (x_a_cal, drift(x_a_cal)), x_a, drift(x_a)
-
-
-def _held_out_error(layer, anchor, x_a, x_l, A, B_):
-    with torch.no_grad():
-        q_a, k_a, _ = anchor.qkv(x_a)
-        _, _, v_l = layer.qkv(x_l)
-        exact = layer.attention(x_l, True)
-        out = reuse_attention(q_a, k_a, v_l, x_l, A, B_, scale=layer.D**-0.5, causal=True)
-    return ((out - exact).norm() / exact.norm()).item()
-
-
-def test_calibrated_init_is_exact_under_affine_input_drift():
-    # x_a ≠ x_l, but x̂_a is a linear map of x̂_l: the weight-only fit cannot know it, the calibrated one can.
-    layer, anchor, cal, x_a, x_l = _drifted_setup("affine")
-    full = layer.q.in_features + 1
-    weight_only = _held_out_error(layer, anchor, x_a, x_l, *_factors(layer, anchor, full))
-    A, B_ = init_reuse_factors(
-        layer.q.weight, layer.q.bias, layer.k.weight, layer.k.bias,
-        anchor.q.weight, anchor.q.bias, anchor.k.weight, anchor.k.bias,
-        heads=layer.H, rank=full, calibration=cal,
-    )
-    assert weight_only > 0.1
-    assert _held_out_error(layer, anchor, x_a, x_l, A, B_) <= 1e-7
-
-
-def test_calibrated_init_beats_weight_only_under_nonlinear_drift():
-    layer, anchor, cal, x_a, x_l = _drifted_setup("tanh")
-    weights = (layer.q.weight, layer.q.bias, layer.k.weight, layer.k.bias,
-               anchor.q.weight, anchor.q.bias, anchor.k.weight, anchor.k.bias)
-    x_hat = torch.cat([cal[1], torch.ones(*cal[1].shape[:-1], 1, dtype=F64)], -1)
-    with torch.no_grad():
-        q_a, k_a, _ = anchor.qkv(cal[0])
-        q_l, k_l, _ = layer.qkv(cal[1])
-        target = q_l @ k_l.transpose(-1, -2) - q_a @ k_a.transpose(-1, -2)
-    for rank in (2, 4, 8, 11):
-        plain = init_reuse_factors(*weights, heads=layer.H, rank=rank)
-        calibrated = init_reuse_factors(*weights, heads=layer.H, rank=rank, calibration=cal)
-        # On the calibration tokens the calibrated fit is the optimum of this very error: never worse.
-        fit = lambda A, B_: ((x_hat @ A) @ (x_hat @ B_).transpose(-1, -2) - target).norm().item()  # noqa: E731
-        assert fit(*calibrated) <= fit(*plain) * (1 + 1e-9)
-        # On held-out tokens it should be clearly better too (measured ~0.5× or less at these seeds).
-        assert _held_out_error(layer, anchor, x_a, x_l, *calibrated) < 0.8 * _held_out_error(layer, anchor, x_a, x_l, *plain)
-
-
-def test_calibration_with_identical_inputs_matches_exactness():
-    layer, anchor = _two_layers(3, 9, 4, 2, 1, 6)
-    x = torch.randn(2, 13, 9, dtype=F64)
-    weights = (layer.q.weight, layer.q.bias, layer.k.weight, layer.k.bias,
-               anchor.q.weight, anchor.q.bias, anchor.k.weight, anchor.k.bias)
-    A, B_ = init_reuse_factors(*weights, heads=4, rank=10, calibration=(x, x))
-    assert _held_out_error(layer, anchor, x, x, A, B_) <= 1e-8
-
-
-def test_init_is_deterministic_and_dtype_preserving():
-    layer, anchor = _two_layers(6, 8, 2, 2, 2, 4)
-    a1, b1 = _factors(layer, anchor, 5)
-    a2, b2 = _factors(layer, anchor, 5)
-    assert torch.equal(a1, a2) and torch.equal(b1, b2)
-    # sign convention: the largest-|.| entry of each left singular vector is positive
-    U = a1 / a1.norm(dim=1, keepdim=True)
-    assert (torch.gather(U, 1, U.abs().argmax(dim=1, keepdim=True)) > 0).all()
-    a32, _ = init_reuse_factors(*(t.float() for t in (layer.q.weight, layer.q.bias, layer.k.weight, layer.k.bias,
-                                                     anchor.q.weight, anchor.q.bias, anchor.k.weight, anchor.k.bias)),
-                                heads=2, rank=5)
-    assert a32.dtype == torch.float32
-    assert _rel(a32.double(), a1) < 1e-5
-
-
-def test_init_without_biases_has_zero_bias_row_effect():
-    layer, anchor = _two_layers(7, 8, 2, 2, 2, 4)
-    A, B_ = init_reuse_factors(layer.q.weight, None, layer.k.weight, None,
-                               anchor.q.weight, None, anchor.k.weight, None, heads=2, rank=9)
-    # no biases: the homogeneous row and column of M are zero, so A Bᵀ has a zero last row and column
-    M = A @ B_.transpose(-1, -2)
-    assert M[:, -1, :].abs().max() < 1e-12 and M[:, :, -1].abs().max() < 1e-12
-    assert M[:, :-1, :-1].abs().max() > 1e-2
+def test_the_op_has_a_gradient_and_says_what_is_wrong():
+    q, k, v = _inputs(1, 2, 2, 8, 8, 4, 4, seed=10, dtype=F64)
+    blocks = _random_lists(1, 8, 8, 4, 2, seed=11)
+    q.requires_grad_(True)
+    torch.autograd.gradcheck(lambda q_: block_sparse_attention(q_, k, v, blocks, block=4, causal=True, scale=0.5), (q,))
+    with pytest.raises(ValueError, match=r"blocks must be an int tensor \[B, Nq, K\]"):
+        block_sparse_attention(q, k, v, blocks.float(), block=4, causal=True)
+    with pytest.raises(ValueError, match="block must be a positive int"):
+        block_sparse_attention(q, k, v, blocks, block=0, causal=True)
 
 
 # ---------------------------------------------------------------------------------------------
-# op machinery
+# the selection
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rank", [0, 2])
-def test_gradcheck(rank):
-    g = torch.Generator().manual_seed(8)
-    rnd = lambda *s: torch.randn(*s, generator=g, dtype=F64, requires_grad=True)  # noqa: E731
-    q_a, k_a, v, x = rnd(1, 2, 4, 3), rnd(1, 1, 4, 3), rnd(1, 2, 4, 4), rnd(1, 4, 2)
-    key_mask = torch.tensor([[True, True, False, True]])
-    if rank == 0:
-        fn = lambda q_a, k_a, v: reuse_attention(q_a, k_a, v, scale=0.5, causal=True, key_mask=key_mask)  # noqa: E731
-        assert torch.autograd.gradcheck(fn, (q_a, k_a, v), fast_mode=True)
-    else:
-        A, B_ = rnd(2, 3, rank), rnd(2, 3, rank)  # C + 1 rows: the bias row gets a gradient too
-        fn = lambda *t: reuse_attention(*t, scale=0.5, causal=True, key_mask=key_mask)  # noqa: E731
-        assert torch.autograd.gradcheck(fn, (q_a, k_a, v, x, A, B_), fast_mode=True)
+def test_choose_blocks_keeps_sinks_and_window_and_the_heaviest_candidates():
+    rule = BlockRule(block=4, top_k=2, window=1, sinks=1, probes=2, causal=True)
+    # Query block 6 of 7: forced 0 (sink), 5 and 6 (window); candidates 1..4.
+    mass = torch.zeros(1, 1, 7, dtype=F64)
+    mass[0, 0, [1, 2, 3, 4]] = torch.tensor([0.1, 0.5, 0.5, 0.2], dtype=F64)
+    got = choose_blocks(mass, torch.tensor([[6]]), torch.tensor([7]), rule, 7)
+    assert got.tolist() == [[[0, 2, 3, 5, 6]]]
+    # A tie is broken towards the earlier block; block 6 cannot read 7 (causal).
+    mass[0, 0, 3] = mass[0, 0, 4] = 0.1  # blocks 1, 3 and 4 tie
+    mass = torch.cat([mass, torch.ones(1, 1, 1, dtype=F64)], dim=-1)
+    got = choose_blocks(mass, torch.tensor([[6]]), torch.tensor([8]), rule, 8)
+    assert got.tolist() == [[[0, 1, 2, 5, 6]]]
+    # A mass threshold stops early: the sink and window already hold 0.5 of 1.4; block 2 (0.5) brings it to 1.0.
+    heavy = BlockRule(block=4, top_k=2, window=1, sinks=1, probes=2, causal=True, mass=0.7)
+    mass = torch.tensor([[[0.2, 0.1, 0.5, 0.1, 0.2, 0.1, 0.2]]], dtype=F64)
+    got = choose_blocks(mass, torch.tensor([[6]]), torch.tensor([7]), heavy, 7)
+    assert got.tolist() == [[[0, 2, 5, 6, -1]]]
 
 
-def test_opcheck():
-    q_a, k_a, v, x, A, B_ = _inputs(9, 3, 2, 2, True)
-    op = torch.ops.attnopt.reuse_attention.default
-    for args in (
-        (q_a, k_a, v, x, A, B_, 0.3, True, _padding_mask()),
-        (q_a, k_a, v, None, None, None, 0.3, False, None),
-    ):
-        torch.library.opcheck(op, args)
+def test_block_scores_are_the_softmax_of_quest_bounds():
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(2, 4, 1, 3, 3, dtype=F64, generator=g)  # 4 heads, 1 query block, 3 probes
+    k = torch.randn(2, 2, 10, 3, dtype=F64, generator=g)
+    keep = torch.ones(2, 10, dtype=torch.bool)
+    keep[1, 4:8] = False  # row 1's block 1 has no real key
+    keep[0, 2] = False
+    lo, hi, has_key = key_bounds(k, keep, 4)
+    assert has_key.tolist() == [[True, True, True], [True, False, True]]
+    present = torch.tensor([[[True, True, True]], [[False, True, True]]])
+    visible = torch.tensor([[[True, True, False]], [[True, True, True]]])
+    got = bound_mass(q, present, lo, hi, visible & has_key[:, None], 0.7)
+    want = torch.zeros(2, 3, dtype=F64)
+    for b in range(2):
+        for h in range(4):
+            for p in range(3):
+                if not present[b, 0, p]:
+                    continue
+                blocks = [j for j in range(3) if visible[b, 0, j] and keep[b, 4 * j:4 * j + 4].any()]
+                bound = []
+                for j in blocks:
+                    keys = [n for n in range(4 * j, min(10, 4 * j + 4)) if keep[b, n]]
+                    kj = k[b, h // 2, keys]  # [n, D]
+                    bound.append(sum(max(float(q[b, h, 0, p, d]) * float(kj[:, d].min()),
+                                         float(q[b, h, 0, p, d]) * float(kj[:, d].max())) for d in range(3)))
+                    assert bound[-1] >= float((kj @ q[b, h, 0, p]).max()) - 1e-12  # an upper bound of its keys
+                w = torch.softmax(0.7 * torch.tensor(bound, dtype=F64), 0)
+                for n, j in enumerate(blocks):
+                    want[b, j] += w[n]
+    assert torch.allclose(got[:, 0], want, atol=1e-12)
+    assert abs(float(got[0].sum()) - 12.0) < 1e-9 and abs(float(got[1].sum()) - 8.0) < 1e-9
 
 
-def test_export_keeps_one_node():
-    class Site(torch.nn.Module):
-        def forward(self, q_a, k_a, v, x, A, B_):
-            return reuse_attention(q_a, k_a, v, x, A, B_, scale=0.3, causal=True)
-
-    args = _inputs(10, 3, 2, 3, True)
-    ep = torch.export.export(Site(), args)
-    calls = [n for n in ep.graph.nodes if n.op == "call_function"]
-    assert [n.target for n in calls] == [torch.ops.attnopt.reuse_attention.default]
-    assert _rel(ep.module()(*args), Site()(*args)) <= 1e-12
+RULE = BlockRule(block=4, top_k=2, window=1, sinks=1, probes=3, causal=True)
 
 
-def test_savings_numbers():
-    s = reuse_savings(C=512, H=8, Hkv=8, D=64, r=8, N=1024)
-    assert s["qk_proj_flops_original"] == 2 * 1024 * 512 * 16 * 64
-    assert s["qk_proj_flops_reuse"] == 2 * 1024 * 512 * 2 * 8 * 8
-    assert s["k_cache_elems_saved"] == 8 * 1024 * 64 - 8 * 1024 * 8
-    assert s["logit_flops_extra"] == 2 * 8 * 1024 * 1024 * 8
-    assert s["break_even_N"] == pytest.approx(512 * (16 * 64 - 2 * 8 * 8) / (8 * 8))
-    at_break_even = reuse_savings(C=512, H=8, Hkv=8, D=64, r=8, N=int(s["break_even_N"]))
-    assert at_break_even["net_flops_saved"] == 0
-    assert reuse_savings(C=512, H=8, Hkv=2, D=64, r=0, N=4)["break_even_N"] == math.inf
+def _anchor(B, N, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, 4, N, 8, generator=g), torch.randn(B, 2, N, 8, generator=g)
 
 
-# ---------------------------------------------------------------------------------------------
-# errors
-# ---------------------------------------------------------------------------------------------
+def test_prefill_selection_reads_only_earlier_probes():
+    q, k = _anchor(1, 40, 13)
+    sel = select_positions(q, k, None, RULE, 0.35)
+    # Changing the queries of block 7 changes no block's choice up to 7 (probes come before a block).
+    q2 = q.clone()
+    q2[:, :, 28:32] = torch.randn(1, 4, 4, 8)
+    sel2 = select_positions(q2, k, None, RULE, 0.35)
+    assert torch.equal(sel[:, :8], sel2[:, :8])
+    # Block 9's probes are positions 33..35: the selection follows them.
+    q3 = q.clone()
+    q3[:, :, 33:36] = 10 * k[:, :, 9:10].repeat_interleave(2, 1)  # every probe points at key 9 (block 2)
+    k3 = k.clone()
+    k3[:, :, 9] *= 3  # and key 9 stands out of its block
+    assert 2 in select_positions(q3, k3, None, RULE, 0.35)[0, 9].tolist()
+    assert 2 not in select_positions(q, k, None, RULE, 0.35)[0, 9].tolist()
 
 
-@pytest.mark.parametrize(
-    "mutate,match",
-    [
-        (lambda a: {**a, "q_anchor": a["q_anchor"][0]}, "4-D"),
-        (lambda a: {**a, "k_anchor": a["k_anchor"][:, :, :, :2]}, "head dim"),
-        (lambda a: {**a, "v": torch.randn(B, 4, N, DV, dtype=F64)}, "does not divide"),
-        (lambda a: {**a, "A": a["A"][:, :, :1]}, "same shape"),
-        (lambda a: {**a, "A": a["A"][:, :-2], "B_": a["B_"][:, :-2]}, "C \\+ 1"),
-        (lambda a: {**a, "A": None}, "both residual factors"),
-        (lambda a: {**a, "x": None}, "needs x"),
-        (lambda a: {**a, "x": a["x"].float()}, "dtype"),
-        (lambda a: {**a, "key_mask": torch.ones(B, N)}, "bool"),
-        (lambda a: {**a, "key_mask": torch.ones(B, N + 1, dtype=torch.bool)}, r"\[B, N\]"),
-        (lambda a: {**a, "scale": -1.0}, "scale"),
-    ],
-)
-def test_bad_inputs_raise_clear_errors(mutate, match):
-    q_a, k_a, v, x, A, B_ = _inputs(11, 3, 2, 2, False)
-    args = mutate(dict(q_anchor=q_a, k_anchor=k_a, v=v, x=x, A=A, B_=B_, key_mask=None, scale=0.3))
-    with pytest.raises((ValueError, TypeError), match=match):
-        reuse_attention(args.pop("q_anchor"), args.pop("k_anchor"), args.pop("v"), args.pop("x"),
-                        args.pop("A"), args.pop("B_"), **args)
+@pytest.mark.parametrize("split", [[40], [17, 1, 1, 1, 20], [1] * 40, [4, 4, 32]])
+def test_prefill_and_decoding_select_the_same_blocks(split):
+    q, k = _anchor(2, 40, 14)
+    full, _ = select_call(q, k, None, RULE, 0.35, None)
+    state, got, done = None, [], 0
+    for n in split:
+        sel, state = select_call(q[:, :, done:done + n], k[:, :, : done + n], None, RULE, 0.35, state)
+        got.append(sel.blocks_BQK)
+        done += n
+    assert torch.equal(torch.cat(got, dim=1), full.blocks_BQK)
 
 
-def test_init_bad_inputs_raise_clear_errors():
-    layer, anchor = _two_layers(12, 8, 2, 2, 2, 4)
-    w = (layer.q.weight, layer.q.bias, layer.k.weight, layer.k.bias,
-         anchor.q.weight, anchor.q.bias, anchor.k.weight, anchor.k.bias)
-    with pytest.raises(ValueError, match="rank must be"):
-        init_reuse_factors(*w, heads=2, rank=10)
-    with pytest.raises(ValueError, match="not divisible by heads"):
-        init_reuse_factors(*w, heads=3, rank=2)
-    with pytest.raises(ValueError, match="input channels"):
-        init_reuse_factors(*w[:4], anchor.q.weight[:, :5], *w[5:], heads=2, rank=2)
-    with pytest.raises(ValueError, match="bias of Wk_a"):
-        init_reuse_factors(*w[:7], anchor.k.bias[:3], heads=2, rank=2)
-    x = torch.randn(5, 8, dtype=F64)
-    with pytest.raises(ValueError, match="pair"):
-        init_reuse_factors(*w, heads=2, rank=2, calibration=x)
-    with pytest.raises(ValueError, match="same tokens"):
-        init_reuse_factors(*w, heads=2, rank=2, calibration=(x, x[:4]))
-    with pytest.raises(ValueError, match="C = 8"):
-        init_reuse_factors(*w, heads=2, rank=2, calibration=(x[:, :7], x[:, :7]))
+def test_a_left_padded_row_selects_what_it_selects_alone_and_crop_goes_back():
+    q, k = _anchor(1, 30, 15)
+    alone, _ = select_call(q, k, None, RULE, 0.35, None)
+    pad = 5
+    qp = torch.cat([torch.randn(1, 4, pad, 8), q], dim=2)
+    kp = torch.cat([torch.randn(1, 2, pad, 8), k], dim=2)
+    keep = torch.ones(1, 30 + pad, dtype=torch.bool)
+    keep[:, :pad] = False
+    padded, state = select_call(qp[:, :, :25], kp[:, :, :25], keep[:, :25], RULE, 0.35, None)
+    assert torch.equal(padded.blocks_BQK[:, pad:], alone.blocks_BQK[:, :20])
+    assert bool((padded.blocks_BQK[:, :pad] == -1).all())
+    cols = 25
+    for _ in range(10):  # then decode one token at a time
+        sel, state = select_call(qp[:, :, cols:cols + 1], kp[:, :, :cols + 1], keep[:, :cols + 1], RULE, 0.35, state)
+        assert torch.equal(sel.blocks_BQK[:, 0], alone.blocks_BQK[:, cols - pad]), cols
+        cols += 1
+    # Drop 3 tokens (assisted decoding), decode them again: the same selection.
+    state = state.crop(3, RULE)
+    cols -= 3
+    for _ in range(3):
+        sel, state = select_call(qp[:, :, cols:cols + 1], kp[:, :, :cols + 1], keep[:, :cols + 1], RULE, 0.35, state)
+        assert torch.equal(sel.blocks_BQK[:, 0], alone.blocks_BQK[:, cols - pad])
+        cols += 1
+    with pytest.raises(ValueError, match="at most 128 tokens"):
+        state.crop(129, RULE)

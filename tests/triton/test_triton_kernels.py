@@ -127,7 +127,7 @@ def test_is_supported_reasons():
         "  'fp64': t(q.double(), form='window', window=4, causal=True),\n"
         "  'decay_bad_map': t(q, form='ssm', feature_map='favor'),\n"
         "  'hybrid_grad': t(q.requires_grad_(), form='linear+window', window=4, causal=True),\n"
-        "  'unknown': t(q, form='reuse'),\n"
+        "  'unknown': t(q, form='exact'),\n"
         "}))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], env=_child_env(True), capture_output=True, text=True, timeout=120)
@@ -139,4 +139,4 @@ def test_is_supported_reasons():
     assert "torch.float64" in r["fp64"]
     assert "favor" in r["decay_bad_map"]
     assert "backward" in r["hybrid_grad"]
-    assert "reuse" in r["unknown"]
+    assert "exact" in r["unknown"]

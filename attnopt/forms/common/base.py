@@ -116,15 +116,15 @@ class SiteGeometry:
 
 @dataclass
 class BuildContext:
-    """What building a site may need beyond the site: the other sites, recorded calls, the mechanism.
+    """What building a site may need beyond the site: the other sites and their recorded calls.
 
-    `projections(site)` returns the site's own (q_proj, k_proj) nn.Linear pair where the mechanism
-    can read them (transformers modules), else None: the reuse residual is fitted from them.
+    `memo` holds what a form works out once for all the sites of one build (reuse's measured plan
+    of anchors); `Form.plan_report` reads it back for the report.
     """
 
     sites: Sequence[AttentionSite] = ()
     calls: Mapping[str, list] = field(default_factory=dict)  # site id -> [SiteCall]
-    projections: Optional[Callable[[AttentionSite], Optional[tuple]]] = None
+    memo: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -145,8 +145,9 @@ class SiteModule(nn.Module, abc.ABC):
     """
 
     form: ClassVar[str] = ""
-    uses_anchor_qk: ClassVar[bool] = False  # called with an earlier site's q and k (reuse)
-    needs_layer_input: ClassVar[bool] = False  # called with x, the layer's input (reuse residual)
+    # forward() takes anchor=: an earlier site's (q, k) of the same call, or what the mechanism made of
+    # them (reuse: its block selection); `anchor_id` names that site.
+    uses_anchor_qk: ClassVar[bool] = False
     # `attend` reads the mask only as key padding (keep [B, Nk]) and applies causality itself, so a
     # [B, 1, 1, Nk] keep mask serves it (exporters then build no [B, 1, Nq, Nk] mask for the site).
     reads_padding_only: ClassVar[bool] = False
@@ -479,6 +480,10 @@ class Form(abc.ABC):
 
     def fit(self, module: SiteModule, calls: list[SiteCall]) -> Optional[FitResult]:
         """Fit the module's own parameters to the recorded calls (in place); None when nothing to fit."""
+        return None
+
+    def plan_report(self, context: BuildContext) -> Optional[dict]:
+        """What the form planned across the sites of one build, for the report (None: nothing)."""
         return None
 
     # -- public API

@@ -1,1 +1,1 @@
-"""reuse: an earlier layer's q and k plus a low-rank residual (x A)(x B)ᵀ."""
+"""reuse: block-sparse attention over the key blocks an earlier (anchor) layer's attention selected."""

@@ -1,161 +1,249 @@
-"""reuse: softmax over an earlier layer's q and k (its attention pattern), plus a low-rank residual.
+"""reuse: a layer reads only the key blocks its anchor found, with its own q, k and v.
 
-o = softmax(s_a·q_a k_aᵀ + s_a·(x A)(x B)ᵀ + mask) v: the anchor layer's logits, corrected by a rank-r
-term fitted from both layers' q/k weights and the example inputs (rank 0: pure reuse). Skips this
-layer's q and k projections; still quadratic in N.
+Anchor layers compute exact attention; the layers that reuse one attend, block-sparse, to the blocks
+its attention mass picked (selection.py: sinks, a local window and the top_k blocks by the anchor's
+probe queries), O(N·K·b) per layer instead of O(N²). The anchor's selection is the pattern already
+found; the reused layer's own scores on those blocks are the residual. Which layers anchor: given
+(`anchor`), every E layers (`every`), or measured on the example or calibration data (plan.py: the
+overlap of the layers' own top-block sets), first and last layers exact.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from attnopt.forms.common.base import CostAt, Form, Param, SiteModule, io_elements
-from attnopt.forms.reuse.reference import (
-    init_reuse_factors,
-    reuse_attention,
-    reuse_savings,
-)
-from attnopt.ir.errors import SiteUnsupported
-from attnopt.ir.masks import exact_attention
+from attnopt.forms.common.base import CostAt, Form, Param, SiteModule, io_elements, no_arbitrary_mask
+from attnopt.forms.reuse.plan import measured_plan, plan_report
+from attnopt.forms.reuse.reference import block_sparse_attention
+from attnopt.forms.reuse.selection import BlockRule, Selection, probe_cost, select_call
+from attnopt.ir.errors import PolicyError, SiteUnsupported
+from attnopt.ir.masks import key_keep
 from attnopt.ir.site import AttentionSite
 
+REUSE_PARAMS = {
+    "top_k": Param(int, 16, minimum=0, doc="key blocks each query block reads by the anchor's attention mass"),
+    "block": Param(int, 64, minimum=1, doc="positions per key and query block"),
+    "window": Param(int, 1, minimum=0, doc="blocks before the query's own (causal; each side otherwise) always read"),
+    "sinks": Param(int, 1, minimum=0, doc="leading blocks always read"),
+    "probes": Param((int, type(None)), None, minimum=1,
+                    doc="anchor queries just before a block whose attention chooses its blocks (null: one block)"),
+    "mass": Param((float, type(None)), None, minimum=0.0, maximum=1.0,
+                  doc="stop choosing once the blocks read hold this share of the probes' mass (null: top_k)"),
+    "anchor": Param((int, type(None)), None, doc="the layer whose selection is read (negative: layers back); "
+                                                  "null: every or measured"),
+    "every": Param((int, type(None)), None, minimum=1, doc="an anchor every E layers (0, E, 2E, ...); null: measured"),
+    "overlap": Param(float, 0.6, minimum=0.0, maximum=1.0,
+                     doc="measured plan: least overlap of a layer's top blocks with its anchor's"),
+}
 
-def find_anchor(site: AttentionSite, sites: Sequence[AttentionSite], anchor: int) -> Optional[AttentionSite]:
-    """The site whose q/k a reuse site borrows: layer `anchor` (negative: that many layers back)."""
-    layer = site.layer + anchor if anchor < 0 else anchor
-    if layer < 0 or layer >= site.layer:
-        return None
-    for other in sites:
-        if other.layer == layer and _same_geometry(site, other):
-            return other
+
+def rule_of(params: Mapping[str, Any], causal: bool) -> BlockRule:
+    probes = params["block"] if params["probes"] is None else params["probes"]
+    return BlockRule(block=params["block"], top_k=params["top_k"], window=params["window"], sinks=params["sinks"],
+                     probes=probes, causal=bool(causal), mass=params["mass"])
+
+
+def anchor_layer(site: AttentionSite, params: Mapping[str, Any]) -> Optional[int]:
+    """The anchor's layer a rule names (`anchor`, or the last multiple of `every`); None: measured."""
+    if params["anchor"] is not None:
+        a = params["anchor"]
+        return site.layer + a if a < 0 else a
+    if params["every"] is not None:
+        return site.layer - site.layer % params["every"]
     return None
 
 
-def _same_geometry(a: AttentionSite, b: AttentionSite) -> bool:
-    return (
-        a.heads == b.heads and a.kv_heads == b.kv_heads and a.head_dim == b.head_dim
-        and str(a.q_len) == str(b.q_len) and str(a.kv_len) == str(b.kv_len) and a.causal == b.causal
-        and (a.nodes.rank if a.nodes else 4) == (b.nodes.rank if b.nodes else 4)
-    )
+def same_sequence(a: AttentionSite, b: AttentionSite) -> bool:
+    """Whether b's attention runs over a's positions (a selection of one applies to the other)."""
+    return str(a.q_len) == str(b.q_len) and str(a.kv_len) == str(b.kv_len) and a.causal == b.causal
 
 
-class ReuseSite(SiteModule):
-    """Called with the ANCHOR's q and k (the mechanism wires them in) and this layer's v and x."""
+def find_site(site: AttentionSite, sites: Sequence[AttentionSite], layer: int) -> Optional[AttentionSite]:
+    return next((s for s in sites if s.layer == layer and same_sequence(site, s)), None)
+
+
+class ReusedSite(SiteModule):
+    """Block-sparse attention of this layer's q, k, v over the blocks its anchor selects.
+
+    Called with `anchor=`: the anchor's (q, k) of the same call (a prefill; the selection is made
+    here), or a `Selection` the mechanism made (decoding keeps the selection state in the cache).
+    """
 
     form = "reuse"
     uses_anchor_qk = True
-    calibrated_buffers = ("residual_A", "residual_B")  # attnopt.calibrate trains the residual factors
+    reads_padding_only = True
+    attend_output_is_fresh = True
 
-    def __init__(self, site, params, anchor: AttentionSite, residual: Optional[tuple] = None):
+    def __init__(self, site: AttentionSite, params: Mapping[str, Any], anchor: Optional[AttentionSite],
+                 candidates: Mapping[int, tuple]):
         super().__init__(site, params)
-        self.anchor_id = anchor.id
-        self.anchor_scale = float(anchor.scale)
-        # Low-rank residual factors (A, B) [H, C+1, r]; None for pure reuse.
-        self.register_buffer("residual_A", residual[0] if residual else None)
-        self.register_buffer("residual_B", residual[1] if residual else None)
+        self.rule = rule_of(params, site.causal)
+        self.anchor_candidates = dict(candidates)  # layer -> (site id, scale) of the sites this one may read
+        # The anchor's layer, saved with the module: a measured plan cannot be measured again at load.
+        self.register_buffer("anchor_layer", torch.tensor(-1 if anchor is None else anchor.layer))
 
     @property
-    def needs_layer_input(self) -> bool:  # type: ignore[override]
-        return self.residual_A is not None
+    def anchor_id(self) -> Optional[str]:  # type: ignore[override]
+        return self.anchor_candidates.get(int(self.anchor_layer), (None, None))[0]
 
-    def attend(self, q, k, v, keep, mask, x):
+    @anchor_id.setter
+    def anchor_id(self, value) -> None:  # SiteModule.__init__ sets None; the buffer decides
+        pass
+
+    @property
+    def anchor_scale(self) -> float:
+        """The anchor's softmax scale: its probes' attention is the anchor's own."""
+        return float(self.anchor_candidates.get(int(self.anchor_layer), (None, self.geometry.scale))[1])
+
+    def select(self, q_a: torch.Tensor, k_a: torch.Tensor, keep: Optional[torch.Tensor], state=None):
+        """(Selection, state after) for the last Nq columns of a call: selection.select_call under this rule."""
+        return select_call(q_a, k_a, keep, self.rule, self.anchor_scale, state)
+
+    def select_for(self, q_a: torch.Tensor, k_a: torch.Tensor, mask: Optional[torch.Tensor], state=None):
+        """`select` with the site's own mask (the mechanism's spelling) read for its key padding."""
+        keep = key_keep(mask, self.geometry.keep_when, q_a.shape[0], k_a.shape[-2]) if mask is not None else None
+        if keep is not None and bool(keep.all()):
+            keep = None
+        return self.select(q_a, k_a, keep, state)
+
+    def forward(self, q, k, v, mask=None, x=None, anchor=None):
         g = self.geometry
-        if self.residual_A is None:
-            return exact_attention(q, k, v, mask, keep_when=g.keep_when, is_causal=g.causal and mask is None,
-                                   scale=self.anchor_scale)
-        if x is None:
-            raise ValueError(f"site {g.site_id}: reuse with a residual needs the layer input x")
-        if q.shape[-2] == k.shape[-2] == x.shape[-2]:
-            return reuse_attention(q, k, v, x, self.residual_A, self.residual_B, scale=self.anchor_scale,
-                                   causal=g.causal, key_mask=keep)
-        # Decoding: x covers every key (the cached x of earlier tokens + this step's); the queries are
-        # the last Nq of them. Same logits, s_a·[q_a, x A]·[k_a, x B]ᵀ, built explicitly for Nq < Nk.
-        xh = torch.cat([x, x.new_ones(x.shape[:-1] + (1,))], dim=-1).unsqueeze(1)  # [B, 1, Nk, C+1]
-        A, B_ = self.residual_A.to(x.dtype), self.residual_B.to(x.dtype)
-        groups = q.shape[1] // k.shape[1]
-        k_full = k.repeat_interleave(groups, dim=1) if groups > 1 else k
-        v_full = v.repeat_interleave(groups, dim=1) if groups > 1 else v
-        q2 = torch.cat([q, xh[:, :, -q.shape[-2]:] @ A], dim=-1)
-        k2 = torch.cat([k_full, xh @ B_], dim=-1)
-        return exact_attention(q2, k2, v_full, mask, keep_when=g.keep_when, is_causal=g.causal and mask is None,
-                               scale=self.anchor_scale)
+        folded = q.dim() == 3
+        if folded:
+            q, k, v = self.unfold_heads(q), self.unfold_heads(k), self.unfold_heads(v)
+        keep = None
+        if mask is not None:
+            keep = key_keep(mask, g.keep_when, q.shape[0], k.shape[-2], rank=3 if folded else 4)
+            if folded and keep is not None and keep.shape[0] != q.shape[0]:
+                keep = keep.reshape(q.shape[0], -1, k.shape[-2])[:, 0]
+        out = self._attend(q, k, v, keep, None if folded else mask, anchor)
+        return out.reshape(-1, out.shape[-2], out.shape[-1]) if folded else out
+
+    def _attend(self, q, k, v, keep, mask, anchor):
+        g = self.geometry
+        if self.rule.reads_everything(k.shape[-2]):  # every block is read: exact attention, cheaper
+            return self.exact(q, k, v, mask) if keep is None or mask is not None else self._exact_keep(q, k, v, keep)
+        if isinstance(anchor, Selection):
+            selection = anchor
+        elif isinstance(anchor, (tuple, list)) and len(anchor) == 2:
+            q_a, k_a = (self.unfold_heads(t) if t.dim() == 3 else t for t in anchor)
+            selection, _ = self.select(q_a, k_a, keep)
+        else:
+            raise ValueError(f"site {g.site_id}: a reused layer needs anchor= (its anchor's q and k, or a Selection); "
+                             "call the whole compiled model, not one of its layers")
+        if selection.blocks_BQK.shape[1] != q.shape[2]:
+            raise ValueError(f"site {g.site_id}: the anchor's selection covers {selection.blocks_BQK.shape[1]} queries, "
+                             f"this call has {q.shape[2]}")
+        return block_sparse_attention(q, k, v, selection.blocks_BQK, block=self.rule.block, causal=g.causal,
+                                      scale=g.scale, key_mask=keep, offsets=selection.offsets_B)
+
+    def _exact_keep(self, q, k, v, keep):
+        g = self.geometry
+        Nq, Nk = q.shape[2], k.shape[2]
+        visible = keep[:, None, None, :].expand(q.shape[0], 1, Nq, Nk)
+        if g.causal:
+            visible = visible & (torch.arange(Nk, device=q.device) <= (Nk - Nq) + torch.arange(Nq, device=q.device)[:, None])
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=g.scale,
+                                                               enable_gqa=k.shape[1] != q.shape[1])
+        return torch.where(visible.any(-1, keepdim=True), out, 0.0)
+
+    def attend(self, q, k, v, keep, mask, x):  # SiteModule's contract; forward above takes the anchor
+        raise ValueError(f"site {self.geometry.site_id}: a reused layer is called through forward(..., anchor=)")
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, anchor={self.anchor_id!r}"
 
 
 class ReuseForm(Form):
     name = "reuse"
     aliases = ("residual",)
-    summary = "reuse an earlier layer's q and k plus a low-rank residual (x A)(x B)ᵀ"
-    presets = ("reuse", "reuse:-1+rank:32")
-    params = {
-        "anchor": Param(int, -1, doc="layer whose q/k are reused; negative = that many layers back"),
-        "rank": Param(int, 0, minimum=0, doc="rank of the residual logits correction (0: pure reuse)"),
-    }
-    preset_arg = "anchor"
+    summary = ("attend only to the key blocks an earlier exact layer's attention selected (top_k by mass, sinks, "
+               "window), O(N·K·b)")
+    presets = ("reuse", "reuse:16", "reuse+block:64", "reuse+every:3")
+    params = REUSE_PARAMS
+    preset_arg = "top_k"
     default_tolerance = 0.8
     cost_rank = 3
-    auto_params = {"anchor": -1, "rank": 8}
+    auto_params = {"anchor": -1}  # auto: read the previous layer's selection
+
+    def check_params(self, params):
+        if params["probes"] is not None and params["probes"] > params["block"]:
+            raise PolicyError(f"form 'reuse': probes {params['probes']} > block {params['block']}; at most one block "
+                              "of queries probes")
+        if params["anchor"] is not None and params["every"] is not None:
+            raise PolicyError("form 'reuse': give anchor or every, not both")
+        if params["min_seq_len"]:
+            raise PolicyError("form 'reuse': min_seq_len does not apply; a reused layer already runs exact attention "
+                              "while every block is read (up to (sinks + window + 1 + top_k) blocks)")
 
     def preset_rule(self, params):
-        # Every layer that has its anchor before it reuses it: from layer 1 for the default anchor -1.
-        # A rank-8 residual by default: pure reuse drifts far on trained models (MiniLM cosine 0.45
-        # against 0.90 with rank 8, benchmarks/results/compile_cpu.json).
-        params.setdefault("rank", 8)
-        anchor = params.setdefault("anchor", -1)
-        first = 1  # a non-int anchor is reported by validation
+        # First and last layers exact: the seed's observation, and what the measured plan assumes.
+        anchor = params.get("anchor")
+        first = 1
         if isinstance(anchor, int) and not isinstance(anchor, bool):
-            first = -anchor if anchor < 0 else anchor + 1
-        return params, (first, -1)
+            first = max(1, -anchor if anchor < 0 else anchor + 1)
+        return params, (first, -2)
 
     def check_site(self, site, params, sites):
-        if params["rank"] > 0 and (site.mask.arbitrary or site.window is not None):
-            return "the reuse residual (rank > 0) honours causal and padding masks only; use rank 0"
-        if find_anchor(site, sites, params["anchor"]) is None:
-            return f"no earlier site with the same heads, lengths and causality at anchor {params['anchor']}"
+        why = no_arbitrary_mask(site)
+        if why:
+            return why
+        if site.window is not None:
+            return (f"the model slides its own window ({site.window}) on this layer; its KV cache then holds only the "
+                    "window, not the blocks an anchor selects")
+        if str(site.q_len) != str(site.kv_len):
+            return "a block selection needs self-attention (queries and keys at the same positions); this is cross-attention"
+        layer = anchor_layer(site, params)
+        if layer is None:
+            return None
+        if params["every"] is not None and layer == site.layer:
+            return f"layer {site.layer} is an anchor (every {params['every']}): it attends exactly and selects blocks"
+        if layer < 0 or layer >= site.layer:
+            return f"anchor layer {layer} is not an earlier layer than {site.layer}"
+        if find_site(site, sites, layer) is None:
+            return f"no site at layer {layer} runs over the same positions (lengths and causality) to anchor it"
         return None
 
     def acts_at(self, site, params, q_len, kv_len):
-        return True  # another layer's pattern differs at every length
+        return not rule_of(params, site.causal).reads_everything(kv_len)
+
+    def acting_length(self, site, params):
+        # Twice the length up to which every block is read: most query blocks then choose.
+        return 2 * rule_of(params, site.causal).slots * params["block"]
 
     def cost(self, site, params, B, Nq, Nk):
-        # Softmax attention over the reused q/k plus a rank-r correction: still quadratic in N.
-        H, Dqk, Dv = site.heads, site.head_dim + params["rank"], site.v_head_dim
-        return CostAt(2 * B * H * Nq * Nk * (Dqk + Dv), B * H * Nq * Nk + io_elements(B, H, Nq, Nk, Dqk, Dv))
+        rule = rule_of(params, site.causal)
+        H, D, Dv = site.heads, site.head_dim, site.v_head_dim
+        keys = min(Nk, rule.slots * rule.block)
+        probes = 0.0 if rule.reads_everything(Nk) else probe_cost(rule, Nk) * H * D * 2 * Nq / max(Nk, 1)
+        return CostAt(2 * B * H * Nq * keys * (D + Dv) + B * probes,
+                      B * H * Nq * keys + io_elements(B, H, Nq, Nk, D, Dv))
 
     def build(self, site, params, context):
-        anchor = find_anchor(site, context.sites, params["anchor"])
-        if anchor is None:
-            raise SiteUnsupported(f"no earlier site to reuse at anchor {params['anchor']}")
-        residual = None
-        if params["rank"] > 0:
-            residual = self._residual(site, anchor, params["rank"], context)
-        return ReuseSite(site, params, anchor, residual)
+        candidates = {s.layer: (s.id, float(s.scale)) for s in context.sites
+                      if s.layer < site.layer and same_sequence(site, s)}
+        layer = anchor_layer(site, params)
+        anchor = None
+        if layer is not None:
+            anchor = find_site(site, context.sites, layer)
+            if anchor is None:
+                raise SiteUnsupported(f"no site at layer {layer} to anchor layer {site.layer}")
+        elif context.calls:
+            plan = measured_plan(context, params)
+            anchor_id = plan.reuse.get(site.id)
+            if anchor_id is None:
+                raise SiteUnsupported(plan.why_not(site.id))
+            anchor = next(s for s in context.sites if s.id == anchor_id)
+        # No calls: a saved model is being loaded; its anchor_layer buffer arrives with its tensors.
+        return ReusedSite(site, params, anchor, candidates)
+
+    def plan_report(self, context):
+        return plan_report(context)
 
     def public_ops(self):
-        return {"reuse_attention": reuse_attention, "init_reuse_factors": init_reuse_factors,
-                "reuse_savings": reuse_savings}
-
-    @staticmethod
-    def _residual(site, anchor, rank, context):
-        """(A, B) from both layers' q/k weights, fitted on the recorded layer inputs where shapes agree."""
-        pairs = [context.projections(s) if context.projections else None for s in (site, anchor)]
-        if pairs[0] is None or pairs[1] is None:
-            raise SiteUnsupported(
-                "reuse with rank > 0 needs the layer input and separate q/k nn.Linear projections in both layers, "
-                "which this version reads from transformers attention modules only; use rank 0 here"
-            )
-        (q_l, k_l), (q_a, k_a) = pairs
-        mine, theirs = context.calls.get(site.id) or [None], context.calls.get(anchor.id) or [None]
-        x_l = getattr(mine[0], "x", None)
-        x_a = getattr(theirs[0], "x", None)
-        calibration = None
-        if x_l is not None and x_a is not None and x_l.shape == x_a.shape:
-            calibration = (x_a.reshape(-1, x_a.shape[-1]), x_l.reshape(-1, x_l.shape[-1]))
-        with torch.no_grad():
-            return init_reuse_factors(q_l.weight, q_l.bias, k_l.weight, k_l.bias, q_a.weight, q_a.bias,
-                                      k_a.weight, k_a.bias, site.heads, rank, calibration=calibration)
-
+        return {"block_sparse_attention": block_sparse_attention, "select_blocks": select_call}
 
 
 FORM = ReuseForm()

@@ -1,9 +1,10 @@
-"""ONNX lowering of `attnopt::reuse_attention` (both targets): softmax attention on the anchor's q, k
-concatenated with the rank-r residual (x A)(x B)ᵀ, as the kernel's one SDPA call.
+"""ONNX lowering of `attnopt::block_sparse_attention` (both targets) in standard ops: gathers.
 
-Reuse saves the q/k projections, not attention work, so this is exact softmax attention in
-standard ops (O(N²), like the exact sites of the same model), with the causal and key masks
-applied by Where before the Softmax.
+Each query's K·b key columns (offset + block·b + slot) are gathered from k and v per row
+(GatherND, batch_dims 1), scored against the query alone, masked (empty slot, column past the
+keys, padding, causality, a query before its row's offset) and normalised: O(Nq·K·b) work, and
+O(Nq·K·b·Hkv·D) memory for the gathered keys (the torch op gathers per query block instead;
+ONNX has no loop over lists that would not unroll).
 """
 
 from __future__ import annotations
@@ -11,59 +12,60 @@ from __future__ import annotations
 import numpy as np
 from onnxscript import opset18 as op
 
-from attnopt.forms.exact.onnx import causal_visible, masked_softmax
-from attnopt.forms.window.onnx import arange
-from attnopt.kernels.onnx.functions import dim, expand_heads, f32, i64, static_dim
+from attnopt.kernels.onnx.functions import dim, f32, i64, static_dim
 from attnopt.kernels.onnx.lowering import OpLowering
+from attnopt.kernels.onnx.steps import arange
 
 
-def _project(x_BNC, F_HCr, C: int):
-    """x̂ F per head -> [B, H, N, r]; a C+1-th row of F is the bias of the homogeneous coordinate."""
-    rows = static_dim(F_HCr, 1, "residual rows")
-    out = op.MatMul(op.Unsqueeze(x_BNC, i64([1])), op.Slice(F_HCr, i64([0]), i64([C]), i64([1])))
-    if rows == C + 1:
-        out = op.Add(out, op.Unsqueeze(op.Slice(F_HCr, i64([C]), i64([C + 1]), i64([1])), i64([0])))
-    return out
-
-
-def reuse_std(q_anchor, k_anchor, v, x, A, B_, scale, causal, key_mask):
-    H, Ha, D, Dv = (static_dim(q_anchor, 1, "H"), static_dim(k_anchor, 1, "Hkv"), static_dim(q_anchor, 3, "D"),
-                    static_dim(v, 3, "Dv"))
-    q, k = q_anchor, expand_heads(k_anchor, Ha, H, D)
-    if A is not None and static_dim(A, 2, "rank") > 0:
-        C = static_dim(x, 2, "layer width")
-        q = op.Concat(q, _project(x, A, C), axis=-1)
-        k = op.Concat(k, _project(x, B_, C), axis=-1)
-    v_H = expand_heads(v, static_dim(v, 1, "Hkv"), H, Dv)
-    scores = op.Mul(op.MatMul(q, op.Transpose(k, perm=[0, 1, 3, 2])), op.CastLike(f32(scale), q))
-    visible = None
+def gathered_softmax(q, k, v, blocks, block: int, causal: bool, scale: float, key_mask, offsets):
+    """The op's definition in standard ops: q [B, H, Nq, D] over each query's listed blocks of
+    k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv]; blocks [B, Nq, K] int64; key_mask [B, Nk] bool or None;
+    offsets [B] int64 or None. Returns [B, H, Nq, Dv]."""
+    H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
+    K = static_dim(blocks, 2, "list slots")
+    G = H // Hkv
+    Nq, Nk = dim(q, 2), dim(k, 2)
+    off = i64([0]) if offsets is None else op.Unsqueeze(offsets, i64([1, 2]))  # [B, 1, 1]
+    slot = op.Unsqueeze(arange(i64([block])), i64([0, 1, 2]))  # [1, 1, 1, b]
+    ids = op.Unsqueeze(op.Cast(blocks, to=7), i64([3]))  # [B, Nq, K, 1]
+    kpos = op.Add(op.Mul(op.Max(ids, i64([0])), i64([block])), slot)  # [B, Nq, K, b] positions
+    kpos = op.Reshape(kpos, op.Concat(i64([0, 0]), i64([K * block]), axis=0))  # [B, Nq, K·b]
+    cols = op.Add(kpos, off)
+    ok = op.And(op.Reshape(op.Expand(op.GreaterOrEqual(ids, i64([0])), op.Concat(i64([1, 1, 1]), i64([block]),
+                                                                                    axis=0)),
+                           op.Concat(i64([0, 0]), i64([K * block]), axis=0)),
+                op.Less(cols, Nk))
+    qpos = op.Sub(op.Add(arange(Nq), op.Sub(Nk, Nq)), op.Squeeze(off, i64([2])) if offsets is not None else i64([0]))
+    qpos = op.Unsqueeze(qpos, i64([-1])) if offsets is not None else op.Unsqueeze(qpos, i64([0, 2]))  # [B|1, Nq, 1]
+    ok = op.And(ok, op.GreaterOrEqual(qpos, i64([0])))
     if causal:
-        pos = arange(dim(q, 2))
-        visible = op.GreaterOrEqual(op.Unsqueeze(pos, i64([1])), op.Unsqueeze(pos, i64([0])))  # [N, N]
+        ok = op.And(ok, op.LessOrEqual(kpos, qpos))
+    safe = op.Where(ok, cols, i64([0]))  # [B, Nq, K·b]
     if key_mask is not None:
-        keep = op.Unsqueeze(key_mask, i64([1, 2]))  # [B, 1, 1, N]
-        visible = keep if visible is None else op.And(keep, visible)
-    if visible is not None:
-        scores = op.Where(visible, scores, op.CastLike(f32(-np.inf), scores))
-    return op.MatMul(op.Softmax(scores, axis=-1), v_H)
+        flat = op.Reshape(safe, i64([0, -1]))
+        ok = op.And(ok, op.Reshape(op.GatherElements(key_mask, flat, axis=1), op.Shape(safe)))
+    index = op.Unsqueeze(op.Reshape(safe, i64([0, -1])), i64([2]))  # [B, Nq·K·b, 1]
+
+    def gathered(x, width):  # [B, Hkv, Nk, w] -> [B, Hkv, 1, Nq, K·b, w]
+        rows = op.GatherND(op.Transpose(x, perm=[0, 2, 1, 3]), index, batch_dims=1)  # [B, Nq·K·b, Hkv, w]
+        rows = op.Reshape(rows, op.Concat(i64([0]), Nq, i64([K * block, Hkv, width]), axis=0))
+        return op.Unsqueeze(op.Transpose(rows, perm=[0, 3, 1, 2, 4]), i64([2]))
+
+    k_g, v_g = gathered(k, D), gathered(v, Dv)
+    q6 = op.Unsqueeze(op.Reshape(q, op.Concat(i64([0, Hkv, G]), Nq, i64([D]), axis=0)), i64([4]))  # [B, Hkv, G, Nq, 1, D]
+    scores = op.MatMul(op.Mul(q6, op.CastLike(f32(scale), q6)), op.Transpose(k_g, perm=[0, 1, 2, 3, 5, 4]))
+    visible = op.Unsqueeze(ok, i64([1, 2, 4]))  # [B, 1, 1, Nq, 1, K·b]
+    masked = op.Where(visible, scores, op.CastLike(f32(-np.inf), scores))
+    m = op.ReduceMax(masked, i64([-1]), keepdims=1)
+    m = op.Where(op.IsInf(m), op.CastLike(f32(0.0), m), m)
+    e = op.Exp(op.Sub(masked, m))
+    den = op.ReduceSum(e, i64([-1]), keepdims=1)
+    out = op.Div(op.MatMul(e, v_g), op.Max(den, op.CastLike(f32(1.0), den)))  # a query that sees nothing: 0
+    return op.Reshape(out, op.Concat(i64([0, H]), Nq, i64([Dv]), axis=0))
 
 
-LOWERING = OpLowering("attnopt::reuse_attention", {"ort": reuse_std, "onnx-std": reuse_std})
+def block_sparse_std(q, k, v, blocks, block, causal, scale, key_mask, offsets):
+    return gathered_softmax(q, k, v, blocks, int(block), bool(causal), float(scale), key_mask, offsets)
 
 
-def reuse_step_lowering(q_anchor, k_anchor, v, mask, past_value, x, A, B, past_residual, scale):
-    """Decode step (forms/reuse/step.py): the softmax over [q_a, x̂A]·[k_a, x̂B]ᵀ of every column so far."""
-    H, Ha, D, Dv = (static_dim(q_anchor, 1, "H"), static_dim(k_anchor, 1, "Hkv"), static_dim(q_anchor, 3, "D"),
-                    static_dim(v, 3, "Dv"))
-    V = op.Concat(past_value, v, axis=2)
-    q, k = q_anchor, expand_heads(k_anchor, Ha, H, D)
-    residual = V  # rank 0 has no residual state: a placeholder output nothing reads
-    if A is not None:
-        C = static_dim(x, 2, "layer width")
-        residual = op.Concat(past_residual, _project(x, B, C), axis=2)
-        q, k = op.Concat(q, _project(x, A, C), axis=-1), op.Concat(k, residual, axis=-1)
-    out = masked_softmax(q, k, expand_heads(V, static_dim(v, 1, "Hkv"), H, Dv), causal_visible(mask, q), scale)
-    return out, V, residual
-
-
-DECODE_LOWERING = OpLowering("attnopt::reuse_step", {"ort": reuse_step_lowering, "onnx-std": reuse_step_lowering})
+LOWERING = OpLowering("attnopt::block_sparse_attention", {"ort": block_sparse_std, "onnx-std": block_sparse_std})

@@ -1,0 +1,411 @@
+"""The anchor's block selection: which key blocks each query block of a reused layer reads.
+
+Positions count each row's columns from its first real token (a left-padded row selects what the
+row alone selects). Key block j holds positions [j·b, (j+1)·b); query block m likewise. Query block
+m reads, besides the blocks every query keeps,
+  sinks    blocks 0 .. S−1 (the first S·b positions, StreamingLLM's sinks),
+  window   its own block and the W before it (causal: m−W .. m; bidirectional: m−W .. m+W),
+the `top_k` other visible blocks (causal: j < m−W) with the most attention mass from the ANCHOR's
+probe queries, summed over the anchor's heads (the selection is shared by every head of a reused
+layer: heads of different layers do not correspond). `mass` (optional) stops earlier, once the
+blocks read hold that share of the probes' attention mass.
+
+The probes of a causal query block are the P positions just before it starts, [m·b − P, m·b)
+(default P = b: the whole previous block): the selection uses only what is complete before the
+block's first token, so a prefill and token-by-token decoding choose the same blocks (decoding
+refreshes the selection once per block, when its first token arrives, from the last P anchor
+queries it keeps). Bidirectional sites (no decoding) probe with the block's own last P queries.
+
+A probe's attention mass on a block is taken from Quest's bound: the block's keys are summarised by
+their elementwise min and max, q·k ≤ Σ_d max(q_d·min_d, q_d·max_d) for every key of the block, and
+the mass is the softmax of the scaled bounds over the visible blocks. That costs P·J·D per query
+block instead of P·N·D: the exact mass of 16 probes, scored against every key, took 2.6× an exact
+causal SDPA at 8k on this project's 2-core CPU, more than a reused layer saves; the bounds keep
+single-key spikes (a retrieved token) that a mean-pooled key would dilute.
+
+Letters: B batch, H anchor query heads, Hkv anchor key heads, G = H / Hkv, N positions, b block,
+M query blocks, J key blocks, K = slots (the most blocks one query block reads), P probes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+# Tokens a cache may drop from the end (assisted and prompt-lookup decoding reject drafts): the
+# decode state keeps that many anchor queries beyond the probes.
+CROP_TOKENS = 128
+# Probe bounds per chunk of query blocks: at most this many at once (32 MB in fp32).
+SCORES_PER_CHUNK = 1 << 23
+
+
+@dataclass(frozen=True)
+class BlockRule:
+    """The selection rule: block size, how many blocks by mass, which blocks always, the probes."""
+
+    block: int
+    top_k: int
+    window: int
+    sinks: int
+    probes: int
+    causal: bool
+    mass: Optional[float] = None  # stop choosing once the blocks read hold this share of the probes' mass
+
+    def __post_init__(self):
+        for name in ("block", "probes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"BlockRule: {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("top_k", "window", "sinks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"BlockRule: {name} must be >= 0, got {getattr(self, name)}")
+        if self.probes > self.block:
+            raise ValueError(f"BlockRule: probes {self.probes} > block {self.block}; at most one block of queries probes")
+        if self.mass is not None and not 0.0 < self.mass <= 1.0:
+            raise ValueError(f"BlockRule: mass must be in (0, 1], got {self.mass}")
+
+    @property
+    def slots(self) -> int:
+        """The most key blocks one query block reads."""
+        return self.sinks + (self.window + 1 if self.causal else 2 * self.window + 1) + self.top_k
+
+    def blocks(self, n: int) -> int:
+        return -(-n // self.block)
+
+    def reads_everything(self, n: int) -> bool:
+        """Whether at `n` positions every query block reads every block it can see (no choice is left:
+        the form then equals exact attention)."""
+        return max((self.candidates(m, self.blocks(n)) for m in range(self.blocks(n))), default=0) <= self.top_k
+
+    def candidates(self, m: int, J: int) -> int:
+        """How many blocks query block m chooses among when J key blocks exist."""
+        visible = m + 1 if self.causal else J
+        lo, hi = max(0, m - self.window), min(visible, m + self.window + 1)
+        forced = len(set(range(min(self.sinks, visible))) | set(range(lo, hi)))
+        return visible - forced
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The key blocks each query of one call reads (position space; −1 = an empty slot), and each
+    row's leading padding (position = column − offset; None: no padding)."""
+
+    blocks_BQK: Tensor
+    offsets_B: Optional[Tensor] = None
+
+
+# ---------------------------------------------------------------------------------------------
+# positions and columns
+# ---------------------------------------------------------------------------------------------
+
+
+def leading_pads(keep_BN: Optional[Tensor]) -> Optional[Tensor]:
+    """Long [B]: columns before each row's first real token; None when no row starts with padding."""
+    if keep_BN is None:
+        return None
+    lead = torch.where(keep_BN.any(-1), keep_BN.long().argmax(-1), torch.zeros_like(keep_BN[:, 0], dtype=torch.long))
+    return lead if bool(lead.any()) else None
+
+
+def to_positions(x_BXND: Tensor, offsets_B: Optional[Tensor], dim: int = 2) -> Tensor:
+    """Each row shifted left by its offset along `dim` (position p at index p; the tail is filled
+    from the row's start and must be masked by the caller)."""
+    if offsets_B is None:
+        return x_BXND
+    N = x_BXND.shape[dim]
+    idx_BN = (torch.arange(N, device=x_BXND.device)[None, :] + offsets_B[:, None]) % N
+    shape = [x_BXND.shape[0]] + [1] * (x_BXND.dim() - 1)
+    shape[dim] = N
+    return x_BXND.gather(dim, idx_BN.view(shape).expand(*x_BXND.shape[:dim], N, *x_BXND.shape[dim + 1:]))
+
+
+def to_columns(x_BXND: Tensor, offsets_B: Optional[Tensor], dim: int = 2) -> Tensor:
+    """The inverse of `to_positions`."""
+    if offsets_B is None:
+        return x_BXND
+    N = x_BXND.shape[dim]
+    return to_positions(x_BXND, (N - offsets_B) % N, dim)
+
+
+def positions_keep(keep_BN: Optional[Tensor], offsets_B: Optional[Tensor]) -> Optional[Tensor]:
+    """The keep mask in position space (the rolled-in tail is padding)."""
+    if keep_BN is None:
+        return None
+    if offsets_B is None:
+        return keep_BN
+    N = keep_BN.shape[1]
+    rolled = to_positions(keep_BN, offsets_B, dim=1)
+    return rolled & (torch.arange(N, device=keep_BN.device)[None, :] < (N - offsets_B)[:, None])
+
+
+# ---------------------------------------------------------------------------------------------
+# probe mass and the choice
+# ---------------------------------------------------------------------------------------------
+
+
+def key_bounds(k_BHkvLD: Tensor, keep_BL: Optional[Tensor], block: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(min [B, Hkv, J, D], max [B, Hkv, J, D], has_key [B, J]) of each key block's real keys (keys
+    at positions 0 .. L−1, J = ceil(L / b)); a block without a real key has zero bounds."""
+    B, Hkv, L, D = k_BHkvLD.shape
+    J = -(-L // block)
+    dtype = torch.float32 if k_BHkvLD.dtype in (torch.float16, torch.bfloat16) else k_BHkvLD.dtype
+    real = torch.ones(B, L, dtype=torch.bool, device=k_BHkvLD.device) if keep_BL is None else keep_BL
+    real = torch.nn.functional.pad(real, (0, J * block - L)).view(B, 1, J, block, 1)
+    k = torch.nn.functional.pad(k_BHkvLD.to(dtype), (0, 0, 0, J * block - L)).view(B, Hkv, J, block, D)
+    lo = torch.where(real, k, torch.inf).amin(3)
+    hi = torch.where(real, k, -torch.inf).amax(3)
+    has_key = real.view(B, J, block).any(-1)
+    ok = has_key[:, None, :, None]
+    return torch.where(ok, lo, 0.0), torch.where(ok, hi, 0.0), has_key
+
+
+def bound_mass(q_BHCPD: Tensor, present_BCP: Tensor, lo: Tensor, hi: Tensor, visible_BCJ: Tensor,
+               scale: float) -> Tensor:
+    """Float64 [B, C, J]: per query block (C of them, P probes each) the probes' softmax over the
+    visible key blocks of their scaled Quest bounds, summed over the anchor's heads and the probes
+    that are present."""
+    B, H, C, P, D = q_BHCPD.shape
+    Hkv, J = lo.shape[1], lo.shape[2]
+    q = q_BHCPD.to(lo.dtype).reshape(B * Hkv, (H // Hkv) * C * P, D) * scale
+    u = torch.bmm(q.clamp_min(0), hi.reshape(B * Hkv, J, D).transpose(-1, -2))
+    u = torch.baddbmm(u, q.clamp_max(0), lo.reshape(B * Hkv, J, D).transpose(-1, -2))
+    u = u.view(B, Hkv, H // Hkv, C, P, J).masked_fill_(~visible_BCJ[:, None, None, :, None, :], -torch.inf)
+    w = torch.softmax(u, dim=-1)
+    hidden = ~visible_BCJ.any(-1)  # a query block that sees no block: its probes add nothing
+    if bool(hidden.any()):
+        w.nan_to_num_(0.0)
+    if not bool(present_BCP.all()):
+        w.mul_(present_BCP[:, None, None, :, :, None])
+    return w.sum(dim=(1, 2, 4)).to(torch.float64)
+
+
+def choose_blocks(mass_BMJ: Optional[Tensor], m_BM: Tensor, n_blocks_B: Tensor, rule: BlockRule, J: int) -> Tensor:
+    """Long [B, M, K]: the blocks query blocks m_BM read (sorted, −1 padded): sinks, window and the
+    top candidates by `mass_BMJ` (ties: the earlier block). mass None: every block has no mass (only
+    for blocks whose candidates all fit)."""
+    B, M = m_BM.shape
+    j = torch.arange(J, device=m_BM.device)
+    m = m_BM[..., None]
+    valid = j < n_blocks_B[:, None, None]
+    if rule.causal:
+        valid = valid & (j <= m)
+        in_window = (j >= m - rule.window) & (j <= m)
+    else:
+        in_window = (j - m).abs() <= rule.window
+    forced = valid & ((j < rule.sinks) | in_window)
+    candidate = valid & ~forced
+    if mass_BMJ is None:
+        mass_BMJ = torch.zeros(B, M, J, dtype=torch.float64, device=m_BM.device)
+    score = torch.where(candidate, mass_BMJ, torch.full_like(mass_BMJ, -1.0))  # masses are >= 0
+    order = torch.sort(-score, dim=-1, stable=True).indices  # best first; ties keep the earlier block
+    rank = torch.empty_like(order).scatter_(-1, order, j.expand_as(order))
+    chosen = candidate & (rank < rule.top_k)
+    if rule.mass is not None:
+        total = (mass_BMJ * valid).sum(-1, keepdim=True)
+        have = (mass_BMJ * forced).sum(-1, keepdim=True)
+        ranked = torch.gather(torch.where(candidate, mass_BMJ, 0.0), -1, order)
+        before = ranked.cumsum(-1) - ranked  # mass of the better candidates, in rank order
+        needed_sorted = (have + before) < rule.mass * total
+        needed = torch.empty_like(needed_sorted).scatter_(-1, order, needed_sorted)
+        chosen = chosen & needed
+    read = forced | chosen
+    ids = torch.where(read, j, J + j).sort(dim=-1).values[..., : rule.slots]
+    ids = torch.nn.functional.pad(ids, (0, max(0, rule.slots - ids.shape[-1])), value=2 * J)
+    return torch.where(ids < J, ids, -1)
+
+
+def _n_blocks(keep_BN: Optional[Tensor], B: int, N: int, rule: BlockRule, device) -> Tensor:
+    """Long [B]: blocks up to each row's last real position (position space)."""
+    if keep_BN is None:
+        return torch.full((B,), rule.blocks(N), dtype=torch.long, device=device)
+    last = torch.where(keep_BN.any(-1), N - keep_BN.flip(-1).long().argmax(-1), torch.zeros(B, dtype=torch.long,
+                                                                                            device=device))
+    return -(-last // rule.block)
+
+
+def select_positions(q_BHND: Tensor, k_BHkvND: Tensor, keep_BN: Optional[Tensor], rule: BlockRule,
+                     scale: float) -> Tensor:
+    """Long [B, M, K]: every query block's blocks, M = ceil(N / b), for a whole sequence in position
+    space (self-attention: query i and key i are position i; keep [B, N] marks the real ones)."""
+    B, H, N, D = q_BHND.shape
+    M, b, P = rule.blocks(N), rule.block, rule.probes
+    m_BM = torch.arange(M, device=q_BHND.device).expand(B, M)
+    n_blocks = _n_blocks(keep_BN, B, N, rule, q_BHND.device)
+    chooses = [m for m in range(M) if rule.candidates(m, M) > rule.top_k]
+    if not chooses:
+        return choose_blocks(None, m_BM, n_blocks, rule, M)
+    lo, hi, has_key = key_bounds(k_BHkvND, keep_BN, b)
+    mass = torch.zeros(B, M, M, dtype=torch.float64, device=q_BHND.device)
+    ar = torch.arange(P, device=q_BHND.device)
+    j = torch.arange(M, device=q_BHND.device)
+    step = max(1, SCORES_PER_CHUNK // max(1, B * H * P * M))
+    for i in range(0, len(chooses), step):  # chunks of query blocks: their probes' bounds at once
+        ms = torch.tensor(chooses[i:i + step], device=q_BHND.device)
+        if rule.causal:  # the P positions before the block; the blocks complete before it
+            pos = ms[:, None] * b - P + ar
+            visible = j[None, :] < ms[:, None]
+        else:  # the block's last P positions; every block
+            end = torch.clamp((ms + 1) * b, max=N)
+            pos = end[:, None] - P + ar
+            pos = torch.where(pos >= (ms * b)[:, None], pos, -1)
+            visible = torch.ones(len(ms), M, dtype=torch.bool, device=q_BHND.device)
+        present = (pos >= 0).expand(B, *pos.shape)
+        if keep_BN is not None:
+            present = present & keep_BN[:, pos.clamp_min(0)]
+        q_BHCPD = q_BHND.index_select(2, pos.clamp_min(0).flatten()).view(B, H, len(ms), P, D)
+        mass[:, ms] = bound_mass(q_BHCPD, present, lo, hi, visible[None] & has_key[:, None, :], scale)
+    return choose_blocks(mass, m_BM, n_blocks, rule, M)
+
+
+def per_query(blocks_BMK: Tensor, N: int, block: int) -> Tensor:
+    """[B, N, K]: each position's row of its query block's list."""
+    return blocks_BMK.repeat_interleave(block, dim=1)[:, :N]
+
+
+# ---------------------------------------------------------------------------------------------
+# one call: a prefill, or new tokens after a decode state
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SelectionState:
+    """What decoding keeps to select like a prefill: per row the real positions seen, the anchor's
+    last P + CROP_TOKENS queries (the next block's probes, with room for a cache to drop up to
+    CROP_TOKENS tokens), the selection of every block started so far, and the row's leading padding."""
+
+    seen_B: Tensor  # long
+    stash_BHWD: Tensor  # queries at positions seen − W .. seen − 1 (zeros before position 0)
+    history_BMK: Tensor  # long; row m: block m's selection (−1 rows for blocks not started)
+    offsets_B: Tensor  # long
+
+    def crop(self, tokens: int, rule: BlockRule) -> "SelectionState":
+        """The state with the last `tokens` positions dropped (assisted decoding); at most CROP_TOKENS."""
+        if tokens == 0:
+            return self
+        if tokens > CROP_TOKENS:
+            raise ValueError(f"reuse: a cache can drop at most {CROP_TOKENS} tokens of a reused layer's selection "
+                             f"state, not {tokens}; use fewer assistant or prompt-lookup tokens per step")
+        seen = self.seen_B - tokens
+        if bool((seen < 0).any()):
+            raise ValueError(f"reuse: cannot drop {tokens} tokens from a sequence of {int(self.seen_B.min())}")
+        stash = torch.cat([self.stash_BHWD.new_zeros(*self.stash_BHWD.shape[:2], tokens, self.stash_BHWD.shape[-1]),
+                           self.stash_BHWD[:, :, :-tokens]], dim=2)
+        started = -(-seen // rule.block)  # blocks whose first position survives
+        m = torch.arange(self.history_BMK.shape[1], device=seen.device)
+        history = torch.where((m[None, :] < started[:, None])[..., None], self.history_BMK, -1)
+        return replace(self, seen_B=seen, stash_BHWD=stash, history_BMK=history)
+
+
+def stash_width(rule: BlockRule) -> int:
+    return rule.probes + CROP_TOKENS
+
+
+def select_call(q_a: Tensor, k_a: Tensor, keep_BN: Optional[Tensor], rule: BlockRule, scale: float,
+                state: Optional[SelectionState]) -> tuple[Selection, SelectionState]:
+    """The selection for the last Nq columns of one call (the anchor's queries q_a [B, H, Nq, D] and
+    every key so far k_a [B, Hkv, Nk, D]; keep [B, Nk] or None), and the state after it. A call
+    without state is a prefill (Nq == Nk); with one, its new tokens must all be real."""
+    if state is None:
+        return _prefill(q_a, k_a, keep_BN, rule, scale)
+    return _extend(q_a, k_a, keep_BN, rule, scale, state)
+
+
+def _prefill(q_a, k_a, keep_BN, rule, scale):
+    B, H, N, D = q_a.shape
+    if k_a.shape[2] != N:
+        raise ValueError(f"reuse: a prefill needs as many anchor queries as keys; got {N} queries and "
+                         f"{k_a.shape[2]} keys (a cache made by another model?)")
+    offsets = leading_pads(keep_BN)
+    keep_pos = positions_keep(keep_BN, offsets)
+    q_pos, k_pos = to_positions(q_a, offsets), to_positions(k_a, offsets)
+    blocks = select_positions(q_pos, k_pos, keep_pos, rule, scale)
+    queries = per_query(blocks, N, rule.block)  # position space
+    if keep_pos is not None:
+        queries = torch.where(keep_pos[..., None], queries, -1)
+    queries = to_columns(queries, offsets, dim=1)
+    seen = torch.full((B,), N, dtype=torch.long, device=q_a.device) if keep_pos is None else _n_positions(keep_pos)
+    W = stash_width(rule)
+    stash = torch.zeros(B, H, W, D, dtype=q_a.dtype, device=q_a.device)
+    idx = seen[:, None] - W + torch.arange(W, device=q_a.device)  # positions of the stash slots
+    got = q_pos.gather(2, idx.clamp(0, N - 1)[:, None, :, None].expand(B, H, W, D))
+    stash = torch.where((idx >= 0)[:, None, :, None], got, stash)
+    off = offsets if offsets is not None else torch.zeros(B, dtype=torch.long, device=q_a.device)
+    state = SelectionState(seen, stash, _history(blocks, seen, rule), off)
+    return Selection(queries, offsets), state
+
+
+def _n_positions(keep_pos: Tensor) -> Tensor:
+    """Positions a row has: up to and including its last real one."""
+    N = keep_pos.shape[1]
+    return torch.where(keep_pos.any(-1), N - keep_pos.flip(-1).long().argmax(-1), torch.zeros_like(keep_pos[:, 0],
+                                                                                                   dtype=torch.long))
+
+
+def _history(blocks_BMK: Tensor, seen_B: Tensor, rule: BlockRule) -> Tensor:
+    started = -(-seen_B // rule.block)
+    m = torch.arange(blocks_BMK.shape[1], device=blocks_BMK.device)
+    return torch.where((m[None, :] < started[:, None])[..., None], blocks_BMK, -1)
+
+
+def _extend(q_a, k_a, keep_BN, rule, scale, state: SelectionState):
+    B, H, T, D = q_a.shape
+    Nk = k_a.shape[2]
+    if keep_BN is not None and not bool(keep_BN[:, -T:].all()):
+        raise ValueError("reuse: tokens after a prefill must all be real (no padding among the new tokens); "
+                         "generate() never pads them")
+    b, W = rule.block, stash_width(rule)
+    history = state.history_BMK
+    need = int(-(-(state.seen_B.max() + T) // b))
+    if history.shape[1] < need:
+        history = torch.nn.functional.pad(history, (0, 0, 0, need - history.shape[1]), value=-1)
+    stash = torch.cat([state.stash_BHWD, q_a.to(state.stash_BHWD.dtype)], dim=2)  # positions seen − W .. seen + T − 1
+    seen_list = state.seen_B.tolist()
+    starts = [(r, t) for r in range(B) for t in range(T) if (seen_list[r] + t) % b == 0]  # a block's first token
+    if starts:
+        history = history.clone()
+    for r, t in starts:
+        p0 = seen_list[r] + t
+        m = p0 // b
+        history[r, m] = _choose_at(stash[r:r + 1], W + t, p0, k_a[r:r + 1], keep_BN, r, int(state.offsets_B[r]),
+                                   m, rule, scale)
+    pos = state.seen_B[:, None] + torch.arange(T, device=q_a.device)
+    queries = history.gather(1, (pos // b)[..., None].expand(B, T, rule.slots))
+    seen = state.seen_B + T
+    if bool((Nk - state.offsets_B < seen).any()):
+        raise ValueError("reuse: the anchor's cache holds fewer keys than the positions decoded (was the cache edited?)")
+    new_state = SelectionState(seen, stash[:, :, -W:], history, state.offsets_B)
+    offsets = state.offsets_B if bool(state.offsets_B.any()) else None
+    return Selection(queries, offsets), new_state
+
+
+def _choose_at(stash_1HXD, end, p0, k_1HkvND, keep_BN, r, offset, m, rule, scale):
+    """Block m's selection (its first position p0) from the P queries just before it (the stash's
+    slots end − P .. end − 1) and the anchor's keys at positions 0 .. p0 − 1."""
+    P, b = rule.probes, rule.block
+    J = m + 1  # causal: the blocks up to its own
+    m_BM = torch.tensor([[m]], device=stash_1HXD.device)
+    n_blocks = torch.tensor([J], device=stash_1HXD.device)
+    if rule.candidates(m, J) <= rule.top_k:
+        return choose_blocks(None, m_BM, n_blocks, rule, J)[0, 0]
+    pos = p0 - P + torch.arange(P, device=stash_1HXD.device)
+    present = (pos >= 0)[None]
+    keep = None if keep_BN is None else keep_BN[r:r + 1, offset:offset + p0]
+    if keep is not None:
+        present = present & _probe_real(keep_BN[r], offset, pos)[None]
+    lo, hi, has_key = key_bounds(k_1HkvND[:, :, offset:offset + p0], keep, b)
+    mass = bound_mass(stash_1HXD[:, :, end - P:end][:, :, None], present[:, None], lo, hi, has_key[:, None], scale)
+    return choose_blocks(torch.nn.functional.pad(mass, (0, J - mass.shape[-1])), m_BM, n_blocks, rule, J)[0, 0]
+
+
+def _probe_real(keep_N: Tensor, offset: int, pos: Tensor) -> Tensor:
+    cols = (pos + offset).clamp(0, keep_N.shape[0] - 1)
+    return keep_N[cols] & (pos >= 0)
+
+
+def probe_cost(rule: BlockRule, n: int) -> float:
+    """Multiply-adds per anchor head and head dim to score the blocks at n positions: every query
+    block's P probes against two bounds of each block."""
+    M = rule.blocks(n)
+    return 2.0 * rule.probes * M * M

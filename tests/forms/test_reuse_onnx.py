@@ -1,0 +1,79 @@
+"""The reuse form's ONNX lowering (gathers): exported once with dynamic batch and length, run in ONNX
+Runtime and onnx.reference at other lengths and batches, against the fp64 oracle of
+tests/kernels/test_reuse.py (written from the op's definition)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("onnxscript")
+ort = pytest.importorskip("onnxruntime")
+
+from onnx.reference import ReferenceEvaluator  # noqa: E402
+
+from attnopt.forms.reuse import onnx as lowering  # noqa: E402
+from attnopt.forms.reuse.reference import block_sparse_attention  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("kernel_tests", Path(__file__).resolve().parents[1] / "kernels/test_reuse.py")
+kernel_tests = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(kernel_tests)
+
+H, HKV, D, DV, BLOCK = 4, 2, 8, 6, 4
+
+
+def lists_of(n: int, b: int) -> torch.Tensor:
+    """Per query: its own block, the one before and block 0 (distinct, −1 where none), in torch ops."""
+    m = torch.arange(n) // BLOCK
+    own, prev, first = m, torch.where(m >= 1, m - 1, -1), torch.where(m >= 2, 0, -1)
+    return torch.stack([own, prev, first], dim=-1)[None].expand(b, n, 3)
+
+
+class Sparse(torch.nn.Module):
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, q, k, v, keep):
+        blocks = lists_of(q.shape[2], q.shape[0])
+        return block_sparse_attention(q, k, v, blocks, block=BLOCK, causal=self.causal, scale=0.3, key_mask=keep)
+
+
+def _inputs(n, b, seed):
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(b, n, generator=g) > 0.2
+    keep[:, 0] = True
+    return (torch.randn(b, H, n, D, generator=g), torch.randn(b, HKV, n, D, generator=g),
+            torch.randn(b, HKV, n, DV, generator=g), keep)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), b.double().numpy()
+    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_gather_lowering_equals_the_oracle(causal):
+    module = Sparse(causal)
+    dims = torch.export.Dim("B"), torch.export.Dim("N", min=2)
+    spec = ({0: dims[0], 2: dims[1]},) * 3 + ({0: dims[0], 1: dims[1]},)
+    program = torch.export.export(module, _inputs(19, 2, 0), dynamic_shapes=spec)
+    ops = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    assert ops.count("attnopt.block_sparse_attention.default") == 1
+    onnx_program = torch.onnx.export(program, dynamo=True, verbose=False, custom_translation_table={
+        lowering.LOWERING.torch_op(): lowering.LOWERING.by_target["onnx-std"]})
+    sess = ort.InferenceSession(onnx_program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [i.name for i in sess.get_inputs()]
+    ref = ReferenceEvaluator(onnx_program.model_proto)
+    for n, b in ((30, 3), (5, 1)):
+        q, k, v, keep = _inputs(n, b, n)
+        want = kernel_tests.oracle(q, k, v, lists_of(n, b), block=BLOCK, causal=causal, scale=0.3, key_mask=keep)
+        got = sess.run(None, {nm: t.numpy() for nm, t in zip(names, (q, k, v, keep))})[0]
+        assert got.shape == tuple(want.shape) and _rel(got, want) <= 1e-5, (n, b, _rel(got, want))
+        if n == 5:
+            got = ref.run(None, {nm: t.numpy() for nm, t in zip(ref.input_names, (q, k, v, keep))})[0]
+            assert _rel(got, want) <= 1e-5
