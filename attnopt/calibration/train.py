@@ -17,6 +17,7 @@ import torch
 from attnopt.calibration.distributed import World, average_gradients_, mean_over_ranks
 from attnopt.forms.common.base import SiteModule
 from attnopt.forms.common.fitting import relative_mse
+from attnopt.forms.common.plain_autograd import plain_autograd
 from attnopt.ir.calls import SiteCall
 
 # Loss curves are kept at no more than this many points per site in the report (evenly spaced).
@@ -38,6 +39,7 @@ class SiteTraining:
     rms_after: float = float("nan")
     curve: list = field(default_factory=list)  # [(step, relative RMS)]
     seconds: float = 0.0
+    skipped_steps: int = 0  # steps whose gradients were not finite: not taken
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -89,30 +91,38 @@ def train_site(module: SiteModule, calls: list, anchors: list, *, steps: int, lr
     bar = progress_bar(steps, f"{sid} ({form})", progress and world.leader)
     every = max(1, steps // CURVE_POINTS)
     try:
-        for step in range(steps):
-            if not order:
-                order = torch.randperm(len(calls), generator=gen).tolist()
-            i = order.pop()
-            # Cosine decay to a tenth: large early steps, small late ones, no schedule to tune.
-            for group in opt.param_groups:
-                group["lr"] = lr * (0.1 + 0.45 * (1 + math.cos(math.pi * step / max(steps, 1))))
-            opt.zero_grad(set_to_none=True)
-            loss = call_loss(module, calls[i], anchors[i])
-            value = mean_over_ranks(float(loss.detach()), world)  # every rank decides the same way
-            if not math.isfinite(value):
-                _restore(params, start_values)
-                record.status = "non_finite"
-                record.reason = f"the loss was not finite at step {step} (lr {lr:g}); the site is kept exact"
-                break
-            if loss.requires_grad:
-                loss.backward()
-            average_gradients_(params, world)
-            opt.step()
-            if step % every == 0 or step == steps - 1:
-                record.curve.append((step, math.sqrt(max(value, 0.0))))
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(rel_rms=f"{math.sqrt(max(value, 0.0)):.4f}")
+        # The gated ops differentiate their forward directly here: no recomputed forward per step.
+        with plain_autograd():
+            for step in range(steps):
+                if not order:
+                    order = torch.randperm(len(calls), generator=gen).tolist()
+                i = order.pop()
+                # Cosine decay to a tenth: large early steps, small late ones, no schedule to tune.
+                for group in opt.param_groups:
+                    group["lr"] = lr * (0.1 + 0.45 * (1 + math.cos(math.pi * step / max(steps, 1))))
+                opt.zero_grad(set_to_none=True)
+                loss = call_loss(module, calls[i], anchors[i])
+                value = mean_over_ranks(float(loss.detach()), world)  # every rank decides the same way
+                if not math.isfinite(value):
+                    _restore(params, start_values)
+                    record.status = "non_finite"
+                    record.reason = f"the loss was not finite at step {step} (lr {lr:g}); the site is kept exact"
+                    break
+                if loss.requires_grad:
+                    loss.backward()
+                average_gradients_(params, world)
+                # A finite loss can still have non-finite gradients; such a step would leave NaN tensors
+                # that the gated ops refuse on the next call. It is skipped (every rank alike).
+                if mean_over_ranks(float(grads_finite(params)), world) < 1.0:
+                    record.skipped_steps += 1
+                    opt.zero_grad(set_to_none=True)
+                    continue
+                opt.step()
+                if step % every == 0 or step == steps - 1:
+                    record.curve.append((step, math.sqrt(max(value, 0.0))))
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(rel_rms=f"{math.sqrt(max(value, 0.0)):.4f}")
     finally:
         if bar is not None:
             bar.close()
@@ -129,8 +139,15 @@ def train_site(module: SiteModule, calls: list, anchors: list, *, steps: int, lr
             record.rms_after = record.rms_before
         else:
             record.reason = f"relative RMS on its training calls {record.rms_before:.4g} -> {record.rms_after:.4g}"
+    if record.skipped_steps:
+        record.reason += f"; {record.skipped_steps} steps with non-finite gradients were skipped"
     record.seconds = time.perf_counter() - start
     return record
+
+
+def grads_finite(params) -> bool:
+    """Whether every gradient of `params` is finite (None counts as finite)."""
+    return all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
 
 
 def _restore(params, values) -> None:
