@@ -36,14 +36,15 @@ def _rule(layer, form, **params):
 
 
 # (architecture, query heads, kv heads, rules): min_seq_len given so that generation crosses it; the
-# export honours a measured one the same way (the same site attribute).
+# export honours a measured one the same way (the same site attribute). A window site's threshold lies
+# past W + S: below that, exact attention and the window see the same keys.
 CASES = {
-    "llama-window16-sinks2": ("llama", 4, 2, [_rule(i, "window", window=16, sinks=2, min_seq_len=12)
+    "llama-window16-sinks2": ("llama", 4, 2, [_rule(i, "window", window=16, sinks=2, min_seq_len=22)
                                               for i in range(3)]),
     "llama-exact-window8-linear": ("llama", 4, 2, [_rule(0, "exact"),
-                                                    _rule(1, "window", window=8, sinks=2, min_seq_len=10),
-                                                    _rule(2, "linear", min_seq_len=14)]),
-    "qwen2-window16-sinks2-mixed": ("qwen2", 4, 1, [_rule(0, "window", window=16, sinks=2, min_seq_len=12),
+                                                    _rule(1, "window", window=8, sinks=2, min_seq_len=14),
+                                                    _rule(2, "linear", min_seq_len=12)]),
+    "qwen2-window16-sinks2-mixed": ("qwen2", 4, 1, [_rule(0, "window", window=16, sinks=2, min_seq_len=22),
                                                      _rule(1, "exact"), _rule(2, "linear")]),
 }
 
