@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Sequence
 
 from attnopt import forms
+from attnopt.forms.common.mixed_heads import site_cost as form_cost
 from attnopt.forms.linear.form import feature_count  # noqa: F401  (re-exported: the cost model's M)
 from attnopt.ir.outcomes import Cost
 
@@ -72,7 +73,7 @@ def site_cost(site: Any, form: str, params: Optional[Mapping] = None, seq_len: O
     Nq, Nk = scaled_lengths(site, seq_len)
     if Nq < (p.get("min_seq_len") or 0):  # the site dispatches to exact attention below min_seq_len
         spec, p = forms.get("exact"), {}
-    c = spec.cost(site, p, _batch(site, batch), Nq, Nk)
+    c = form_cost(spec, site, p, _batch(site, batch), Nq, Nk)  # a per-head site's exact heads costed exact
     return Cost(seq_len=seq_len, flops=float(c.flops), bytes=float(c.elements * element_bytes(site.dtype)))
 
 

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from attnopt import forms
 from attnopt.forms.common.decoding import kv_cache_bytes
+from attnopt.forms.common.mixed_heads import state_bytes
 
 CONTEXTS = (1024, 32768, 131072)
 _ELEMENT_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
@@ -58,9 +59,9 @@ def decode_memory(records, contexts=CONTEXTS) -> Optional[DecodeMemory]:
         nbytes = _ELEMENT_BYTES.get(str(site.dtype).replace("torch.", ""), 4)
         form = forms.get(r.outcome.final_form)
         params = form.validate(r.outcome.params) if r.outcome.final_form != "exact" else form.validate({})
-        row = [form.decode_state_bytes(site, params, n, nbytes) for n in contexts]
+        row = [state_bytes(form, site, params, n, nbytes) for n in contexts]  # per-head sites: exact heads' K/V
         acting = {**params, "min_seq_len": 0}
-        past_row = [form.decode_state_bytes(site, acting, n, nbytes) for n in contexts]
+        past_row = [state_bytes(form, site, acting, n, nbytes) for n in contexts]
         if params.get("min_seq_len"):
             thresholds.add(int(params["min_seq_len"]))
         per_site[site.id] = row

@@ -11,6 +11,7 @@ import warnings
 
 from attnopt import forms
 from attnopt.forms.common.base import BuildContext
+from attnopt.forms.common.mixed_heads import build_site
 from attnopt.hf.cache import refusal_line, watch_cache
 from attnopt.hf.interface import CallInfo, ModuleState, layer_index, register_names
 from attnopt.hf.sites import site_from_call
@@ -31,6 +32,10 @@ def register(policy="exact") -> None:
             "policy 'auto' picks forms by measuring drift on example inputs; register() has none. "
             "Use attnopt.compile(model, 'auto', example_inputs=...) instead."
         )
+    if any(r.params.get("keep") for r in policy.rules):
+        raise ValueError("policy 'keep:recall' chooses the exact heads by measuring the model's retrieval on probes; "
+                         "register() measures nothing. Use attnopt.compile(model, policy, example_inputs=...), or name "
+                         "the heads yourself with '+exact_heads:0,3'")
     if any(r.form == "reuse" for r in policy.rules):
         warnings.warn("attnopt.hf.register: reuse needs each site's anchor wired in by attnopt.compile; "
                       "register() keeps reuse sites exact. Use attnopt.compile(model, policy, example_inputs=...)",
@@ -50,7 +55,7 @@ def plan_on_first_call(module, query, key, value, attention_mask, scaling, is_ca
     if rule is not None and rule.form not in ("exact", "reuse"):
         form = forms.get(rule.form)
         if form.why_not(site, rule.params, [site]) is None:
-            site_module = form.build(site, rule.params, BuildContext(sites=[site])).to(query.device)
+            site_module = build_site(form, site, rule.params, BuildContext(sites=[site])).to(query.device)
             module.attnopt_site = site_module
     state = module.__dict__["_attnopt_state"] = ModuleState()
     if site_module is not None and site_module.decodes and layer_index(module) is not None and _self_attention_call(call) \

@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 from attnopt import forms
 from attnopt.forms.common.base import BuildContext
 from attnopt.forms.common.fitting import fit_progress
+from attnopt.forms.common.mixed_heads import build_site, fit_site
 from attnopt.ir.calls import SiteCall
 from attnopt.ir.errors import SiteUnsupported
 from attnopt.ir.outcomes import (
@@ -118,10 +119,10 @@ def try_form(site, form: str, params: dict, context: BuildContext, tol: float,
                        f"from about {need} tokens{_threshold_note(params)}: pass verify_inputs= at that length "
                        "(kept exact)", tol), None
     try:
-        module = spec.build(site, params, context)
+        module = build_site(spec, site, params, context)  # a per-head site when params name exact heads
         # Fitted on the example batch only: calibration batches stay held out for the verdict.
         with fit_progress(on_fit_step or (lambda step, steps: None)):
-            fit = spec.fit(module, calls[:1])
+            fit = fit_site(spec, module, calls[:1])
         anchor_calls = context.calls.get(module.anchor_id) if module.uses_anchor_qk else None
         d = site_drift(module, [calls[i] for i in acting], [anchor_calls[i] for i in acting] if anchor_calls else None)
     except SiteUnsupported as exc:

@@ -160,7 +160,7 @@ class Rule:
         check_names(spec, self.params, "rule")
         given = spec.validate(dict(self.params))
         # Canonical order (the form's own knobs first, then the common ones) keeps describe() stable.
-        params = {k: _plain(given[k]) for k in spec.all_params()}
+        params = {k: _plain(given[k]) for k in spec.all_params() if k in given}  # (unfilled per-head keys absent)
         object.__setattr__(self, "params", params)
         if self.layers is not None:
             object.__setattr__(self, "layers", _parse_layers(self.layers, "rule"))

@@ -104,7 +104,7 @@ class Target(abc.ABC):
 
     def site_modules(self) -> dict[str, SiteModule]:
         """Every installed site module by site id, in model order."""
-        return {m.geometry.site_id: m for m in self.model.modules() if isinstance(m, SiteModule)}
+        return {m.geometry.site_id: m for m in self.model.modules() if isinstance(m, SiteModule) and not m.nested}
 
     @abc.abstractmethod
     def record_exact(self, batches: list, report: Any) -> Recording:

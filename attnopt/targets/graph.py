@@ -32,6 +32,7 @@ from torch import nn
 
 from attnopt import forms
 from attnopt.forms.common.base import BuildContext, SiteModule
+from attnopt.forms.common.mixed_heads import build_site
 from attnopt.ir.calls import Recording, SiteCall
 from attnopt.ir.detection import Detection
 from attnopt.ir.digest import tensors_digest
@@ -333,7 +334,7 @@ def _restore_site(entry: dict, sites: list, state: dict, path: Path) -> SiteModu
         raise SaveError(f"attnopt.load: {path / HEADER} lists site {entry['site_id']!r}, which its report does "
                         "not have")
     return restore_site(entry, site, state, path / GraphTarget.SITE_STATE_FILE, path / HEADER,
-                        lambda form, site, params: form.build(site, params, BuildContext(sites=sites)))
+                        lambda form, site, params: build_site(form, site, params, BuildContext(sites=sites)))
 
 
 @contextmanager

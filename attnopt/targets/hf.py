@@ -33,6 +33,7 @@ from torch import nn
 
 from attnopt import forms
 from attnopt.forms.common.base import BuildContext
+from attnopt.forms.common.mixed_heads import build_site
 from attnopt.hf.interface import IMPL_EAGER, IMPL_SDPA, layer_index
 from attnopt.hf.recording import call_model, record_calls
 from attnopt.hf.routes import INTERFACE, MODULE, is_hf_model, reached, route, route_kind
@@ -448,6 +449,6 @@ def _route_notes(routed, sites: list, recorded: dict) -> list:
 def _build_site(site, entry: dict, sites: list) -> nn.Module:
     params = entry["params"]
     try:
-        return forms.get(entry["form"]).build(site, params, BuildContext(sites=sites))
+        return build_site(forms.get(entry["form"]), site, params, BuildContext(sites=sites))
     except ValueError as exc:  # SiteUnsupported: the saved form cannot serve the saved site
         raise SaveError(f"attnopt.load: site {site.id} cannot be rebuilt as {entry['form']} ({exc})") from None

@@ -50,6 +50,7 @@ from attnopt.backends.onnx.common import (
     translation_table,
 )
 from attnopt.backends.onnx.graph_model import CannotGenerate, DecoderGraph, Layout, context_of, graph_copy, probe
+from attnopt.forms.common.mixed_heads import step_forms
 from attnopt.hf.routes import is_hf_model
 from attnopt.onnx.contract import CONTRACT_KEY
 
@@ -184,7 +185,7 @@ def _build(opt: nn.Module, folder: Path, prompt, target: str, opset, tokenizer) 
 
 def _decode_lowerings(layout: Layout) -> list:
     found = []
-    for name in dict.fromkeys(p.form for p in layout.layers):
+    for name in dict.fromkeys(f for p in layout.layers for f in step_forms(p.site.module, p.form)):
         lowering = forms.get(name).onnx_decode_lowering()
         if lowering is None:
             raise CannotGenerate(f"form {name!r} has no ONNX lowering of its decode step")

@@ -28,9 +28,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from attnopt import forms
 from attnopt.backends.onnx.packing import Packing, packable
 from attnopt.forms.common.graph import StateSpec, StepGeometry, StepSite
+from attnopt.forms.common.mixed_heads import graph_step_of
 from attnopt.forms.exact.step import call_prefix, prefix_spec
 from attnopt.hf.interface import attention_forward, switch
 from attnopt.hf.routes import is_hf_model
@@ -188,7 +188,7 @@ class LayerPlan:
 
     @property
     def step(self):
-        return forms.get(self.form).graph_step()
+        return graph_step_of(self.site.module, self.form)  # a per-head site splits its heads (mixed_heads.py)
 
     def call(self, q, k, v, mask, pasts, **extra):
         """The site's step op, then the exact prefix over its output: (out, presents)."""
@@ -297,7 +297,7 @@ def _plan(c: _Call, path: str, site_id: str, context: Optional[int] = None) -> L
     form = module.form if module is not None else ("window" if c.window else "exact")
     if module is not None and not module.geometry.causal:
         raise CannotGenerate(f"site {site_id} ({form}) is bidirectional; decoding needs causal attention")
-    step = forms.get(form).graph_step()
+    step = graph_step_of(module, form)
     if step is None:
         raise CannotGenerate(f"site {site_id}: form {form!r} has no decode step for an exported graph; compile that "
                              "layer with another form (e.g. exact) to export it for decoding")

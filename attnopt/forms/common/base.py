@@ -47,6 +47,11 @@ class Param:
     minimum: Optional[float] = None
     maximum: Optional[float] = None
     doc: str = ""
+    # False: the default is not written into a validated dict (absent means default), so the params
+    # of sites that never use the parameter -- saved models, cache keys, reports -- stay as they were.
+    fill: bool = True
+    # Turns an accepted spelling into the canonical value (e.g. "0,3" -> [0, 3]); may raise PolicyError.
+    convert: Optional[Callable[[str, str, Any], Any]] = None
 
     def check(self, form: str, name: str, value: Any) -> Any:
         types = self.type if isinstance(self.type, tuple) else (self.type,)
@@ -69,7 +74,7 @@ class Param:
                 raise PolicyError(f"form {form!r}: parameter {name!r} got {value!r}; must be >= {self.minimum:g}")
             if self.maximum is not None and value > self.maximum:
                 raise PolicyError(f"form {form!r}: parameter {name!r} got {value!r}; must be <= {self.maximum:g}")
-        return value
+        return value if self.convert is None else self.convert(form, name, value)
 
 
 def _type_names(types: tuple) -> str:
@@ -84,7 +89,45 @@ COMMON_PARAMS: dict[str, Param] = {
     "min_seq_len": Param((int, type(None)), None, minimum=0,
                          doc="below this query length the site runs exact attention (null: the measured crossover)"),
     "tolerance": Param((float, type(None)), None, minimum=0.0, doc="max relative RMS drift of the site output"),
+    # Per-head sites (attnopt.forms.common.mixed_heads): the KV-head groups kept exact, given or
+    # chosen by measurement (attnopt.selection). Absent from a site's params unless given.
+    "exact_heads": Param((list, tuple, str, int, type(None)), None, fill=False, convert=lambda f, n, v: kv_head_list(f, n, v),
+                         doc="KV-head indices kept exact softmax attention, e.g. 0,3 (their query heads too)"),
+    "keep": Param((str, type(None)), None, choices=(None, "recall"), fill=False,
+                  doc="recall: choose the exact heads by measured retrieval under a quality budget"),
+    "exact": Param(float, 0.25, minimum=0.0, maximum=1.0, fill=False,
+                   doc="keep:recall: at most this share of the KV heads exact"),
+    "recall": Param(float, 0.95, minimum=0.0, maximum=1.0, fill=False,
+                    doc="keep:recall: probe accuracy to hold, as a share of the original's"),
+    "by": Param(str, "head", choices=("head", "layer"), fill=False,
+                doc="keep:recall: choose KV heads, or whole layers"),
 }
+# The per-head parameters, and the forms a site cannot mix with exact heads (and why).
+HEAD_PARAMS = ("exact_heads", "keep", "exact", "recall", "by")
+NO_HEAD_MIXING = {
+    "exact": "every head of an exact site is exact already",
+    "reuse": "a reuse site reads its anchor's q and k for every head",
+}
+
+
+def kv_head_list(form: str, name: str, value: Any) -> Optional[list]:
+    """KV-head indices as a sorted list of distinct ints: 3, "0,3", [0, 3]; None stays None."""
+    if value is None:
+        return None
+    items = value.replace(" ", "").split(",") if isinstance(value, str) else value if isinstance(value, (list, tuple)) \
+        else [value]
+    out = []
+    for item in items:
+        if isinstance(item, str) and item.lstrip("+").isdigit():
+            item = int(item)
+        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+            raise PolicyError(f"form {form!r}: parameter {name!r} got {value!r}; expected KV-head indices >= 0 such "
+                              "as 0,3 (a list in a rule)")
+        out.append(item)
+    if not out:
+        raise PolicyError(f"form {form!r}: parameter {name!r} is empty; name at least one KV head (e.g. 0), or leave "
+                          "it out")
+    return sorted(set(out))
 
 
 @dataclass(frozen=True)
@@ -154,6 +197,9 @@ class SiteModule(nn.Module, abc.ABC):
     # `attend` returns a tensor of its own (never a view of q, k or v): the exact prefix under
     # min_seq_len is then written into it in place instead of copying the whole output.
     attend_output_is_fresh: ClassVar[bool] = False
+    # True on a module that is part of another site module (a per-head site's inner form,
+    # forms/common/mixed_heads.py): the outer one is the site, listed, saved and reported.
+    nested = False
 
     def __init__(self, site: AttentionSite, params: Mapping[str, Any]):
         super().__init__()
@@ -405,9 +451,27 @@ class Form(abc.ABC):
             if key not in out:
                 raise PolicyError(f"form {self.name!r} needs parameter {key!r} ({allowed[key].doc})")
         for key, p in allowed.items():
-            out.setdefault(key, p.default)
+            if p.fill:
+                out.setdefault(key, p.default)
+        self.check_head_params(out)
         self.check_params(out)
         return out
+
+    def check_head_params(self, params: dict) -> None:
+        """PolicyError for per-head parameters this form cannot take, or that contradict each other."""
+        given = [k for k in HEAD_PARAMS if params.get(k) is not None]
+        if not given:
+            return
+        if self.name in NO_HEAD_MIXING:
+            raise PolicyError(f"form {self.name!r} takes no {given[0]!r}: {NO_HEAD_MIXING[self.name]}; give it to a "
+                              "cheap form, e.g. 'gla+window:64+keep:recall'")
+        if params.get("exact_heads") is not None and params.get("keep") is not None:
+            raise PolicyError(f"form {self.name!r}: give 'exact_heads' (heads you choose) or 'keep:recall' (heads "
+                              "chosen by measurement), not both")
+        loose = [k for k in ("exact", "recall", "by") if k in params]
+        if loose and params.get("keep") is None:
+            raise PolicyError(f"form {self.name!r}: {loose[0]!r} is a budget of keep:recall; add '+keep:recall' "
+                              f"(e.g. '{self.name}+keep:recall+{loose[0]}:...')")
 
     def check_params(self, params: dict) -> None:
         """Cross-field checks after defaults are filled; raise PolicyError. Default: none."""
@@ -431,6 +495,13 @@ class Form(abc.ABC):
                     "call; a rewrite would freeze the example's value, so only exact attention honours it")
         if site.softcap:
             return f"the site caps its logits (softcap {site.softcap:g}); no cheap form honours a softcap"
+        heads = params.get("exact_heads")
+        if heads:
+            if max(heads) >= site.kv_heads:
+                return (f"exact_heads {heads} names KV head {max(heads)}, and the site has {site.kv_heads} KV heads "
+                        f"(0..{site.kv_heads - 1})")
+            if len(heads) == site.kv_heads:
+                return f"exact_heads {heads} keeps every KV head exact; use form 'exact' for this site"
         return self.check_site(site, params, sites)
 
     @abc.abstractmethod
