@@ -256,11 +256,30 @@ class ReuseCacheLayer(DynamicLayer):
         super().__init__()
         self.site_module = site_module
         self.selection = None  # SelectionState after the tokens held (None before the first call)
+        self._room = None  # (keys, values) buffers with spare columns; self.keys / .values are views of them
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        keys, values = super().update(key_states, value_states)
-        hand_over(self, kwargs, keys)
-        return keys, values
+        """HF's update, but appending into buffers with room to spare: a decoding step reads only the
+        selected blocks, so copying the whole cache every token (HF's torch.cat) would cost more than
+        the attention it saves. The buffers grow by an eighth (256 columns at least) when full."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, t = (self.keys.shape[-2] if self.keys.dim() == 4 else 0), key_states.shape[-2]
+        room = self._room
+        if room is None or room[0].data_ptr() != self.keys.data_ptr() or room[0].shape[:2] != key_states.shape[:2] \
+                or room[0].shape[-2] < n + t or room[0].dtype != key_states.dtype \
+                or (room[0].is_inference() and not torch.is_inference_mode_enabled()):
+            size = max(n + t + max(256, (n + t) // 8), 2 * t)
+            room = tuple(x.new_empty(*x.shape[:-2], size, x.shape[-1]) for x in (key_states, value_states))
+            if n:  # what the cache held (also after HF replaced its tensors: reorder, select, crop)
+                room[0][..., :n, :].copy_(self.keys)
+                room[1][..., :n, :].copy_(self.values)
+            self._room = room
+        room[0][..., n:n + t, :].copy_(key_states)
+        room[1][..., n:n + t, :].copy_(value_states)
+        self.keys, self.values = room[0][..., :n + t, :], room[1][..., :n + t, :]
+        hand_over(self, kwargs, self.keys)
+        return self.keys, self.values
 
     def crop(self, tokens_to_remove: int) -> None:
         before = self.get_seq_length()
@@ -270,7 +289,7 @@ class ReuseCacheLayer(DynamicLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.selection = None
+        self.selection, self._room = None, None
 
     def _map(self, fn) -> None:
         if self.selection is not None:

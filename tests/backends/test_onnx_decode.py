@@ -122,6 +122,10 @@ def compiled(kind, policy, layers, **heads):
     return opt
 
 
+# Layer 1 reads layer 0's selection, in blocks of 2 (4 read per query): it selects within the checks' prompts.
+REUSE = "reuse:1+block:2+anchor:-1+window:0+sinks:0"
+
+
 _FOLDERS = {}
 
 
@@ -297,15 +301,15 @@ def test_genai_generates_the_same_greedy_tokens(case, request):
 
 @pytest.mark.slow
 def test_a_folder_genai_cannot_run_gets_one_warning_and_no_genai_config(tmp_path):
-    """reuse keeps growing caches besides K/V, which no packing holds: said once at export, no config written
+    """reuse keeps its selection state besides K/V, which no packing holds: said once at export, no config written
     (og.Model would load one and fail at its first step), and the folder still generates with Generator."""
     from attnopt.onnx import Generator
 
-    opt = compiled("llama", "reuse", 3)
+    opt = compiled("llama", REUSE, 3)
     with pytest.warns(UserWarning) as caught:
         result = attnopt.export_onnx(opt, tmp_path / "out", {"input_ids": EXAMPLE})
     said = [str(w.message) for w in caught if "onnxruntime-genai" in str(w.message)]
-    assert len(said) == 1 and "\n" not in said[0] and "residual_key" in said[0] and "no genai_config.json" in said[0]
+    assert len(said) == 1 and "\n" not in said[0] and "probe_queries" in said[0] and "no genai_config.json" in said[0]
     assert not result.genai["supported"] and not (tmp_path / "out" / "genai_config.json").exists()
     ids, mask = left_padded_prompt(n=12, pads=3, seed=4)
     want, _ = torch_generate(opt, ids, mask, 8)
@@ -557,8 +561,8 @@ def test_a_folder_path_decodes_by_default_and_a_file_path_stays_a_prefill_file(w
 # Llama runs every form in one model (every_form) and Qwen2 exact, window, linear and ssm (qwen2_mixed):
 # here Qwen2 gets linear+window on every layer, and reuse (which reads an exact anchor) runs on both.
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, policy", [("qwen2", "linear+window:16+sinks:2"), ("qwen2", "reuse"),
-                                          ("llama", "reuse")])
+@pytest.mark.parametrize("kind, policy", [("qwen2", "linear+window:16+sinks:2"), ("qwen2", REUSE),
+                                          ("llama", REUSE)])
 def test_each_policy_and_architecture_decodes_like_torch(kind, policy, tmp_path_factory):
     opt, folder, result = exported(tmp_path_factory, f"{kind}-{policy}", kind, policy, 3)
     assert_decodes_like_torch(opt, folder)

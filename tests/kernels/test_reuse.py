@@ -19,6 +19,7 @@ from attnopt.forms.reuse.selection import (
     choose_blocks,
     select_call,
     select_positions,
+    select_span,
 )
 
 F64 = torch.float64
@@ -258,3 +259,39 @@ def test_a_left_padded_row_selects_what_it_selects_alone_and_crop_goes_back():
         cols += 1
     with pytest.raises(ValueError, match="at most 128 tokens"):
         state.crop(129, RULE)
+
+
+@pytest.mark.parametrize("rule", [RULE, BlockRule(block=4, top_k=3, window=0, sinks=0, probes=4, causal=True, mass=0.5)])
+@pytest.mark.parametrize("split", [[30], [17, 1, 1, 1, 10], [1] * 30, [5, 5, 20]])
+def test_the_graph_selection_equals_the_cached_one(rule, split):
+    # select_span (fixed-size state, no Python over the data: the exported decode step) against
+    # select_call (a prefill of 20 columns, then one token at a time), row 1 left-padded by 5.
+    q, k = _anchor(2, 30, 16)
+    keep = torch.ones(2, 30, dtype=torch.bool)
+    keep[1, :5] = False
+    sel, state = select_call(q[:, :, :20], k[:, :, :20], keep[:, :20], rule, 0.35, None)
+    want = [sel.blocks_BQK]
+    for c in range(20, 30):
+        sel, state = select_call(q[:, :, c:c + 1], k[:, :, :c + 1], keep[:, :c + 1], rule, 0.35, state)
+        want.append(sel.blocks_BQK)
+    stash, current, got, done = torch.zeros(2, 4, rule.probes, 8), torch.zeros(2, rule.slots, dtype=torch.long), [], 0
+    for n in split:
+        blocks, _, stash, current = select_span(q[:, :, done:done + n], k[:, :, :done + n], keep[:, :done + n], rule,
+                                                0.35, stash, current)
+        got.append(blocks)
+        done += n
+    assert torch.equal(torch.cat(got, 1), torch.cat(want, 1))
+
+
+def test_a_tie_is_broken_alike_whatever_the_rounding():
+    # Zero probes (a pad token's embedding) spread their mass evenly: the sums differ in the last bits
+    # between a prefill and a decoding step, and the earlier block must still win both times.
+    rule = BlockRule(block=2, top_k=1, window=0, sinks=0, probes=2, causal=True)
+    even = torch.full((1, 1, 7), 8 / 7, dtype=F64)
+    noisy = even.clone()
+    noisy[0, 0, 4] += 1.2e-7
+    for mass in (even, noisy):
+        assert choose_blocks(mass, torch.tensor([[6]]), torch.tensor([7]), rule, 7).tolist() == [[[0, 6]]]
+    clear = even.clone()
+    clear[0, 0, 4] += 1e-3  # a real difference still wins
+    assert choose_blocks(clear, torch.tensor([[6]]), torch.tensor([7]), rule, 7).tolist() == [[[4, 6]]]

@@ -80,13 +80,21 @@ class ReusedSite(SiteModule):
                  candidates: Mapping[int, tuple]):
         super().__init__(site, params)
         self.rule = rule_of(params, site.causal)
-        self.anchor_candidates = dict(candidates)  # layer -> (site id, scale) of the sites this one may read
-        # The anchor's layer, saved with the module: a measured plan cannot be measured again at load.
+        # layer -> (site id, scale, heads, head dim) of the sites this one may read
+        self.anchor_candidates = dict(candidates)
+        # The anchor's layer, saved with the module (a measured plan cannot be measured again at load),
+        # and kept as a Python int too: graphs read it while tracing, where the buffer has no value.
         self.register_buffer("anchor_layer", torch.tensor(-1 if anchor is None else anchor.layer))
+        self._anchor = -1 if anchor is None else anchor.layer
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if prefix + "anchor_layer" in state_dict:
+            self._anchor = int(state_dict[prefix + "anchor_layer"])
 
     @property
     def anchor_id(self) -> Optional[str]:  # type: ignore[override]
-        return self.anchor_candidates.get(int(self.anchor_layer), (None, None))[0]
+        return self.anchor_candidates.get(self._anchor, (None, None))[0]
 
     @anchor_id.setter
     def anchor_id(self, value) -> None:  # SiteModule.__init__ sets None; the buffer decides
@@ -95,7 +103,13 @@ class ReusedSite(SiteModule):
     @property
     def anchor_scale(self) -> float:
         """The anchor's softmax scale: its probes' attention is the anchor's own."""
-        return float(self.anchor_candidates.get(int(self.anchor_layer), (None, self.geometry.scale))[1])
+        return float(self.anchor_candidates.get(self._anchor, (None, self.geometry.scale))[1])
+
+    @property
+    def anchor_shape(self) -> Optional[tuple]:
+        """(heads, head dim) of the anchor's queries (None while the anchor is unknown)."""
+        got = self.anchor_candidates.get(self._anchor)
+        return None if got is None else (got[2], got[3])
 
     def select(self, q_a: torch.Tensor, k_a: torch.Tensor, keep: Optional[torch.Tensor], state=None):
         """(Selection, state after) for the last Nq columns of a call: selection.select_call under this rule."""
@@ -222,7 +236,7 @@ class ReuseForm(Form):
                       B * H * Nq * keys + io_elements(B, H, Nq, Nk, D, Dv))
 
     def build(self, site, params, context):
-        candidates = {s.layer: (s.id, float(s.scale)) for s in context.sites
+        candidates = {s.layer: (s.id, float(s.scale), s.heads, s.head_dim) for s in context.sites
                       if s.layer < site.layer and same_sequence(site, s)}
         layer = anchor_layer(site, params)
         anchor = None

@@ -5,29 +5,37 @@ Each query's K·b key columns (offset + block·b + slot) are gathered from k and
 keys, padding, causality, a query before its row's offset) and normalised: O(Nq·K·b) work, and
 O(Nq·K·b·Hkv·D) memory for the gathered keys (the torch op gathers per query block instead;
 ONNX has no loop over lists that would not unroll).
+
+Decoding (`attnopt::reuse_step`, step.py): selection.select_span in standard ops (the anchor's key
+bounds per block, the probes' softmax over them, TopK for the choice), inside an If that only a call
+starting a block takes, then the same gathered softmax over the site's own K/V cache.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import onnx_ir as ir
 from onnxscript import opset18 as op
 
-from attnopt.kernels.onnx.functions import dim, f32, i64, static_dim
+from attnopt.kernels.onnx.functions import dim, f32, i64, pad_axis, static_dim
 from attnopt.kernels.onnx.lowering import OpLowering
-from attnopt.kernels.onnx.steps import arange
+from attnopt.kernels.onnx.steps import arange, branch
 
 
-def gathered_softmax(q, k, v, blocks, block: int, causal: bool, scale: float, key_mask, offsets):
+def gathered_softmax(q, k, v, blocks, block: int, causal: bool, scale: float, key_mask, offsets, static=None,
+                     K=None):
     """The op's definition in standard ops: q [B, H, Nq, D] over each query's listed blocks of
     k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv]; blocks [B, Nq, K] int64; key_mask [B, Nk] bool or None;
-    offsets [B] int64 or None. Returns [B, H, Nq, Dv]."""
-    H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
-    K = static_dim(blocks, 2, "list slots")
+    offsets [B] int64 or None. Returns [B, H, Nq, Dv]. static: (Hkv, D, Dv) where k and v are values
+    made in the graph (their shapes unknown to the exporter); K likewise for blocks."""
+    H = static_dim(q, 1, "H")
+    Hkv, D, Dv = static or (static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv"))
+    K = K or static_dim(blocks, 2, "list slots")
     G = H // Hkv
     Nq, Nk = dim(q, 2), dim(k, 2)
     off = i64([0]) if offsets is None else op.Unsqueeze(offsets, i64([1, 2]))  # [B, 1, 1]
     slot = op.Unsqueeze(arange(i64([block])), i64([0, 1, 2]))  # [1, 1, 1, b]
-    ids = op.Unsqueeze(op.Cast(blocks, to=7), i64([3]))  # [B, Nq, K, 1]
+    ids = op.Unsqueeze(op.Cast(blocks, to=ir.DataType.INT64), i64([3]))  # [B, Nq, K, 1]
     kpos = op.Add(op.Mul(op.Max(ids, i64([0])), i64([block])), slot)  # [B, Nq, K, b] positions
     kpos = op.Reshape(kpos, op.Concat(i64([0, 0]), i64([K * block]), axis=0))  # [B, Nq, K·b]
     cols = op.Add(kpos, off)
@@ -69,3 +77,168 @@ def block_sparse_std(q, k, v, blocks, block, causal, scale, key_mask, offsets):
 
 
 LOWERING = OpLowering("attnopt::block_sparse_attention", {"ort": block_sparse_std, "onnx-std": block_sparse_std})
+
+
+# ---------------------------------------------------------------- the decode step (forms/reuse/step.py)
+
+
+def _bool(x):
+    return op.Cast(x, to=ir.DataType.BOOL)
+
+
+def _i64(x):
+    return op.Cast(x, to=ir.DataType.INT64)
+
+
+def key_bounds(k_BHND, keep_BN, block: int, Hk: int, Dk: int):
+    """selection.key_bounds in standard ops: (min, max [B, Hk, J, Dk], has_key [B, J] bool)."""
+    k = pad_axis(k_BHND, 2, 4, block)
+    real = _bool(pad_axis(op.Cast(keep_BN, to=ir.DataType.INT64), 1, 2, block))
+    k5 = op.Reshape(k, op.Concat(i64([0, Hk, -1, block, Dk]), axis=0))
+    real5 = op.Reshape(real, i64([0, 1, -1, block, 1]))
+    lo = op.ReduceMin(op.Where(real5, k5, op.CastLike(f32(np.inf), k5)), i64([3]), keepdims=0)
+    hi = op.ReduceMax(op.Where(real5, k5, op.CastLike(f32(-np.inf), k5)), i64([3]), keepdims=0)
+    has_key = _bool(op.ReduceMax(_i64(op.Reshape(real, i64([0, -1, block]))), i64([2]), keepdims=0))
+    ok = op.Unsqueeze(has_key, i64([1, 3]))
+    zero = op.CastLike(f32(0.0), lo)
+    return op.Where(ok, lo, zero), op.Where(ok, hi, zero), has_key
+
+
+def bound_mass(q_BHCPD, present_BCP, lo, hi, visible_BCJ, scale: float, H: int, Hk: int, Dk: int):
+    """selection.bound_mass in standard ops: [B, C, J] double."""
+    G = H // Hk
+    q = op.Reshape(op.Mul(q_BHCPD, op.CastLike(f32(scale), q_BHCPD)), op.Concat(i64([0, Hk, -1, Dk]), axis=0))
+    zero = op.CastLike(f32(0.0), q)
+    u = op.Add(op.MatMul(op.Max(q, zero), op.Transpose(hi, perm=[0, 1, 3, 2])),
+               op.MatMul(op.Min(q, zero), op.Transpose(lo, perm=[0, 1, 3, 2])))
+    shape = op.Concat(i64([0, Hk, G]), op.Shape(present_BCP, start=1, end=3), op.Shape(lo, start=2, end=3), axis=0)
+    u = op.Reshape(u, shape)  # [B, Hk, G, C, P, J]
+    visible = op.Unsqueeze(visible_BCJ, i64([1, 2, 4]))
+    w = op.Softmax(op.Where(visible, u, op.CastLike(f32(-np.inf), u)), axis=-1)
+    w = op.Where(op.IsNaN(w), op.CastLike(f32(0.0), w), w)  # a probe that sees no block adds nothing
+    w = op.Mul(w, op.CastLike(op.Unsqueeze(present_BCP, i64([1, 2, 5])), w))
+    return op.Cast(op.ReduceSum(w, i64([1, 2, 4]), keepdims=0), to=ir.DataType.DOUBLE)
+
+
+def choose_blocks(mass_BCJ, m_BC, block_rule: dict, K: int):
+    """selection.choose_blocks (causal) in standard ops: [B, C, K] int64 sorted, −1 padded."""
+    J = dim(mass_BCJ, 2)
+    j = op.Reshape(arange(J), i64([1, 1, -1]))
+    m = op.Unsqueeze(m_BC, i64([2]))
+    valid = op.LessOrEqual(j, m)
+    in_window = op.And(op.GreaterOrEqual(j, op.Sub(m, i64([block_rule["window"]]))), op.LessOrEqual(j, m))
+    forced = op.And(valid, op.Or(op.Less(j, i64([block_rule["sinks"]])), in_window))
+    candidate = op.And(valid, op.Not(forced))
+    zero = op.CastLike(f32(0.0), mass_BCJ)
+    quantum = op.Max(op.Mul(op.ReduceSum(op.Where(valid, mass_BCJ, zero), i64([-1]), keepdims=1),
+                            op.CastLike(f32(2.0 ** -16), mass_BCJ)), op.CastLike(f32(1e-30), mass_BCJ))
+    score = op.Where(candidate, op.Round(op.Div(mass_BCJ, quantum)), op.CastLike(f32(-1.0), mass_BCJ))
+    _, order = op.TopK(score, J, axis=-1, largest=1, sorted=1)  # best first; ties keep the earlier block
+    zeros = op.Mul(order, i64([0]))
+    rank = op.ScatterElements(zeros, order, op.Add(zeros, j), axis=-1)
+    chosen = op.And(candidate, op.Less(rank, i64([block_rule["top_k"]])))
+    if block_rule["mass"] is not None:
+        total = op.ReduceSum(op.Where(valid, mass_BCJ, op.CastLike(f32(0.0), mass_BCJ)), i64([-1]), keepdims=1)
+        have = op.ReduceSum(op.Where(forced, mass_BCJ, op.CastLike(f32(0.0), mass_BCJ)), i64([-1]), keepdims=1)
+        ranked = op.GatherElements(op.Where(candidate, mass_BCJ, op.CastLike(f32(0.0), mass_BCJ)), order, axis=-1)
+        before = op.Sub(op.CumSum(ranked, i64([-1])), ranked)
+        need = op.Less(op.Add(have, before), op.Mul(op.CastLike(f32(block_rule["mass"]), total), total))
+        needed = op.ScatterElements(zeros, order, _i64(need), axis=-1)
+        chosen = op.And(chosen, _bool(needed))
+    read = op.Or(forced, chosen)
+    ids = op.Where(read, op.Add(zeros, j), op.Add(op.Add(zeros, j), J))
+    width = op.Min(J, i64([K]))
+    lowest, _ = op.TopK(ids, width, axis=-1, largest=0, sorted=1)
+    lowest = op.Pad(lowest, op.Concat(i64([0, 0, 0, 0, 0]), op.Sub(i64([K]), width), axis=0),
+                    op.Squeeze(op.Mul(J, i64([2])), i64([0])))
+    return op.Where(op.Less(lowest, J), lowest, i64([-1]))
+
+
+def reuse_step_lowering(q, k, v, mask, past_key, past_value, anchor_q, anchor_keys, past_probes, past_blocks, block,
+                        top_k, window, sinks, mass, scale, anchor_scale):
+    """attnopt::reuse_step in standard ops: selection.select_span, then gathered_softmax. The
+    selection of new blocks runs in an If that only a call starting a block takes (a decoding step
+    mostly does not; it then reads only its K·b keys)."""
+    block = int(block)
+    rule = {"window": int(window), "sinks": int(sinks), "top_k": int(top_k), "mass": None if mass is None else float(mass)}
+    Ha, Da, Hk = static_dim(anchor_q, 1, "anchor heads"), static_dim(anchor_q, 3, "anchor head dim"), \
+        static_dim(anchor_keys, 1, "anchor kv heads")
+    P, K = static_dim(past_probes, 2, "probes"), static_dim(past_blocks, 2, "list slots")
+    K_all, V_all = op.Concat(past_key, k, axis=2), op.Concat(past_value, v, axis=2)
+    keep = _bool(mask)
+    N, T = dim(mask, 1), dim(q, 2)
+    any_real = _bool(op.ReduceMax(_i64(keep), i64([1]), keepdims=0))
+    offset = op.Where(any_real, op.ArgMax(_i64(keep), axis=1, keepdims=0), op.Squeeze(N, i64([0])))  # [B]
+    first = op.Sub(op.Squeeze(op.Sub(N, T), i64([0])), offset)
+    seen = op.Max(first, i64([0]))
+    pos = op.Add(op.Unsqueeze(first, i64([1])), op.Unsqueeze(arange(T), i64([0])))  # [B, T]
+    history = op.Concat(op.CastLike(past_probes, anchor_q), anchor_q, axis=2)  # positions seen − P ..
+
+    def slot(x, rank: int):
+        axes = i64(list(range(1, rank)))
+        s, f = op.Unsqueeze(seen, axes), op.Unsqueeze(first, axes)
+        return op.Where(op.Less(x, s), op.Add(op.Sub(x, s), i64([P])), op.Add(op.Sub(x, f), i64([P])))
+
+    C = op.Add(op.Div(T, i64([block])), i64([1]))
+    first_block = op.Div(op.Add(seen, i64([block - 1])), i64([block]))
+    m_BC = op.Add(op.Unsqueeze(first_block, i64([1])), op.Unsqueeze(arange(C), i64([0])))
+    last = op.Squeeze(op.Slice(pos, i64([-1]), i64([2 ** 62]), i64([1])), i64([1]))
+    end = op.Max(op.Add(last, i64([1])), seen)
+    starts = op.Less(op.Mul(m_BC, i64([block])), op.Unsqueeze(end, i64([1])))  # [B, C]
+    some_start = _bool(op.ReduceMax(_i64(starts), keepdims=0))
+    current = op.Squeeze(past_blocks, i64([1]))  # [B, K]
+
+    def fresh_lists():
+        probe_pos = op.Add(op.Unsqueeze(op.Sub(op.Mul(m_BC, i64([block])), i64([P])), i64([2])),
+                           op.Reshape(arange(i64([P])), i64([1, 1, -1])))  # [B, C, P]
+        idx = slot(probe_pos, 3)
+        present = op.And(op.And(op.Unsqueeze(starts, i64([2])), op.GreaterOrEqual(probe_pos, i64([0]))),
+                         op.And(op.GreaterOrEqual(idx, i64([0])), op.Less(idx, op.Add(T, i64([P])))))
+        idx = op.Clip(idx, op.Constant(value_int=0), op.Squeeze(op.Add(T, i64([P - 1])), i64([0])))
+        flat = op.Reshape(idx, i64([0, 1, -1, 1]))
+        q_probe = op.GatherElements(history, op.Expand(flat, op.Concat(op.Shape(flat, start=0, end=1), i64([Ha]),
+                                                                       op.Shape(flat, start=2, end=3), i64([Da]),
+                                                                       axis=0)), axis=2)
+        cols = op.Add(op.Unsqueeze(offset, i64([1])), op.Unsqueeze(arange(N), i64([0])))  # [B, N]
+        inside = op.Less(cols, N)
+        colc = op.Min(cols, op.Sub(N, i64([1])))
+        col4 = op.Reshape(colc, i64([0, 1, -1, 1]))
+        k_pos = op.GatherElements(anchor_keys, op.Expand(col4, op.Concat(op.Shape(col4, start=0, end=1), i64([Hk]),
+                                                                         op.Shape(col4, start=2, end=3), i64([Da]),
+                                                                         axis=0)), axis=2)
+        keep_pos = op.And(op.GatherElements(keep, colc, axis=1), inside)
+        lo, hi, has_key = key_bounds(k_pos, keep_pos, block, Hk, Da)
+        J = dim(lo, 2)
+        visible = op.And(op.Less(op.Reshape(arange(J), i64([1, 1, -1])), op.Unsqueeze(m_BC, i64([2]))),
+                         op.Unsqueeze(has_key, i64([1])))
+        q5 = op.Reshape(q_probe, op.Concat(i64([0, Ha]), op.Shape(present, start=1, end=3), i64([Da]), axis=0))
+        mass_BCJ = bound_mass(q5, present, lo, hi, visible, float(anchor_scale), Ha, Hk, Da)
+        return choose_blocks(mass_BCJ, m_BC, rule, K)
+
+    def no_lists():  # nothing starts: the lists are never read
+        return op.Expand(i64([-1]), op.Concat(op.Shape(m_BC), i64([K]), axis=0))
+
+    [lists] = branch(some_start, fresh_lists, no_lists, 1, like=past_blocks, name="reuse_select")
+    m_BT = op.Div(op.Max(pos, i64([0])), i64([block]))
+    c = op.Clip(op.Sub(m_BT, op.Unsqueeze(first_block, i64([1]))), op.Constant(value_int=0),
+                op.Squeeze(op.Sub(C, i64([1])), i64([0])))
+    c3 = op.Expand(op.Unsqueeze(c, i64([2])), op.Concat(op.Shape(c), i64([K]), axis=0))
+    fresh = op.GatherElements(lists, c3, axis=1)
+    before = op.Unsqueeze(op.Less(op.Mul(m_BT, i64([block])), op.Unsqueeze(seen, i64([1]))), i64([2]))
+    blocks = op.Where(before, op.Unsqueeze(current, i64([1])), fresh)
+    blocks = op.Where(op.Unsqueeze(op.GreaterOrEqual(pos, i64([0])), i64([2])), blocks, i64([-1]))
+    stash_pos = op.Add(op.Unsqueeze(op.Add(last, i64([1])), i64([1])), op.Unsqueeze(op.Sub(arange(i64([P])), i64([P])),
+                                                                                      i64([0])))  # [B, P]
+    sidx = op.Clip(slot(stash_pos, 2), op.Constant(value_int=0), op.Squeeze(op.Add(T, i64([P - 1])), i64([0])))
+    s4 = op.Reshape(sidx, i64([0, 1, -1, 1]))
+    stash = op.GatherElements(history, op.Expand(s4, op.Concat(op.Shape(s4, start=0, end=1), i64([Ha]), i64([P, Da]),
+                                                                axis=0)), axis=2)
+    stash = op.Where(op.Reshape(op.GreaterOrEqual(stash_pos, i64([0])), i64([0, 1, -1, 1])), stash,
+                     op.CastLike(f32(0.0), stash))
+    out = gathered_softmax(q, K_all, V_all, blocks, block, True, float(scale), keep, offset, static=(
+        static_dim(k, 1, "Hkv"), static_dim(k, 3, "D"), static_dim(v, 3, "Dv")), K=K)
+    present_blocks = op.Slice(blocks, i64([-1]), i64([2 ** 62]), i64([1]))  # [B, 1, K]
+    return out, K_all, V_all, op.CastLike(stash, past_probes), present_blocks
+
+
+DECODE_LOWERING = OpLowering("attnopt::reuse_step", {"ort": reuse_step_lowering, "onnx-std": reuse_step_lowering})

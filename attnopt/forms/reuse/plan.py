@@ -68,7 +68,7 @@ def chosen_blocks(q_BHND: torch.Tensor, k_BHkvND: torch.Tensor, keep_BN: Optiona
     read = torch.zeros(B, M, J + 1, dtype=torch.bool)
     read.scatter_(-1, torch.where(blocks >= 0, blocks, J), True)
     chosen = read[..., :J] & ~forced
-    chooses = torch.tensor([rule.candidates(int(mm), J) > rule.top_k for mm in range(M)])[None, :].expand(B, M)
+    chooses = torch.tensor([rule.candidates(int(mm), J) > rule.fits for mm in range(M)])[None, :].expand(B, M)
     if keep_pos is not None:  # query blocks with a real query only
         real = torch.nn.functional.pad(keep_pos, (0, M * rule.block - keep_pos.shape[1])).view(B, M, rule.block).any(-1)
         chooses = chooses & real

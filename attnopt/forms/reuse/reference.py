@@ -76,9 +76,9 @@ def gathered_attention(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, *, block
     qpos_BQ = (Nk - Nq) + torch.arange(Nq, device=q.device)[None, :] - off[:, None]
     same_offset = offsets is None or bool((offsets == offsets[0]).all())
     # Tiles: runs of queries inside one query block for every row (one offset: aligned runs of b);
-    # rows with different offsets tile per query.
-    T = block if same_offset else 1
-    lead = int(qpos_BQ[0, 0]) % block if same_offset else 0
+    # rows with different offsets, and calls of fewer queries than a block (decoding), tile per query.
+    T = block if same_offset and Nq >= block else 1
+    lead = int(qpos_BQ[0, 0]) % block if T > 1 else 0
     n_tiles = -(-(lead + Nq) // T)
     pad_tail = n_tiles * T - lead - Nq
     q_t = torch.nn.functional.pad(q.to(dtype), (0, 0, lead, pad_tail)).view(B, Hkv, G, n_tiles, T, D)

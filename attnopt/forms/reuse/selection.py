@@ -77,7 +77,13 @@ class BlockRule:
     def reads_everything(self, n: int) -> bool:
         """Whether at `n` positions every query block reads every block it can see (no choice is left:
         the form then equals exact attention)."""
-        return max((self.candidates(m, self.blocks(n)) for m in range(self.blocks(n))), default=0) <= self.top_k
+        return max((self.candidates(m, self.blocks(n)) for m in range(self.blocks(n))), default=0) <= self.fits
+
+    @property
+    def fits(self) -> int:
+        """Candidates a query block reads without scoring them: top_k, or none under a mass threshold
+        (which may leave some out)."""
+        return self.top_k if self.mass is None else 0
 
     def candidates(self, m: int, J: int) -> int:
         """How many blocks query block m chooses among when J key blocks exist."""
@@ -198,7 +204,11 @@ def choose_blocks(mass_BMJ: Optional[Tensor], m_BM: Tensor, n_blocks_B: Tensor, 
     candidate = valid & ~forced
     if mass_BMJ is None:
         mass_BMJ = torch.zeros(B, M, J, dtype=torch.float64, device=m_BM.device)
-    score = torch.where(candidate, mass_BMJ, torch.full_like(mass_BMJ, -1.0))  # masses are >= 0
+    # Ranked in steps of 2^-16 of the visible mass: a prefill and a decoding step sum the same masses in
+    # another order, and exact ties (a probe of zeros, the embedding of a pad token, spreads its mass
+    # evenly) must stay ties there, broken alike (the earlier block).
+    quantum = ((mass_BMJ * valid).sum(-1, keepdim=True) * 2.0 ** -16).clamp_min(1e-30)
+    score = torch.where(candidate, torch.round(mass_BMJ / quantum), torch.full_like(mass_BMJ, -1.0))
     order = torch.sort(-score, dim=-1, stable=True).indices  # best first; ties keep the earlier block
     rank = torch.empty_like(order).scatter_(-1, order, j.expand_as(order))
     chosen = candidate & (rank < rule.top_k)
@@ -233,7 +243,7 @@ def select_positions(q_BHND: Tensor, k_BHkvND: Tensor, keep_BN: Optional[Tensor]
     M, b, P = rule.blocks(N), rule.block, rule.probes
     m_BM = torch.arange(M, device=q_BHND.device).expand(B, M)
     n_blocks = _n_blocks(keep_BN, B, N, rule, q_BHND.device)
-    chooses = [m for m in range(M) if rule.candidates(m, M) > rule.top_k]
+    chooses = [m for m in range(M) if rule.candidates(m, M) > rule.fits]
     if not chooses:
         return choose_blocks(None, m_BM, n_blocks, rule, M)
     lo, hi, has_key = key_bounds(k_BHkvND, keep_BN, b)
@@ -387,7 +397,7 @@ def _choose_at(stash_1HXD, end, p0, k_1HkvND, keep_BN, r, offset, m, rule, scale
     J = m + 1  # causal: the blocks up to its own
     m_BM = torch.tensor([[m]], device=stash_1HXD.device)
     n_blocks = torch.tensor([J], device=stash_1HXD.device)
-    if rule.candidates(m, J) <= rule.top_k:
+    if rule.candidates(m, J) <= rule.fits:
         return choose_blocks(None, m_BM, n_blocks, rule, J)[0, 0]
     pos = p0 - P + torch.arange(P, device=stash_1HXD.device)
     present = (pos >= 0)[None]
@@ -409,3 +419,60 @@ def probe_cost(rule: BlockRule, n: int) -> float:
     block's P probes against two bounds of each block."""
     M = rule.blocks(n)
     return 2.0 * rule.probes * M * M
+
+
+# ---------------------------------------------------------------------------------------------
+# the same selection as one vectorised function of fixed-size state (the exported decode step)
+# ---------------------------------------------------------------------------------------------
+
+
+def select_span(q_a: Tensor, k_a: Tensor, keep_BN: Tensor, rule: BlockRule, scale: float, stash_BHPD: Tensor,
+                current_BK: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`select_call` without Python control flow over the data, for a graph: the new queries are the
+    last T of N columns (keep [B, N] bool, every column so far); the state is the anchor's last P
+    queries (stash [B, H, P, D], zeros to start) and the current block's selection (current [B, K],
+    −1 to start). Returns (blocks [B, T, K] in position space, offsets [B], stash, current) after the
+    call. Padding may only lead a row (what generate() makes); no crop (a graph has no history)."""
+    B, H, T, D = q_a.shape
+    N, b, P, K = k_a.shape[2], rule.block, rule.probes, rule.slots
+    dev = q_a.device
+    offset = torch.where(keep_BN.any(-1), keep_BN.long().argmax(-1), N)  # leading pad columns (all, so far)
+    first = (N - T) - offset  # position of the call's first column (negative: padding)
+    seen = first.clamp_min(0)  # real positions before the call
+    pos_BT = first[:, None] + torch.arange(T, device=dev)
+    history = torch.cat([stash_BHPD.to(q_a.dtype), q_a], dim=2)  # stash: positions seen − P .. seen − 1
+
+    def slot(x):  # index into `history` of position x
+        return torch.where(x < seen[..., None] if x.dim() == 2 else x < seen[:, None, None],
+                           x - (seen - P).view(-1, *[1] * (x.dim() - 1)), P + x - first.view(-1, *[1] * (x.dim() - 1)))
+
+    # The blocks that start inside this call, each scored from the P queries before it.
+    C = T // b + 1
+    first_block = -(-seen // b)
+    m_BC = first_block[:, None] + torch.arange(C, device=dev)
+    starts = m_BC * b < (seen + (pos_BT[:, -1] + 1 - seen).clamp_min(0))[:, None]
+    probe_pos = m_BC[..., None] * b - P + torch.arange(P, device=dev)  # [B, C, P]
+    idx = slot(probe_pos)
+    present = starts[..., None] & (probe_pos >= 0) & (idx >= 0) & (idx < P + T)
+    q_probe = history.gather(2, idx.clamp(0, P + T - 1).view(B, 1, C * P, 1).expand(B, H, C * P, D))
+    cols = (offset[:, None] + torch.arange(N, device=dev))
+    inside = cols < N
+    k_pos = k_a.gather(2, cols.clamp(max=N - 1)[:, None, :, None].expand(-1, k_a.shape[1], -1, k_a.shape[3]))
+    keep_pos = keep_BN.gather(1, cols.clamp(max=N - 1)) & inside
+    lo, hi, has_key = key_bounds(k_pos, keep_pos, b)
+    J = lo.shape[2]
+    j = torch.arange(J, device=dev)
+    visible = (j < m_BC[..., None]) & has_key[:, None, :]
+    mass = bound_mass(q_probe.view(B, H, C, P, D), present, lo, hi, visible, scale)
+    lists = choose_blocks(mass, m_BC, torch.full((B,), J, device=dev), rule, J)  # [B, C, K]
+    # Each new query reads its block's list: made in this call, or the current one.
+    m_BT = torch.div(pos_BT, b, rounding_mode="floor")
+    fresh = lists.gather(1, (m_BT - first_block[:, None]).clamp(0, C - 1)[..., None].expand(B, T, K))
+    blocks = torch.where((m_BT * b < seen[:, None])[..., None], current_BK[:, None, :], fresh)
+    blocks = torch.where((pos_BT >= 0)[..., None], blocks, -1)
+    end = pos_BT[:, -1] + 1  # positions after the call (the last column is real)
+    stash_pos = end[:, None] - P + torch.arange(P, device=dev)
+    stash_idx = slot(stash_pos).clamp(0, P + T - 1)
+    stash = history.gather(2, stash_idx[:, None, :, None].expand(B, H, P, D))
+    stash = torch.where((stash_pos >= 0)[:, None, :, None], stash, 0.0)
+    return blocks, offset, stash, blocks[:, -1]

