@@ -11,6 +11,7 @@ import math
 from typing import Any, Optional
 
 from attnopt.evaluation.report import EvalReport
+from attnopt.forms.reuse.heatmap import reuse_heatmaps_html
 from attnopt.report_text import (
     CROSSOVER_NOTE,
     CROSSOVER_TITLES,
@@ -401,6 +402,7 @@ def render_html(rep) -> str:
 <h2>Sites</h2>
 {_site_table(rep)}
 {calibration_html(rep)}
+{reuse_heatmaps_html(rep)}
 {evaluation_html(rep)}
 <h2>Near misses</h2>
 {_near_miss_table(rep)}
