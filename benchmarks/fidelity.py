@@ -19,6 +19,8 @@ the load average). Writes benchmarks/results/fidelity.json and fidelity.svg.
     python benchmarks/fidelity.py --models tiny_lm --steps 100
     python benchmarks/fidelity.py --models tiny_lm --params forms+lora --policies gla,delta --out A.json
     python benchmarks/fidelity.py --combine A.json,B.json --out benchmarks/results/fidelity_gated.json
+    python benchmarks/fidelity.py --models tiny_lm --params forms+lora --lr 0.05 \
+        --policies ssm,gla,gla+window:64,delta --result fidelity_gated   # -> results/fidelity_gated/<machine>.json
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ import json
 import math
 import os
 import platform
+import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent
 MINILM_POLICIES = [
@@ -66,10 +70,9 @@ def minilm_data(n_cal: int, n_held: int):
     return model, batches(cal_texts), batches(held_texts)
 
 
-def tiny_lm_data(n_cal: int, n_held: int):
-    """(model, calibration batches, held-out batches): training-text windows, held-out topic windows."""
-    import sys
-
+def tiny_lm_data(n_cal: int, n_held: int, held_text: Optional[Path] = None):
+    """(model, calibration batches, held-out batches): training-text windows, held-out topic windows
+    (or windows of `held_text`, other English the model never saw)."""
     import torch
     import transformers
 
@@ -79,7 +82,7 @@ def tiny_lm_data(n_cal: int, n_held: int):
     path = ROOT / "data" / "tiny_lm"
     model = transformers.LlamaForCausalLM.from_pretrained(path).eval()
     train_text, _ = tl.corpus()
-    held = tl.eval_chunks(tl.encode((path / "heldout.txt").read_text(encoding="utf-8")), SEQ_LEN, n_held)
+    held = tl.eval_chunks(tl.encode((held_text or path / "heldout.txt").read_text(encoding="utf-8")), SEQ_LEN, n_held)
     gen = torch.Generator().manual_seed(1)
     train_ids = tl.encode(train_text)
     starts = torch.randint(0, train_ids.numel() - SEQ_LEN, (n_cal,), generator=gen).tolist()
@@ -136,11 +139,12 @@ def decoder_scores(ref_logits, logits, batches) -> dict:
     return {"perplexity": math.exp(total / count), "logits_rel_rms": math.sqrt(num / den)}
 
 
-def run_model(name: str, policies, steps: int, n_cal: int, n_held: int, lr, params: str = "forms") -> dict:
+def run_model(name: str, policies, steps: int, n_cal: int, n_held: int, lr, params: str = "forms",
+              held_text: Optional[Path] = None) -> dict:
     import attnopt
     import torch
 
-    model, cal, held = (minilm_data if name == "minilm" else tiny_lm_data)(n_cal, n_held)
+    model, cal, held = minilm_data(n_cal, n_held) if name == "minilm" else tiny_lm_data(n_cal, n_held, held_text)
     encoder = name == "minilm"
     ref = embeddings(model, held) if encoder else logits_of(model, held)
     score = (lambda m: encoder_scores(ref, embeddings(m, held))) if encoder else (
@@ -159,6 +163,8 @@ def run_model(name: str, policies, steps: int, n_cal: int, n_held: int, lr, para
             attnopt.calibrate(opt, cal, held_out=held[:1], steps=steps, lr=lr, params=params, progress=False)
             row["calibration_seconds"] = round(time.perf_counter() - t0, 1)
             row["after"] = score(opt)
+            if not encoder:
+                row["perplexity_over_original"] = round(row["after"]["perplexity"] / rows[0]["perplexity"], 4)
             cal_info = opt.attnopt_report.calibration
             row["site_rms_after_train"] = [s["rms_after"] for s in cal_info["sites"]]
             if cal_info.get("lora"):
@@ -169,7 +175,8 @@ def run_model(name: str, policies, steps: int, n_cal: int, n_held: int, lr, para
         rows.append(row)
         print(name, json.dumps(row), flush=True)
     return {"model": name, "calibration_batches": len(cal), "held_out_batches": len(held), "batch": BATCH,
-            "seq_len": SEQ_LEN, "params": params, "rows": rows}
+            "seq_len": SEQ_LEN, "params": params, "held_out_text": str(held_text) if held_text else "default",
+            "rows": rows}
 
 
 def combine(paths: list, out: Path) -> dict:
@@ -239,8 +246,12 @@ def main(argv=None) -> None:
     ap.add_argument("--combine", default=None, help="comma-separated result JSONs to merge into --out (no run)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--calibration-texts", type=int, default=40)
+    ap.add_argument("--held-out-text", default=None, metavar="PATH",
+                    help="tiny_lm: measure on 256-byte windows of this file instead of its held-out topics")
     ap.add_argument("--held-out-texts", type=int, default=40)
     ap.add_argument("--out", default=str(ROOT / "results" / "fidelity.json"))
+    ap.add_argument("--result", default=None, metavar="NAME",
+                    help="write through resultfile as benchmarks/results/NAME/<machine>.json (and .svg) instead of --out")
     args = ap.parse_args(argv)
     if args.combine:
         combine(args.combine.split(","), Path(args.out))
@@ -258,11 +269,17 @@ def main(argv=None) -> None:
     for name in args.models.split(","):
         policies = args.policies.split(",") if args.policies else (MINILM_POLICIES if name == "minilm" else TINY_POLICIES)
         results["models"].append(run_model(name, policies, args.steps, args.calibration_texts, args.held_out_texts,
-                                           args.lr, args.params))
+                                           args.lr, args.params, Path(args.held_out_text) if args.held_out_text else None))
     results["load_average_end"] = list(os.getloadavg())
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
+    if args.result:
+        sys.path.insert(0, str(ROOT))
+        from resultfile import write_result
+
+        out = write_result(args.result, results)
+    else:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=1))
     plot(results, out.with_suffix(".svg"))
     print(f"wrote {out} and {out.with_suffix('.svg')}")
 

@@ -346,3 +346,17 @@ def test_strong_gates_take_shorter_factored_chunks_and_stay_exact():
         out, S = gated_delta_attention(*(t.float() for t in (q, k, v, g, beta)),
                                        state=init_gated_delta_state(B, Hkv, D, Dv))
         assert torch.isfinite(out).all() and _rel(out, ref) <= 2e-5 and _rel(S, S_ref) <= 2e-5, per_step
+
+
+@pytest.mark.parametrize("C, block", [(64, 16), (128, 32), (48, 16), (30, 16)])  # 30: no block divides it: LAPACK
+def test_blocked_solve_and_longer_chunks_match_the_recurrence(C, block):
+    B, H, Hkv, N, D, Dv = 1, 4, 2, 150, 5, 3
+    q, k, v, g, beta = _problem(B, H, Hkv, N, N, D, Dv, seed=57)
+    km = _mask(B, N, seed=58, p=0.1)
+    ref, _ = delta_oracle(q, k, v, g, beta, key_mask=km)
+    out = gd.gated_delta_chunked(q, k, v, g, beta, key_mask=km, chunk_size=C, solve_block=block)
+    assert _rel(out, ref) <= 1e-9
+    L = torch.randn(3, C, C, dtype=F64, generator=torch.Generator().manual_seed(59)).tril(-1) * 0.3
+    rhs = torch.randn(3, C, 7, dtype=F64, generator=torch.Generator().manual_seed(60))
+    x = gd.unit_lower_solve(L, rhs, block)
+    assert _rel((torch.eye(C, dtype=F64) + L) @ x, rhs) <= 1e-12

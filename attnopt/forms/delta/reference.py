@@ -67,7 +67,8 @@ from attnopt.kernels.dispatch import cuda_kernels
 from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
 from attnopt.kernels.registration import register_recompute_autograd
 
-__all__ = ["gated_delta_attention", "gated_delta_attention_step", "init_gated_delta_state"]
+__all__ = ["gated_delta_attention", "gated_delta_attention_step", "init_gated_delta_state", "gated_delta_chunked",
+           "unit_lower_solve"]
 
 _WHO = "gated_delta_attention"
 
@@ -144,42 +145,72 @@ def _chunk_operands_factored(qc, kc, vc, gc, bc):
     return Lmat, rhs, q_in, QK, k_neg * decay[..., None, None], decay
 
 
-def _delta_chunks(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S0: Tensor, C: int, factored: bool):
+def _delta_chunks(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S0: Tensor, C: int, factored: bool,
+                  solve_block: int = 0):
     """q [X, G, L, D] (scale applied), k [X, L, D], v [X, L, Dv], g/beta [X, L] (L a multiple of C),
     S0 [X, D, Dv] -> (out [X, G, L, Dv], final state [X, D, Dv]). factored: every chunk of g passes
-    `factorable` (the operands then fold the decays in)."""
+    `factorable` (the operands then fold the decays in). solve_block: see `unit_lower_solve`.
+
+    The chunk-local work is laid out chunk-major, [nc, X, ·, ·] (the chunk operands' "X, nc" read as
+    "nc, X"), so every step of the carry across chunks reads contiguous blocks: sliced along a middle
+    dimension, each step's baddbmm copied its operands first, one more small op per chunk, and small
+    ops are what a busy machine's thread pool makes slow."""
     X, G, L, D = q.shape
     Dv = v.shape[-1]
     nc = L // C
-    qc = q.reshape(X, G, nc, C, D).transpose(1, 2).reshape(X, nc, G * C, D)  # the G heads share each product
-    kc, vc = k.reshape(X, nc, C, D), v.reshape(X, nc, C, Dv)
-    gc, bc = g.reshape(X, nc, C, 1), beta.reshape(X, nc, C)
+    qc = q.reshape(X, G, nc, C, D).permute(2, 0, 1, 3, 4).reshape(nc, X, G * C, D)  # the G heads share each product
+    kc, vc = k.reshape(X, nc, C, D).transpose(0, 1), v.reshape(X, nc, C, Dv).transpose(0, 1)
+    gc, bc = g.reshape(X, nc, C, 1).transpose(0, 1), beta.reshape(X, nc, C).transpose(0, 1)
     operands = _chunk_operands_factored if factored else _chunk_operands_exact
-    Lmat, rhs, q_in, QK, k_out, decay = operands(qc, kc, vc, gc, bc)
+    Lmat, rhs, q_in, QK, k_out, decay = operands(qc, kc.contiguous(), vc.contiguous(), gc.contiguous(), bc.contiguous())
 
     # WY / UT transform: (I + L)⁻¹ [βV, diag(β exp b) K] by one unit-lower-triangular solve per chunk.
-    sol = torch.linalg.solve_triangular(Lmat, rhs, upper=False, unitriangular=True)  # diagonal read as 1
+    sol = unit_lower_solve(Lmat, rhs, solve_block)
     U, Wm = sol[..., :Dv], sol[..., Dv:]
 
     # Across chunks S' = e^{b_C} S + K̃ᵀ(U − W S) = A S + Bᵀ with A = e^{b_C} I − K̃ᵀW [D, D] and
     # B = K̃ᵀU, both batched over every chunk first; the loop then carries S by one fused
     # multiply-add per chunk, and Δ = U − W S_before is one batched product after it.
     k_out_T = k_out.transpose(-1, -2)
-    A_t = -(k_out_T @ Wm)  # [X, nc, D, D]
+    A_t = -(k_out_T @ Wm)  # [nc, X, D, D]
     A_t.diagonal(dim1=-2, dim2=-1).add_(decay[..., None])
-    B_t = k_out_T @ U  # [X, nc, D, Dv]
+    B_t = k_out_T @ U  # [nc, X, D, Dv]
     S = S0
     befores = []
     for i in range(nc):
         befores.append(S)
-        S = torch.baddbmm(B_t[:, i], A_t[:, i], S)
-    S_before = torch.stack(befores, dim=1).view(X * nc, D, Dv)
-    Delta = torch.baddbmm(U.reshape(X * nc, C, Dv), Wm.reshape(X * nc, C, D), S_before, alpha=-1)
-    out = torch.baddbmm(q_in.reshape(X * nc, G * C, D) @ S_before, QK.reshape(X * nc, G * C, C), Delta)
-    return out.view(X, nc, G, C, Dv).transpose(1, 2).reshape(X, G, L, Dv), S
+        S = torch.baddbmm(B_t[i], A_t[i], S)
+    S_before = torch.stack(befores).view(nc * X, D, Dv)
+    Delta = torch.baddbmm(U.reshape(nc * X, C, Dv), Wm.reshape(nc * X, C, D), S_before, alpha=-1)
+    out = torch.baddbmm(q_in.reshape(nc * X, G * C, D) @ S_before, QK.reshape(nc * X, G * C, C), Delta)
+    return out.view(nc, X, G, C, Dv).permute(1, 2, 0, 3, 4).reshape(X, G, L, Dv), S
 
 
-def _delta_forward(q, k, v, g, beta, key_mask, scale: float, chunk_size: int, S0: Optional[Tensor] = None):
+def unit_lower_solve(L: Tensor, rhs: Tensor, block: int = 0) -> Tensor:
+    """(I + L)⁻¹ rhs for L [..., C, C] read as unit lower triangular (its diagonal and above unread).
+
+    block 0: one LAPACK solve (trsm) per chunk. block b dividing C: the b×b diagonal blocks inverted
+    by one batched solve, then forward substitution by block rows, C/b steps of batched matmuls
+    (FLA's blocked inverse, applied to the right-hand side instead of formed)."""
+    C = L.shape[-1]
+    if not block or C <= block or C % block:
+        return torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
+    nb = C // block
+    rows = L.unflatten(-2, (nb, block))  # [..., nb, b, C]
+    diag = torch.diagonal(rows.unflatten(-1, (nb, block)), dim1=-4, dim2=-2).movedim(-1, -3)  # [..., nb, b, b]
+    eye = torch.eye(block, dtype=L.dtype, device=L.device).expand(diag.shape)
+    inv = torch.linalg.solve_triangular(diag, eye, upper=False, unitriangular=True)  # (I + L_ii)⁻¹
+    xs = []
+    for i in range(nb):
+        r = rhs[..., i * block:(i + 1) * block, :]
+        if i:
+            r = r - rows[..., i, :, : i * block] @ torch.cat(xs, dim=-2)
+        xs.append(inv[..., i, :, :] @ r)
+    return torch.cat(xs, dim=-2)
+
+
+def _delta_forward(q, k, v, g, beta, key_mask, scale: float, chunk_size: int, S0: Optional[Tensor] = None,
+                   solve_block: int = 0):
     """Chunked prefill, differentiable plain PyTorch. Returns (out, S)."""
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -207,6 +238,7 @@ def _delta_forward(q, k, v, g, beta, key_mask, scale: float, chunk_size: int, S0
     out, S = _delta_chunks(
         qq.reshape(B * Hkv, G, L, D), kk.reshape(B * Hkv, L, D), vv.reshape(B * Hkv, L, Dv),
         gg.reshape(B * Hkv, L), bb.reshape(B * Hkv, L), S.reshape(B * Hkv, D, Dv), Cf or C, Cf is not None,
+        solve_block,
     )
     out = out.reshape(B, H, L, Dv)[:, :, Nk - Nq : Nk]
     return out.to(out_dtype), S.reshape(B, Hkv, D, Dv)
@@ -272,6 +304,19 @@ def gated_delta_attention(
         return torch.ops.attnopt.gated_delta_attention(q, k, v, g, beta, key_mask, s, chunk_size)
     S0 = _check_state(state, B, Hkv, D, Dv)
     return _delta_forward(q, k, v, g, beta, key_mask, s, chunk_size, S0)
+
+
+def gated_delta_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: Optional[float] = None,
+                        key_mask: Optional[Tensor] = None, chunk_size: int = 64, solve_block: int = 0) -> Tensor:
+    """`gated_delta_attention`'s chunked body as plain differentiable PyTorch (no custom op), with its
+    algorithmic choices open: the chunk length and the intra-chunk solve (`unit_lower_solve`'s
+    block; 0 = LAPACK). For measuring them (benchmarks/ops_cpu.py); same arguments and result."""
+    _check_inputs(q, k, v, g, beta, key_mask)
+    _check_options(scale, chunk_size)
+    if isinstance(solve_block, bool) or not isinstance(solve_block, int) or solve_block < 0:
+        raise ValueError(f"gated_delta_chunked: solve_block must be an int >= 0 (0: LAPACK), got {solve_block!r}")
+    s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return _delta_forward(q, k, v, g, beta, key_mask, s, chunk_size, solve_block=solve_block)[0]
 
 
 def gated_delta_attention_step(
