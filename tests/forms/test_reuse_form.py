@@ -1,0 +1,202 @@
+"""The reuse form in compiled models: cached decoding equals the full forward of the reused model (per
+step, with left padding), a padded row equals the row alone, the measured plan (overlap matrix,
+anchors) is in the report and survives save/load, the DP planner and the overlap by hand, and each
+bad input's one-line error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnopt
+from attnopt import PolicyError
+from attnopt.forms.reuse.heatmap import overlap_heatmap_html
+from attnopt.forms.reuse.plan import choose_anchors, chosen_blocks, overlap_matrix
+from attnopt.forms.reuse.selection import BlockRule
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 97
+SMALL = "reuse:1+block:4+every:2+probes:2"  # layers 0, 2 anchor; 1, 3 reuse; 4 exact
+
+
+def _llama(layers=5, seed=0):
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=layers,
+                                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+                                   pad_token_id=0)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _ids(b, n, seed=1):
+    return torch.randint(3, VOCAB, (b, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _llama()
+
+
+@pytest.fixture(scope="module")
+def small(llama):
+    return attnopt.compile(llama, SMALL, example_inputs={"input_ids": _ids(2, 40), "use_cache": False},
+                           tolerance=10.0, e2e_tolerance=None)
+
+
+def _forward(model, ids, mask):
+    pos = (mask.long().cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+
+
+def test_every_third_layer_anchors_and_the_others_read_its_blocks(small):
+    rep = small.attnopt_report
+    assert [str(r.outcome.status) for r in rep.sites] == ["kept", "rewritten", "unsupported", "rewritten", "kept"]
+    assert "layer 2 is an anchor (every 2)" in rep.sites[2].outcome.reason
+    anchors = {m.geometry.site_id: m.anchor_id for m in small.modules() if isinstance(m, attnopt.forms.SiteModule)}
+    ids = [r.site.id for r in rep.sites]
+    assert anchors == {ids[1]: ids[0], ids[3]: ids[2]}
+
+
+def test_cached_decoding_equals_the_full_forward_step_by_step_with_left_padding(llama, small):
+    ids, mask = _ids(2, 30, seed=4), torch.ones(2, 30, dtype=torch.long)
+    ids[1, :5], mask[1, :5] = 0, 0  # row 1 left-padded
+    with torch.no_grad():
+        gen = small.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+    steps = torch.stack(gen.logits, 1)  # what each decoding step read its token from
+    full_mask = torch.cat([mask, torch.ones(2, 12, dtype=torch.long)], 1)
+    full = _forward(small, gen.sequences, full_mask)[:, 29:-1]
+    assert (steps - full).abs().max() < 1e-4
+    # Both are the reused model, not the original (which differs), and a padded row is the row alone.
+    assert (full - _forward(llama, gen.sequences, full_mask)[:, 29:-1]).abs().max() > 1e-2
+    alone = _forward(small, gen.sequences[1:, 5:], full_mask[1:, 5:])[:, 24:-1]
+    assert (alone - full[1:]).abs().max() < 1e-4
+
+
+def test_a_chunked_prefill_and_beam_reordering_keep_the_selection(small):
+    ids = _ids(1, 27, seed=6)
+    with torch.no_grad():
+        whole = small(input_ids=ids, use_cache=True)
+        cache = whole.past_key_values
+        nxt = small(input_ids=ids[:, :1] + 1, past_key_values=cache, use_cache=True).logits
+        from attnopt.hf.cache import make_cache
+
+        chunked = make_cache(small)
+        for a, b in ((0, 10), (10, 11), (11, 27)):
+            small(input_ids=ids[:, a:b], past_key_values=chunked, use_cache=True)
+        nxt_c = small(input_ids=ids[:, :1] + 1, past_key_values=chunked, use_cache=True).logits
+    assert (nxt - nxt_c).abs().max() < 1e-5
+    state = chunked.layers[1].selection
+    chunked.layers[1].batch_repeat_interleave(3)
+    assert chunked.layers[1].selection.stash_BHWD.shape[0] == 3 and torch.equal(
+        chunked.layers[1].selection.history_BMK[2], state.history_BMK[0])
+
+
+@pytest.fixture(scope="module")
+def measured(llama):
+    batches = [{"input_ids": _ids(2, 48, seed=s), "use_cache": False} for s in (7, 8)]
+    return attnopt.compile(llama, "reuse:1+block:4+probes:2+overlap:0.3", example_inputs=batches[0],
+                           calibration=batches[1:], tolerance=10.0, e2e_tolerance=None)
+
+
+def test_the_measured_plan_is_in_the_report_and_in_the_modules(measured):
+    rep = measured.attnopt_report
+    plan = rep.counts["verify"]["plans"]["reuse"]
+    ids, overlap = plan["site_ids"], plan["overlap"]
+    assert ids == [r.site.id for r in rep.sites] and plan["threshold"] == 0.3
+    assert all(overlap[i][j] is None for i in range(5) for j in range(i, 5))
+    assert all(0.0 <= overlap[i][j] <= 1.0 for i in range(5) for j in range(i))
+    anchors, reuse = choose_anchors(overlap, 0.3)
+    assert plan["reuse"] == {ids[m]: ids[a] for m, a in reuse.items()} and plan["reuse"]  # something is reused
+    modules = {m.geometry.site_id: m.anchor_id for m in measured.modules() if isinstance(m, attnopt.forms.SiteModule)}
+    assert modules == plan["reuse"]
+    for r in rep.sites[1:-1]:
+        if r.site.id not in plan["reuse"]:
+            assert "measured plan" in r.outcome.reason
+    page = rep.to_html()
+    assert "Cross-layer block overlap" in page and page.count('stroke="#e8590c"') == len(plan["reuse"])
+    assert rep.from_dict(rep.to_dict()).counts["verify"]["plans"]["reuse"]["overlap"] == overlap
+
+
+def test_a_measured_plan_comes_back_from_disk(measured, tmp_path):
+    ids = _ids(1, 50, seed=9)
+    loaded = attnopt.load(attnopt.save(measured, tmp_path / "m"))
+    got = {m.geometry.site_id: m.anchor_id for m in loaded.modules() if isinstance(m, attnopt.forms.SiteModule)}
+    assert got == measured.attnopt_report.counts["verify"]["plans"]["reuse"]["reuse"]
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, measured(input_ids=ids).logits)
+
+
+def test_choose_anchors_by_dynamic_programming():
+    o = [[None] * 5, [0.9, None, None, None, None], [0.2, 0.8, None, None, None], [0.1, 0.3, 0.9, None, None],
+         [0.5, 0.5, 0.5, 0.5, None]]
+    # 0 anchors 1; 2 cannot read 0 (0.2): 1 would anchor 2, but then 3 (0.3 on 1) needs its own: 2 anchors 3.
+    assert choose_anchors(o, 0.7) == ([0, 2], {1: 0, 3: 2})
+    assert choose_anchors(o, 0.05) == ([0], {1: 0, 2: 0, 3: 0})  # the last site stays exact
+    assert choose_anchors(o, 0.95) == ([], {})
+    assert choose_anchors(o, 0.05, keep_last=False) == ([0], {1: 0, 2: 0, 3: 0, 4: 0})
+    o[3][2] = None  # shapes that differ cannot be reused across
+    assert choose_anchors(o, 0.7) == ([0], {1: 0})
+
+
+def test_overlap_is_the_share_of_a_layer_s_chosen_blocks_its_anchor_also_chooses():
+    from attnopt.ir.calls import SiteCall
+
+    rule = BlockRule(block=4, top_k=1, window=0, sinks=0, probes=4, causal=True)
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 2, 40, 8, generator=g), torch.randn(1, 2, 40, 8, generator=g)
+    q2, k2 = torch.randn(1, 2, 40, 8, generator=g), torch.randn(1, 2, 40, 8, generator=g)
+    calls = {s: [SiteCall(a, b, b, None, a)] for s, (a, b) in {"a": (q, k), "b": (q, k), "c": (q2, k2)}.items()}
+    rules, scales, keep = ({s: rule for s in "abc"}, {s: 0.3 for s in "abc"}, {s: "true" for s in "abc"})
+    o = overlap_matrix(["a", "b", "c"], calls, rules, scales, keep)
+    assert o[1][0] == 1.0  # the same q and k choose the same blocks
+    ca, wa = chosen_blocks(q, k, None, rule, 0.3)
+    cc, wc = chosen_blocks(q2, k2, None, rule, 0.3)
+    # By hand: each choosing query block picks one block; count where both pick the same.
+    hits = sum(int((ca[0, m] & cc[0, m]).any()) for m in range(10) if wc[0, m])
+    assert o[2][0] == pytest.approx(hits / int(wc[0].sum())) and int(wc[0].sum()) == 8  # blocks 2..9 choose
+    html = overlap_heatmap_html({"site_ids": ["a", "b", "c"], "layers": [0, 1, 2], "overlap": o,
+                                 "reuse": {"b": "a"}, "threshold": 0.5, "rule": {"block": 4}}, "t")
+    assert html.count("<rect") == 3 and html.count('stroke="#e8590c"') == 1
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("reuse+min_seq_len:64", "min_seq_len does not apply"),
+    ("reuse+anchor:0+every:2", "give anchor or every, not both"),
+    ("reuse+block:8+probes:16", "probes 16 > block 8"),
+    ("reuse:-1", "must be >= 0"),
+])
+def test_bad_parameters_say_what_to_change(spec, message):
+    with pytest.raises(PolicyError, match=message):
+        attnopt.Policy.parse(spec)
+
+
+def test_a_reused_layer_called_alone_says_it_needs_its_anchor(small):
+    module = next(m for m in small.modules() if isinstance(m, attnopt.forms.SiteModule))
+    q = torch.randn(1, 6, 40, 8)
+    k = torch.randn(1, 2, 40, 8)
+    with pytest.raises(ValueError, match="needs anchor="):
+        module(q, k, k)
+
+
+@pytest.mark.slow
+def test_minilm_keeps_its_embeddings_on_passages_compile_never_saw(minilm):
+    # Bidirectional, 512 tokens, blocks of 32 (16 per row), 6 of them read per query block; anchors
+    # measured on passages 0-3, cosine measured on passages 4-7.
+    from pathlib import Path
+
+    model, tok = minilm
+    words = (Path(__file__).resolve().parents[2] / "benchmarks/data/passages.txt").read_text().split()
+    chunks = [" ".join(words[i * 420:(i + 1) * 420]) for i in range(8)]
+    enc = [dict(tok(chunks[i:i + 2], return_tensors="pt", truncation=True, max_length=512, padding="max_length"))
+           for i in range(0, 8, 2)]
+    opt = attnopt.compile(model, "reuse:2+block:32", example_inputs=enc[0], calibration=enc[1:2], e2e_tolerance=None,
+                          dispatch="off")
+    assert opt.attnopt_report.count("rewritten") >= 1
+    for batch in enc[2:]:
+        with torch.no_grad():
+            a, b = opt(**batch).last_hidden_state, model(**batch).last_hidden_state
+        w = batch["attention_mask"][..., None].double()
+        cos = torch.nn.functional.cosine_similarity((a.double() * w).sum(1), (b.double() * w).sum(1), -1)
+        assert float(cos.min()) >= 0.98, cos
