@@ -7,14 +7,19 @@ transposed). The model built from it is either one site whose attributes equal t
 or, for a trap, no site and one near miss with the trap's code -- never a wrong site.
 
 The recipe's truth is itself checked: the module's output equals SDPA computed from the truth.
+
+The 200 recipes are drawn once, deterministically, at collection; each is one test case. By default
+a fixed-seed sample of 40 runs, chosen so that every value of every spelling field appears in it
+(the `sampled` marker, tests/conftest.py); `pytest --full` runs all 200.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, fields
 from typing import Optional
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, given, settings
@@ -25,6 +30,7 @@ from attnopt.inspection import inspect
 from zoo_models import NEG_INF, Truth, assert_site_matches, repeat_kv, site_output_error
 
 EXAMPLES = 200
+SAMPLE = 40  # run by default; all EXAMPLES under --full
 
 # Disjoint value sets: no two of B, H, Hkv, N, D can be equal in any drawn recipe.
 BATCHES = (2, 3, 5)
@@ -327,27 +333,64 @@ def check_recipe(recipe: Recipe) -> None:
     assert error < 1e-4, f"site rebuilt from its nodes is off by {error:.3g}: {recipe}"
 
 
-def test_generated_spellings():
-    """At least 200 drawn models, each a correct site or the expected near miss."""
-    checked = []
+def drawn_recipes(n: int = EXAMPLES) -> list:
+    """The first n recipes hypothesis draws, derandomized: the same list on every run and worker."""
+    drawn = []
 
     @settings(
-        max_examples=EXAMPLES,
+        max_examples=n,
         deadline=None,
         derandomize=True,
         database=None,
-        phases=(Phase.explicit, Phase.generate),  # no shrinking: the failure message names the recipe
-        suppress_health_check=[HealthCheck.too_slow],
+        phases=(Phase.generate,),
+        suppress_health_check=list(HealthCheck),
     )
     @given(recipes())
-    def run(recipe):
-        check_recipe(recipe)
-        checked.append(recipe)
+    def draw(recipe):
+        drawn.append(recipe)
 
-    run()
-    assert len(checked) >= EXAMPLES
-    assert sum(r.trap != "none" for r in checked) >= 20  # traps are really exercised
-    assert {r.mask for r in checked} == set(SDPA_MASKS) | set(EXPLICIT_MASKS)
+    draw()
+    return drawn[:n]
+
+
+def spelling_tags(recipe: Recipe) -> set:
+    """The families a sample must cover: every field's value, and mask and GQA per source (SDPA and
+    an explicit chain spell "none", the input masks and repeat_kv differently)."""
+    tags = {f"{f.name}={value}" for f, value in zip(fields(Recipe), astuple(recipe))}
+    source = "sdpa" if recipe.sdpa else "explicit"
+    return tags | {f"{source}/mask={recipe.mask}", f"{source}/gqa={recipe.gqa}", f"{source}/layout={recipe.layout}"}
+
+
+def _case_id(recipe: Recipe) -> str:
+    return "-".join((recipe.scale_form, recipe.mask, recipe.layout, recipe.gqa, recipe.trap))
+
+
+RECIPES = drawn_recipes()
+
+
+def test_drawn_recipes_cover_every_spelling():
+    """The draw itself: 200 recipes, traps really exercised, every mask spelling present."""
+    assert len(RECIPES) == EXAMPLES
+    assert sum(r.trap != "none" for r in RECIPES) >= 20
+    assert {r.mask for r in RECIPES} == set(SDPA_MASKS) | set(EXPLICIT_MASKS)
+    assert {r.scale_form for r in RECIPES} == set(SDPA_SCALES) | set(EXPLICIT_SCALES)
+    assert {r.trap for r in RECIPES} == {"none"} | set(TRAP_CODES)
+
+
+def test_the_default_sample_covers_every_family_of_the_draw(covering_sample):
+    """40 recipes, and every tag any of the 200 carries is carried by one of them."""
+    tag_sets = [spelling_tags(r) for r in RECIPES]
+    sample = covering_sample(tag_sets, SAMPLE, seed=0)
+    assert len(sample) == SAMPLE and len(set(sample)) == SAMPLE
+    assert set().union(*(tag_sets[i] for i in sample)) == set().union(*tag_sets)
+    assert covering_sample(tag_sets, SAMPLE, seed=0) == sample  # fixed
+
+
+@pytest.mark.sampled(SAMPLE, seed=0, tags=lambda params: spelling_tags(params["recipe"]))
+@pytest.mark.parametrize("recipe", RECIPES, ids=[f"{i:03d}-{_case_id(r)}" for i, r in enumerate(RECIPES)])
+def test_generated_spelling(recipe):
+    """A drawn model is a correct site or, for a trap, exactly the expected near miss."""
+    check_recipe(recipe)
 
 
 def test_ground_truth_reference_detects_a_wrong_scale():
