@@ -29,6 +29,10 @@ Sections, each in its own try/except (a failing section records its error and th
                64) against their PyTorch reference ops on the GPU (fp32, bf16), then forward times
                at T = 4k / 16k (D = 128, bf16) next to fla-core's chunk_gla and
                chunk_gated_delta_rule when fla imports (a note says so when it does not)
+  reuse        the reuse form's Triton block-sparse prefill vs its PyTorch op (fp32, bf16), then forward
+               times at T = 4k..32k (D = 128, bf16, 16/4 heads, blocks of 64, 1/8 of the keys read)
+               next to SDPA causal, FlexAttention with the same BlockMask and fla's NSA (its
+               selected-block branch on the same lists) when importable
   e2e          prefill of a small random-weight Llama-style transformers model from a config:
                original SDPA vs attnopt.compile with "linear", "window:256+sinks:4" and
                "linear+window:64" (policies that may not exist yet: errors are recorded)
@@ -601,6 +605,97 @@ def gated(quick: bool):
     return res
 
 
+def _reuse_inputs(B, H, Hkv, T, D, dtype, block, share=8, seed=0):
+    """q, k, v and per-query-block lists reading 1/share of the keys (own block, the one before, block 0
+    and random earlier ones), as the reuse form's selection makes them."""
+    q, k, v = _inputs(B, H, Hkv, T, T, D, D, dtype, seed)
+    M = -(-T // block)
+    slots = max(3, M // share)
+    g = torch.Generator().manual_seed(seed)
+    lists = torch.full((B, M, slots), -1, dtype=torch.long)
+    for m in range(M):
+        own = [m] + ([m - 1] if m >= 1 else []) + ([0] if m >= 2 else [])
+        rest = torch.randperm(max(m - 1, 1), generator=g)[: slots - len(own)] + 1 if m > 2 else torch.tensor([], dtype=torch.long)
+        ids = sorted(set(own) | {int(x) for x in rest if 0 < int(x) < m - 1})[:slots]
+        lists[:, m, :len(ids)] = torch.tensor(ids)
+    return q, k, v, lists.to(DEV)
+
+
+@section("reuse")
+def reuse(quick: bool):
+    """The reuse form's Triton block-sparse prefill: against its PyTorch op (fp32, bf16), then forward
+    times next to FlexAttention with the same BlockMask and fla's NSA when importable."""
+    from attnopt.forms.reuse import triton as treuse
+    from attnopt.forms.reuse.reference import _block_sparse_op, flex_attention_cpu  # noqa: F401
+
+    res = {"correctness": {}, "rows": [], "notes": []}
+    block = 16 if SMOKE else 64
+    for dtype in (torch.float32, torch.bfloat16):
+        def one(dtype=dtype):
+            q, k, v, lists = _reuse_inputs(2, 4, 2, 70 if SMOKE else 1000, 16 if SMOKE else 64, dtype, block)
+            per_query = lists.repeat_interleave(block, 1)[:, :q.shape[2]]
+            got = treuse.block_sparse_attention_triton(q, k, v, lists, block=block, causal=True, scale=0.125)
+            want = _block_sparse_op(q.float(), k.float(), v.float(), per_query, block, True, 0.125, None, None)
+            return {"rel_err": _rel(got, want), "tol": TOL[dtype][0]}
+        res["correctness"][str(dtype).replace("torch.", "")] = guarded(one)
+    save()
+    lengths = [128] if SMOKE else ([8192] if quick else [4096, 16384, 32768])
+    for T in lengths:
+        if time_left() < 60:
+            res["rows"].append({"T": T, "skipped": "time budget"})
+            continue
+        B, H, D = (1, 2, 16) if SMOKE else (1, 16, 128)
+        q, k, v, lists = _reuse_inputs(B, H, H // 4 if H >= 4 else H, T, D, torch.bfloat16, block)
+        row = {"T": T, "B": B, "H": H, "D": D, "block": block, "blocks_read": lists.shape[-1], "fwd_ms": {},
+               "errors": {}}
+        impls = {"sdpa_flash_causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                 "triton_block_sparse": lambda: treuse.block_sparse_attention_triton(q, k, v, lists, block=block,
+                                                                                     causal=True)}
+        try:
+            from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+            flex = torch.compile(flex_attention)
+            M = lists.shape[1]
+            ids = lists.clamp_min(0)
+            diag = lists == torch.arange(M, device=DEV)[None, :, None]
+            full_n = ((lists >= 0) & ~diag).sum(-1).to(torch.int32)[:, None]
+            order = torch.sort((~((lists >= 0) & ~diag)).to(torch.int8), dim=-1, stable=True).indices
+            full_i = torch.nn.functional.pad(torch.gather(ids, -1, order), (0, M - lists.shape[-1])).to(torch.int32)[:, None]
+            part_n = torch.ones(B, 1, M, dtype=torch.int32, device=DEV)
+            part_i = torch.arange(M, device=DEV, dtype=torch.int32).view(1, 1, M, 1).expand(B, 1, M, M).contiguous()
+            mask = BlockMask.from_kv_blocks(part_n, part_i, full_n, full_i.contiguous(), BLOCK_SIZE=block,
+                                            mask_mod=lambda b, h, qi, ki: ki <= qi, seq_lengths=(T, T))
+            impls["flex_block_mask"] = lambda: flex(q, k, v, block_mask=mask, enable_gqa=True)
+        except Exception as e:
+            row["errors"]["flex_block_mask"] = f"{type(e).__name__}: {e}"[:300]
+        try:
+            from fla.ops.nsa import parallel_nsa
+
+            # NSA's selected-block branch on the same lists ([B, T, H, D] layout, per-query block indices).
+            qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+            idx = lists.repeat_interleave(block, 1)[:, :T][:, :, None].expand(B, T, k.shape[1], lists.shape[-1])
+            counts = (lists >= 0).sum(-1).repeat_interleave(block, 1)[:, :T][:, :, None].expand(B, T, k.shape[1])
+            impls["fla_parallel_nsa_selected"] = lambda: parallel_nsa(
+                qt, kt, vt, block_indices=idx.contiguous(), block_counts=counts.contiguous(), block_size=block,
+                scale=D ** -0.5)
+        except Exception as e:
+            res["notes"].append(f"fla NSA not run: {type(e).__name__}: {e}"[:300])
+        for name, f in impls.items():
+            if time_left() < 45:
+                row["errors"][name] = "skipped: time budget"
+                continue
+            try:
+                with torch.no_grad():
+                    f()
+                    row["fwd_ms"][name] = round(bench(f), 4)
+            except Exception as e:
+                row["errors"][name] = f"{type(e).__name__}: {e}"[:300]
+        res["rows"].append(row)
+        save()
+        print(f"[gpu.py] reuse T={T}: {row['fwd_ms']}", flush=True)
+    return res
+
+
 @section("e2e")
 def e2e(quick: bool):
     import transformers
@@ -672,6 +767,7 @@ def main(argv=None):
         correctness()
         kernels(True)
         gated(True)
+        reuse(True)
         print(f"[gpu.py] smoke done in {time.time() - T0:.0f} s -> {OUT_PATH}")
         return 0
     if not torch.cuda.is_available():
@@ -685,6 +781,7 @@ def main(argv=None):
     graph()
     kernels(args.quick)
     gated(args.quick)
+    reuse(args.quick)
     e2e(args.quick)
     print(f"[gpu.py] done in {time.time() - T0:.0f} s -> {OUT_PATH}")
     return 0
