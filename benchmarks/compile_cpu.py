@@ -143,7 +143,7 @@ def main(argv=None):
                       "tolerance 0.99 and no end-to-end budget for the random-weight llama rows",
         "minilm": bench_minilm(["exact", "window:64", "window:64+sinks:4", "window:256+sinks:4", "linear",
                                 "linear:favor", "linear:taylor", "linear:hedgehog", "linear+window:64",
-                                "linear+window:64+sinks:4", "reuse:-1+rank:0", "reuse", "reuse:-1+rank:32", "auto",
+                                "linear+window:64+sinks:4", "reuse:2+block:32", "reuse:4+block:32+every:2", "auto",
                                 "hybrid", "examples/hybrid_policy.yaml"]),
     }
     if not args.skip_llama:

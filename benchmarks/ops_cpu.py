@@ -4,7 +4,7 @@ Every (op, causal, N) is measured in a fresh subprocess, so its peak-RSS delta (
 minus after building the inputs) is that op's own working memory, not a high-water mark left behind by
 an earlier op; torch's CPU allocations are invisible to tracemalloc, so RSS is the honest measure.
 Time is the median of `repeats` calls after one warm-up call; the ratio is SDPA seconds / op seconds,
-both measured by this invocation. An N² op (SDPA, reuse) whose time extrapolated from the largest N
+both measured by this invocation. An N² op (SDPA) whose time extrapolated from the largest N
 already measured exceeds --max-seconds is not run; its time and ratio are then marked "estimated".
 
     python benchmarks/ops_cpu.py --sizes 1024,4096 --repeats 3 --out benchmarks/results/ops_cpu.json
@@ -32,7 +32,7 @@ from typing import Optional
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SIZES = (1024, 4096, 16384, 32768)
 B, H, D = 1, 8, 64  # fixed shape of the study: one sequence, 8 heads of 64, fp32
-REUSE_RANK = 8
+REUSE_BLOCKS = {"block": 64, "top_k": 16, "window": 1, "sinks": 1}  # the reuse form's defaults
 SEED = 0
 
 
@@ -58,8 +58,8 @@ CASES = (
     OpCase("linear", True, "attnopt.forms.linear.reference", 1, {"feature_map": "elu"}),
     OpCase("window", True, "attnopt.forms.window.reference", 1, {"window": 256, "sinks": 4}),
     OpCase("decay", True, "attnopt.forms.ssm.reference", 1, {"decay": None}),  # None: RetNet γ_h = 1 − 2^(−5−h)
-    OpCase("reuse", False, "attnopt.forms.reuse.reference", 2, {"rank": REUSE_RANK}),
-    OpCase("reuse", True, "attnopt.forms.reuse.reference", 2, {"rank": REUSE_RANK}),
+    OpCase("reuse", False, "attnopt.forms.reuse.reference", 1, REUSE_BLOCKS),
+    OpCase("reuse", True, "attnopt.forms.reuse.reference", 1, REUSE_BLOCKS),
     # The gated ops (causal by construction), gates as the forms make them: logsigmoid(·)/16-sized.
     OpCase("gla", True, "attnopt.forms.gla.reference", 1, {"gate": "channel", "feature_map": "elu"}),
     OpCase("gla_head", True, "attnopt.forms.gla.reference", 1, {"gate": "head", "feature_map": "elu"}),
@@ -103,12 +103,15 @@ def _build_call(case: OpCase, N: int):
         return lambda: fn(q, k, v, decay=case.params["decay"], scale=scale)
     if case.name in GATED_OPS:
         return _gated_call(mod, case, q, k, v, g)
-    if case.name == "reuse":
-        C, r = H * D, case.params["rank"]
-        x = torch.randn(B, N, C, generator=g)
-        A = torch.randn(H, C + 1, r, generator=g) * C**-0.5
-        B_ = torch.randn(H, C + 1, r, generator=g) * C**-0.5
-        return lambda: mod.reuse_attention(q, k, v, x, A, B_, scale=scale, causal=case.causal)
+    if case.name == "reuse":  # the block-sparse op over lists an anchor (random here) selected
+        from attnopt.forms.reuse.selection import BlockRule, select_call
+
+        p = case.params
+        rule = BlockRule(block=p["block"], top_k=p["top_k"], window=p["window"], sinks=p["sinks"], probes=p["block"],
+                         causal=case.causal)
+        anchor_q, anchor_k = (torch.randn(B, H, N, D, generator=g) for _ in range(2))
+        blocks = select_call(anchor_q, anchor_k, None, rule, scale, None)[0].blocks_BQK
+        return lambda: mod.block_sparse_attention(q, k, v, blocks, block=rule.block, causal=case.causal, scale=scale)
     raise ValueError(f"unknown op case {case.name!r}")
 
 
@@ -267,7 +270,7 @@ def run(sizes, repeats, threads, max_seconds, timeout, only) -> dict:
         "config": {
             "B": B, "H": H, "D": D, "dtype": "float32", "sizes": list(sizes), "repeats": repeats,
             "repeats_rule": "median of min(repeats, 3) at N>=16384 and min(repeats, 2) at N>=32768, after one warm-up",
-            "max_seconds": max_seconds, "reuse_rank": REUSE_RANK, "seed": SEED,
+            "max_seconds": max_seconds, "reuse_blocks": REUSE_BLOCKS, "seed": SEED,
             "ratio": "sdpa_seconds / op_seconds, both from this run, same causal flag and N",
             "memory": "peak RSS (ru_maxrss) after the runs minus after building inputs, fresh process per row",
         },
