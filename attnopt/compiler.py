@@ -1,5 +1,5 @@
-"""`attnopt.compile`: capture → detect → record → plan → verify → budget → install → dispatch →
-report, on a copy of the model.
+"""`attnopt.compile`: capture → detect → record → plan → verify → select heads (keep:recall) → budget →
+install → dispatch → report, on a copy of the model.
 
 Two mechanisms share every step (`attnopt.targets`): "hf" keeps a transformers model's class and
 points its attention modules at attnopt's attention function; "graph" captures any other module with
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -29,6 +29,7 @@ from attnopt.passes.plan import plan_sites
 from attnopt.passes.verify import verification_length, verify_sites
 from attnopt.policy import Policy
 from attnopt.report import CompileReport, SiteRecord
+from attnopt.selection import Selected, select_exact_heads
 from attnopt.targets import Target, target_for
 
 __all__ = ["compile", "backend", "as_batch", "within_budget", "E2E_TOLERANCE", "build_report"]
@@ -65,6 +66,7 @@ def compile(
     name: Optional[str] = None,
     dispatch: Optional[str] = None,
     progress: Optional[Any] = None,
+    tokenizer: Optional[Any] = None,
 ) -> nn.Module:
     """Rewrite the attention of a copy of `model` per `policy`; return it with `.attnopt_report`.
 
@@ -83,7 +85,9 @@ def compile(
     attention on this device (cached; `attnopt.passes.crossover`), so short inputs run exact; "off"
     leaves them at 0 (the form at every length). Drift is verified on the form itself, before
     thresholds apply. progress: a callable(text, done=None, total=None) told each step as it
-    starts, and the sites verified so far out of all (the CLI's progress bar).
+    starts, and the sites verified so far out of all (the CLI's progress bar). tokenizer: the
+    model's, for rules that choose their exact heads by measurement (`+keep:recall`, attnopt.selection:
+    its retrieval probes are built with it); None reads text as UTF-8 bytes, for a byte-level model.
     """
     opts = CompileOptions.check(model, policy, example_inputs, tolerance=tolerance, e2e_tolerance=e2e_tolerance,
                                 calibration=calibration, verify_inputs=verify_inputs, method=method, name=name,
@@ -100,12 +104,16 @@ def compile(
     planning = recorded.planning
     timer.lap("record")
     say("build + verify sites")
-    verification = verify_sites(found.sites, planning.plans, target.build_context(found.sites, recorded.recording),
-                                opts.policy, opts.tolerance, adapt=target.adapt_site, step=say)
+    context = target.build_context(found.sites, recorded.recording)
+    verification = verify_sites(found.sites, planning.plans, context, opts.policy, opts.tolerance,
+                                adapt=target.adapt_site, step=say)
     timer.lap("plan+verify_sites")
+    selected = select_heads(target, found, recorded, verification, opts, context, tokenizer, say)
+    if selected.selection is not None:
+        timer.lap("select_heads")
     say("splice + end-to-end check")
     budget = hold_budget(lambda modules: _install(target, found.sites, modules), lambda m: target.run(m, recorded.batches),
-                         verification.outcomes, verification.modules, recorded.recording.outputs,
+                         selected.outcomes, selected.modules, recorded.recording.outputs,
                          [attention_mask_of(b) for b in recorded.batches], opts.e2e_tolerance)
     timer.lap("splice+verify_end_to_end")
     say("dispatch thresholds")
@@ -119,15 +127,25 @@ def compile(
     timer.timings["total"] = sum(timer.timings.values())
     _warn_if_nothing_rewritten(opts.name, planning.plans, dispatch_result.outcomes, budget.steps, opts.e2e_tolerance)
     counts = {"detect": found.counts, "record": recorded.recording.counts, "plan": planning.counts,
-              "verify": verification.counts, "splice": budget.install_counts,
+              "verify": verification.counts, **({"select": selected.counts} if selected.counts else {}),
+              "splice": budget.install_counts,
               "budget": {"e2e_tolerance": opts.e2e_tolerance, **budget.counts}, "dispatch": dispatch_result.counts}
     budget.model.attnopt_report = build_report(
         model_name=opts.name, policy=opts.policy, found=found, plans=planning.plans, outcomes=dispatch_result.outcomes,
         end_to_end=budget.end_to_end, timings=timer.timings, counts=counts, budget_steps=budget.steps,
         thresholds=dispatch_result.thresholds, mechanism=target.mechanism, installs=target.installs(found.sites),
         notes=compile_notes(found, recorded, budget.install_counts, dispatch_result.thresholds),
-        forward_time=forward, conditions=timer.conditions(_device_of(budget.model)))
+        forward_time=forward, conditions=timer.conditions(_device_of(budget.model)),
+        head_selection=None if selected.selection is None else selected.selection.to_dict())
     return budget.model
+
+
+def select_heads(target: Target, found, recorded: "Recorded", verification, opts: CompileOptions, context, tokenizer,
+                 say) -> Selected:
+    """The keep:recall step (attnopt.selection): nothing changes unless a rule asks it."""
+    adapted = replace(context, sites=[target.adapt_site(s) for s in found.sites])
+    return select_exact_heads(target, found, recorded, verification, opts, adapted, tokenizer,
+                              step=lambda text: say(text))
 
 
 def time_forward(target: Target, model: nn.Module, compiled: nn.Module, recorded: "Recorded", thresholds: dict):
@@ -251,7 +269,7 @@ def _position_limit(model: nn.Module) -> Optional[int]:
 
 
 def build_report(*, model_name, policy, found, plans, outcomes, end_to_end, timings, notes, counts, budget_steps=(),
-                 thresholds=None, mechanism="", installs=None, forward_time=None, conditions=None):
+                 thresholds=None, mechanism="", installs=None, forward_time=None, conditions=None, head_selection=None):
     """The report is assembled from exactly what the passes returned; only costs are computed here."""
     example_len = next((s.q_len for s in found.sites if isinstance(s.q_len, int)), None)
     records = []
@@ -265,13 +283,25 @@ def build_report(*, model_name, policy, found, plans, outcomes, end_to_end, timi
             why = "its length is symbolic and no site shows a static one" if "symbolic" in str(exc) else str(exc)
             notes.append(f"site {site.id}: cost not computed ({why})")
         records.append(SiteRecord(site=site, plan=plan, outcome=outcome, costs_before=before, costs_after=after,
-                                  threshold=(thresholds or {}).get(site.id), install=(installs or {}).get(site.id, "")))
+                                  threshold=(thresholds or {}).get(site.id), install=(installs or {}).get(site.id, ""),
+                                  exact_heads=exact_heads_of(site, outcome, head_selection)))
     return CompileReport(
         model_name=model_name, policy=policy, capture=found.capture, sites=records, near_misses=found.near_misses,
         end_to_end=end_to_end, timings=timings, notes=notes, counts=counts,
         budget_steps=[s.to_dict() for s in budget_steps], mechanism=mechanism, forward_time=forward_time,
-        conditions=conditions,
+        conditions=conditions, head_selection=head_selection,
     )
+
+
+def exact_heads_of(site, outcome, head_selection: Optional[dict]) -> list:
+    """The KV heads a site keeps exact: its per-head site's, or every one where keep:recall kept the whole
+    site exact; [] for any other site."""
+    if outcome.status is Status.REWRITTEN:
+        return list(outcome.params.get("exact_heads") or [])
+    chosen = (head_selection or {}).get("chosen", {}).get(site.id)
+    if outcome.status is Status.KEPT and chosen and len(chosen) == site.kv_heads:
+        return list(chosen)
+    return []
 
 
 def backend(policy: Any = "hybrid", *, tolerance: Optional[float] = None, e2e_tolerance: Optional[float] = E2E_TOLERANCE):

@@ -46,6 +46,9 @@ class SiteRecord:
     # How the site's module is reached: "graph" (spliced into the captured graph), or for the hf
     # mechanism "attention-interface" or a module route ("sdpa-intercept", "forward-replace", ...).
     install: str = ""
+    # The KV-head indices kept exact softmax attention: a per-head site's (`+exact_heads`, or chosen by
+    # `+keep:recall`), every one of a site keep:recall kept whole; [] for any other site.
+    exact_heads: list = field(default_factory=list)
 
     def flops_ratio(self, i: int) -> Optional[float]:
         """Attention FLOPs after / before at multiplier index `i` (None when not costed)."""
@@ -62,6 +65,7 @@ class SiteRecord:
             "costs_after": [c.to_dict() for c in self.costs_after],
             "threshold": self.threshold.to_dict() if self.threshold is not None else None,
             "install": self.install,
+            "exact_heads": list(self.exact_heads),
         }
 
 
@@ -87,6 +91,8 @@ class CompileReport:
     calibration: Optional[dict] = None  # what attnopt.calibrate did (Calibration.to_dict()), once run
     evaluation: Optional[dict] = None  # the capability audit (EvalReport.to_dict()), from evaluate(..., attach=True)
     mechanism: str = ""  # "hf" (the model keeps its class) or "graph" (a captured graph); "" in old reports
+    # What keep:recall measured and chose (attnopt.selection.HeadSelection.to_dict()); None when no rule asked it.
+    head_selection: Optional[dict] = None
     torch_version: str = field(default_factory=lambda: _package_version("torch"))
     attnopt_version: str = field(default_factory=lambda: _package_version("attnopt"))
 
@@ -118,6 +124,24 @@ class CompileReport:
     def flops_ratio(self) -> list[Optional[float]]:
         """After / before at each multiplier (None where nothing was costed)."""
         return [a / b if b else None for a, b in zip(self.flops_after, self.flops_before)]
+
+    def exact_head_fraction(self) -> float:
+        """Exact KV heads over all KV heads of the rewritten sites (a per-head site counts its exact heads;
+        a site keep:recall kept whole counts all of its); 0.0 when nothing was rewritten."""
+        counted = [r for r in self.sites if r.outcome.status == Status.REWRITTEN or r.exact_heads]
+        total = sum(r.site.kv_heads for r in counted)
+        return sum(len(r.exact_heads) for r in counted) / total if total else 0.0
+
+    def head_map(self) -> list:
+        """Layers x KV heads: per attention layer (in order), one entry per KV head of each of its sites:
+        "exact" where the head is exact softmax, else the form it runs ("exact" for a site left exact)."""
+        rows: dict = {}
+        for r in self.sites:
+            heads = set(r.exact_heads)
+            form = r.outcome.final_form
+            rows.setdefault(r.site.layer, []).extend(
+                "exact" if form == "exact" or j in heads else form for j in range(r.site.kv_heads))
+        return [rows[layer] for layer in sorted(rows)]
 
     @property
     def decode_memory(self):
@@ -185,6 +209,8 @@ class CompileReport:
             "exports": list(self.exports),
             "calibration": self.calibration,
             "evaluation": self.evaluation,
+            "head_selection": self.head_selection,
+            "exact_head_fraction": self.exact_head_fraction(),
             "versions": {"torch": self.torch_version, "attnopt": self.attnopt_version},
         }
 
@@ -218,6 +244,7 @@ class CompileReport:
             exports=list(d.get("exports", [])),
             calibration=d.get("calibration"),
             evaluation=d.get("evaluation"),
+            head_selection=d.get("head_selection"),
             torch_version=versions.get("torch", "unknown"),
             attnopt_version=versions.get("attnopt", "unknown"),
         )
@@ -300,6 +327,7 @@ def _record_from_dict(d: dict) -> SiteRecord:
         costs_after=[Cost(**c) for c in d.get("costs_after", [])],
         threshold=Threshold.from_dict(d["threshold"]) if d.get("threshold") else None,
         install=d.get("install", ""),
+        exact_heads=list(d.get("exact_heads", [])),
     )
 
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnopt import forms
-from attnopt.forms.common.base import HEAD_PARAMS, BuildContext, CostAt, Form, SiteModule
+from attnopt.forms.common.base import HEAD_PARAMS, BuildContext, CostAt, Form, SiteGeometry, SiteModule
 from attnopt.forms.common.decoding import kv_cache_bytes
 from attnopt.forms.common.graph import GraphStep, StepSite
 from attnopt.forms.ssm.form import decay_vector
@@ -89,6 +89,47 @@ def inner_params(params: Mapping[str, Any], form: str = "", split: Optional[Head
         decays = decay_vector(out["decay"], split.heads)
         out["decay"] = [float(decays[h]) for h in split.cheap_q]
     return out
+
+
+# ---------------------------------------------------------------- exact heads
+
+
+def visible_keys(geometry: SiteGeometry, keep: Optional[Tensor], Nq: int, Nk: int, device) -> Optional[Tensor]:
+    """Bool [B or 1, 1, Nq, Nk]: causality (the queries are the last Nq columns), the model's own
+    window, padding; None when every key is visible to every query."""
+    g = geometry
+    band = None
+    if g.causal or g.model_window is not None:
+        col_q = (Nk - Nq) + torch.arange(Nq, device=device)[:, None]
+        col_k = torch.arange(Nk, device=device)[None, :]
+        band = col_k <= col_q if g.causal else torch.ones(Nq, Nk, dtype=torch.bool, device=device)
+        if g.model_window is not None:
+            W = g.model_window
+            band = band & (col_k > col_q - W) if g.causal else band & ((col_k - col_q).abs() < W)
+        band = band[None, None]
+    if keep is None:
+        return band
+    padding = keep[:, None, None, :]
+    return padding if band is None else padding & band
+
+
+def softmax_heads(geometry: SiteGeometry, q: Tensor, k: Tensor, v: Tensor, keep: Optional[Tensor]) -> Tensor:
+    """Softmax attention of these heads from the site's geometry and key padding alone (never its mask
+    tensor, so a prefill, a decoding step and an exporter's padding-only mask agree); a query that
+    sees no key (a pad row) gets 0."""
+    g = geometry
+    Nq, Nk = q.shape[2], k.shape[2]
+    G = q.shape[1] // k.shape[1]
+    if G > 1:  # repeated, not enable_gqa: the exporters lower repeat_interleave everywhere
+        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    static = isinstance(Nq, int) and isinstance(Nk, int)  # (traced with dynamic shapes: the mask, any length)
+    if keep is None and g.model_window is None and static and (not g.causal or Nq == Nk or Nq == 1):
+        # (one query, the last column, sees every key: no mask at all on the decoding step)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=g.causal and Nq == Nk > 1, scale=g.scale)
+    visible = visible_keys(g, keep, Nq, Nk, q.device)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=g.scale)
+    return torch.where(visible.any(-1, keepdim=True), out, 0.0) if keep is not None else out
 
 
 # ---------------------------------------------------------------- the site module
@@ -155,38 +196,8 @@ class MixedHeadsSite(SiteModule):
 
     # -- the exact heads
 
-    def visible(self, keep: Optional[Tensor], Nq: int, Nk: int, device) -> Optional[Tensor]:
-        """Bool [B or 1, 1, Nq, Nk]: causality (the queries are the last Nq columns), the model's own
-        window, padding; None when every key is visible to every query."""
-        g = self.geometry
-        band = None
-        if g.causal or g.model_window is not None:
-            col_q = (Nk - Nq) + torch.arange(Nq, device=device)[:, None]
-            col_k = torch.arange(Nk, device=device)[None, :]
-            band = col_k <= col_q if g.causal else torch.ones(Nq, Nk, dtype=torch.bool, device=device)
-            if g.model_window is not None:
-                W = g.model_window
-                band = band & (col_k > col_q - W) if g.causal else band & ((col_k - col_q).abs() < W)
-            band = band[None, None]
-        if keep is None:
-            return band
-        padding = keep[:, None, None, :]
-        return padding if band is None else padding & band
-
     def exact_part(self, q: Tensor, k: Tensor, v: Tensor, keep: Optional[Tensor]) -> Tensor:
-        """Softmax attention of the exact heads; a query that sees no key (a pad row) gets 0."""
-        g = self.geometry
-        Nq, Nk = q.shape[2], k.shape[2]
-        G = q.shape[1] // k.shape[1]
-        if G > 1:  # repeated, not enable_gqa: the exporters lower repeat_interleave everywhere
-            k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        if keep is None and g.model_window is None and (not g.causal or Nq == Nk or Nq == 1):
-            # (one query, the last column, sees every key: no mask at all on the decoding step)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=g.causal and Nq == Nk > 1, scale=g.scale)
-        visible = self.visible(keep, Nq, Nk, q.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=g.scale)
-        return torch.where(visible.any(-1, keepdim=True), out, 0.0) if keep is not None else out
+        return softmax_heads(self.geometry, q, k, v, keep)
 
     # -- SiteModule's hooks
 
