@@ -4,6 +4,7 @@ the wrap_triton calls), so this checks the registration that the GPU path relies
 JSON object {op: {"nodes": n, "nodes_after_decompositions": n, "shape": [...]}}.
 
 Usage: python tests/triton/export_ops.py          (without TRITON_INTERPRET)
+The tests call `export_all()` from `children.py`'s build process.
 """
 
 import json
@@ -22,7 +23,7 @@ import attnopt.forms.window.triton  # noqa: E402, F401
 B, H, Hkv, Nq, Nk, D, Dv = 2, 6, 3, 37, 45, 16, 24
 
 
-def main():
+def export_all() -> dict:
     ops = torch.ops.attnopt_triton
     keep = torch.ones(B, Nk, dtype=torch.bool)
     sinks = torch.zeros(B, 2, dtype=torch.int32)
@@ -48,8 +49,8 @@ def main():
         out_node = [n for n in ep.graph.nodes if n.op == "output"][0].args[0][0]
         res[name] = {"nodes": count(ep.graph), "nodes_after_decompositions": count(ep.run_decompositions().graph),
                      "shape": list(out_node.meta["val"].shape), "dtype": str(out_node.meta["val"].dtype)}
-    print(json.dumps(res))
+    return res
 
 
 if __name__ == "__main__":
-    main()
+    print(json.dumps(export_all()))
