@@ -3,6 +3,7 @@ benchmarks/results/reuse_cpu/<machine>.json (benchmarks/resultfile.py).
 
     python benchmarks/reuse_cpu.py                                   # every section (an hour or more on 2 cores)
     python benchmarks/reuse_cpu.py --sections op,decode --quick      # a quick check at short lengths
+    python benchmarks/reuse_cpu.py --threads 1                       # on a machine others load
 
 Sections (every timing: the variants take turns, best and median round kept, under the machine
 conditions recorded beside it):
@@ -290,7 +291,12 @@ def main(argv=None) -> None:
     ap.add_argument("--sections", default="op,e2e,decode,quality,minilm")
     ap.add_argument("--quick", action="store_true", help="short lengths and few rounds: checks the script runs")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default torch's); 1 on a machine others load: a parallel op then waits "
+                         "for no other thread")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sections = args.sections.split(",")
     quick = args.quick
     payload = {"conditions_before": Conditions.now().to_dict(), "quick": quick}
