@@ -30,6 +30,8 @@ from attnopt.passes.verify import verification_length, verify_sites
 from attnopt.policy import Policy
 from attnopt.report import CompileReport, SiteRecord
 from attnopt.selection import Selected, select_exact_heads
+from attnopt.selection.probing import text_rows
+from attnopt.selection.speed import decode_time
 from attnopt.targets import Target, target_for
 
 __all__ = ["compile", "backend", "as_batch", "within_budget", "E2E_TOLERANCE", "build_report"]
@@ -124,6 +126,10 @@ def compile(
     say("timing the forward, original against rewritten")
     forward = time_forward(target, model, budget.model, recorded, dispatch_result.thresholds)
     timer.lap("time_forward")
+    if selected.selection is not None and selected.selection.total_heads:
+        say("keep:recall: decoding speed, original against selected")
+        selected.selection.decode = selection_decode_time(model, budget.model, opts)
+        timer.lap("decode_time")
     timer.timings["total"] = sum(timer.timings.values())
     _warn_if_nothing_rewritten(opts.name, planning.plans, dispatch_result.outcomes, budget.steps, opts.e2e_tolerance)
     counts = {"detect": found.counts, "record": recorded.recording.counts, "plan": planning.counts,
@@ -138,6 +144,16 @@ def compile(
         forward_time=forward, conditions=timer.conditions(_device_of(budget.model)),
         head_selection=None if selected.selection is None else selected.selection.to_dict())
     return budget.model
+
+
+def selection_decode_time(model: nn.Module, compiled: nn.Module, opts: CompileOptions) -> Optional[dict]:
+    """Per-token decoding, original against selected, after the longest verification text (keep:recall's
+    report); None for a model that does not generate."""
+    rows = text_rows(opts.batches)
+    can = getattr(model, "can_generate", None)
+    if not rows or not (callable(can) and can()):
+        return None
+    return decode_time(model, compiled, max(rows, key=lambda r: r.shape[1]))
 
 
 def select_heads(target: Target, found, recorded: "Recorded", verification, opts: CompileOptions, context, tokenizer,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from attnopt.analysis.cost import element_bytes
 from attnopt.analysis.decode_memory import decode_memory
 from attnopt.analysis.timing import Conditions, ForwardTime
 from attnopt.ir.outcomes import Cost, Drift, OutputDrift, SiteOutcome, SitePlan, Status
@@ -143,6 +144,18 @@ class CompileReport:
                 "exact" if form == "exact" or j in heads else form for j in range(r.site.kv_heads))
         return [rows[layer] for layer in sorted(rows)]
 
+    def kept_kv(self) -> Optional[dict]:
+        """{"contexts", "exact_heads", "original"}: bytes per batch row of the K/V the exact heads keep at
+        each decode-memory context, against the KV cache of every causal site; None without causal sites."""
+        mem = self.decode_memory
+        if mem is None:
+            return None
+        kept = []
+        for n in mem.contexts:
+            kept.append(sum(len(r.exact_heads) * n * (r.site.head_dim + (r.site.v_head_dim or r.site.head_dim))
+                            * _element_bytes(r.site.dtype) for r in self.sites if r.site.causal))
+        return {"contexts": list(mem.contexts), "exact_heads": kept, "original": list(mem.original)}
+
     @property
     def decode_memory(self):
         """Decode-state bytes per batch row at 1k / 32k / 128k context against the original KV cache
@@ -273,6 +286,13 @@ class CompileReport:
         if self.end_to_end is not None and self.end_to_end.worst is not None:
             line += f"; end-to-end worst rel RMS {self.end_to_end.worst.rel_rms:.3g}"
         return line
+
+
+def _element_bytes(dtype: str) -> int:
+    try:
+        return element_bytes(dtype)
+    except ValueError:
+        return 4
 
 
 # ---------------------------------------------------------------- JSON helpers

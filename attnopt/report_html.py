@@ -15,12 +15,17 @@ from attnopt.forms.reuse.heatmap import reuse_heatmaps_html
 from attnopt.report_text import (
     CROSSOVER_NOTE,
     CROSSOVER_TITLES,
+    CURVE_TITLES,
     SITE_COLUMNS,
     column_titles,
     crossover_rows,
+    curve_rows,
     decode_memory_table,
     fmt_flops,
     fmt_num,
+    head_map_rows,
+    head_selection_text,
+    kept_kv_text,
     site_row,
 )
 
@@ -274,6 +279,99 @@ def measured_time_html(rep) -> str:
     return "".join(parts)
 
 
+EXACT_COLOUR, FORM_COLOUR = "#1c7ed6", "#d3f9d8"
+
+
+def head_map_html(rep) -> str:
+    """The layers x KV heads map as a table of coloured cells: blue exact, green the form."""
+    titles, rows = head_map_rows(rep)
+    head = "".join(f"<th>{esc(t)}</th>" for t in titles)
+    body = ""
+    for row in rows:
+        cells = f"<td>{esc(row[0])}</td>"
+        for c in row[1:]:
+            colour = EXACT_COLOUR if c == "exact" else FORM_COLOUR if c else "#fff"
+            style = f"background:{colour};color:{'#fff' if c == 'exact' else '#212529'};text-align:center"
+            cells += f'<td style="{style}">{esc(c)}</td>'
+        body += f"<tr>{cells}</tr>"
+    return f"<table style=\"width:auto\"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def curve_svg(hs: dict, width: int = 520, height: int = 240) -> str:
+    """Quality against the share of KV heads exact along the search's path: probe accuracy and perplexity as
+    multiples of the original's, the recall target dashed."""
+    points = hs.get("curve") or []
+    if not points:
+        return ""
+    left, right, top, bottom = 48, 48, 14, 40
+    xmax = max(max(p["fraction"] for p in points), hs["budget"]["exact"], 1e-3)
+    probe = [p["probe"] for p in points]
+    ppl = [p["perplexity"] for p in points if p["perplexity"] is not None]
+    ymax = max(probe + [hs["budget"]["recall"], 1.0]) * 1.05
+    pmin, pmax = (min(ppl + [1.0]), max(ppl + [hs["budget"]["perplexity"]]) * 1.001) if ppl else (1.0, 1.02)
+    plot_w, plot_h = width - left - right, height - top - bottom
+
+    def x(f):
+        return left + plot_w * f / xmax
+
+    def y(v):
+        return top + plot_h * (1 - v / ymax)
+
+    def yp(v):
+        return top + plot_h * (1 - (v - pmin) / max(pmax - pmin, 1e-9))
+
+    parts = [f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" '
+             'aria-label="quality against the exact share">']
+    for k in range(5):
+        v = ymax * k / 4
+        parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#e9ecef"/>'
+                     f'<text x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{fmt_num(v, 2)}</text>')
+    r = hs["budget"]["recall"]
+    parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y(r):.1f}" y2="{y(r):.1f}" stroke="{TOL_COLOUR}" '
+                 'stroke-dasharray="4 2"/>')
+    cap = hs["budget"]["exact"]
+    parts.append(f'<line x1="{x(cap):.1f}" x2="{x(cap):.1f}" y1="{top}" y2="{top + plot_h}" stroke="{TOL_COLOUR}" '
+                 'stroke-dasharray="2 3"/>')
+    line = " ".join(f"{x(p['fraction']):.1f},{y(p['probe']):.1f}" for p in points)
+    parts.append(f'<polyline points="{line}" fill="none" stroke="{AFTER_COLOUR}" stroke-width="2"/>')
+    for p in points:
+        label = f"{', '.join(p['exact']) or 'none'} exact: probe {fmt_num(p['probe'], 4)}×, perplexity {fmt_num(p['perplexity'], 5)}×"
+        parts.append(f'<circle cx="{x(p["fraction"]):.1f}" cy="{y(p["probe"]):.1f}" r="4" fill="{AFTER_COLOUR}">'
+                     f'<title>{esc(label)}</title></circle>')
+    if ppl:
+        with_ppl = [p for p in points if p["perplexity"] is not None]
+        line = " ".join(f"{x(p['fraction']):.1f},{yp(p['perplexity']):.1f}" for p in with_ppl)
+        parts.append(f'<polyline points="{line}" fill="none" stroke="{BEFORE_COLOUR}" stroke-width="1.5" '
+                     'stroke-dasharray="5 3"/>')
+        parts.append(f'<text x="{width - right + 4}" y="{yp(pmin) + 4:.1f}">{fmt_num(pmin, 4)}</text>'
+                     f'<text x="{width - right + 4}" y="{yp(pmax) + 4:.1f}">{fmt_num(pmax, 4)}</text>')
+    parts.append(f'<text x="{left + plot_w / 2:.1f}" y="{height - 22}" text-anchor="middle">share of KV heads exact '
+                 f'(0 to {xmax:.0%}; dotted: the budget\'s cap)</text>')
+    parts.append(f'<text x="{left}" y="{height - 6}">solid: probe accuracy × the original (left axis; dashed red: recall '
+                 'target) · dashed grey: perplexity × (right axis)</text></svg>')
+    return "".join(parts)
+
+
+def head_selection_html(rep) -> str:
+    """The "Exact heads" section: share, K/V kept, the layers x heads map, keep:recall's findings and curve."""
+    if not rep.head_selection and not any(r.exact_heads for r in rep.sites):
+        return ""
+    parts = ["<h2>Exact heads</h2>",
+             f"<p>{rep.exact_head_fraction():.1%} of the rewritten sites' KV heads are exact softmax attention (each "
+             "with its own K/V cache); the others run the site's form.</p>"]
+    kv = kept_kv_text(rep)
+    if kv:
+        parts.append(f"<p>{esc(kv)}</p>")
+    parts.append(head_map_html(rep))
+    hs = rep.head_selection
+    if hs:
+        parts.append("<ul>" + "".join(f"<li>{esc(t)}</li>" for t in head_selection_text(rep)) + "</ul>")
+        parts.append(f'<figure>{curve_svg(hs)}<figcaption>The path keep:recall walked: each point a model it '
+                     "measured, with one more unit exact.</figcaption></figure>")
+        parts.append(_table(CURVE_TITLES, curve_rows(hs), numeric_from=1))
+    return "".join(parts)
+
+
 def _totals_table(rep) -> str:
     t = rep.totals
     rows = "".join(
@@ -396,6 +494,7 @@ def render_html(rep) -> str:
 <h2>Totals</h2>
 {_totals_table(rep)}
 {_decode_table(rep)}
+{head_selection_html(rep)}
 {measured_time_html(rep)}
 <h2>End-to-end drift</h2>
 {_e2e_table(rep)}

@@ -67,6 +67,84 @@ def decode_memory_lines(rep) -> list[str]:
     return out + (["", note] if note else [])
 
 
+def head_map_rows(rep) -> tuple[list[str], list[list[str]]]:
+    """(titles, rows) of the layers x KV heads map: per layer, each KV head's "exact" or its form."""
+    layers = sorted({r.site.layer for r in rep.sites})
+    grid = rep.head_map()
+    width = max((len(row) for row in grid), default=0)
+    titles = ["layer"] + [f"KV head {j}" for j in range(width)]
+    return titles, [[str(layer)] + row + [""] * (width - len(row)) for layer, row in zip(layers, grid)]
+
+
+CURVE_TITLES = ("exact", "KV heads exact", "share", "probe accuracy ×", "perplexity ×", "budget")
+
+
+def curve_rows(hs: dict) -> list[list[str]]:
+    """The search's path: one row per model it measured on the way (what was exact, what it reached)."""
+    rows = []
+    for p in hs.get("curve", []):
+        rows.append([", ".join(p["exact"]) or "none", str(p["exact_heads"]), f"{p['fraction']:.1%}",
+                     fmt_num(p["probe"], 4), fmt_num(p["perplexity"], 5), "holds" if p["holds"] else "—"])
+    return rows
+
+
+def head_selection_text(rep) -> list[str]:
+    """The keep:recall findings in sentences: budget, outcome, original against selected, cost, speed."""
+    hs = rep.head_selection
+    if not hs:
+        return []
+    b = hs["budget"]
+    out = [f"keep:recall ({'by layer' if b['by'] == 'layer' else 'by KV head'}): {hs['summary']}.",
+           f"Budget: probe accuracy ≥ {fmt_num(b['recall'])}× the original's, perplexity ≤ {fmt_num(b['perplexity'])}× "
+           f"on the verification text, at most {b['exact']:.0%} of the KV heads exact."]
+    o, s = hs.get("original") or {}, hs.get("selected") or {}
+    if o:
+        probes = hs.get("probes", {})
+        out.append(f"Probes ({', '.join(probes.get('probes', []))}; {probes.get('rows')} rows of {probes.get('length')} "
+                   f"tokens, {probes.get('tokenizer')}): original {fmt_num(o.get('probe'), 4)}, selected "
+                   f"{fmt_num(s.get('probe'), 4)}; perplexity original {fmt_num(o.get('perplexity'), 5)}, selected "
+                   f"{fmt_num(s.get('perplexity'), 5)}.")
+    out.append(f"{hs.get('measured', 0) + 1} models measured (the original and {hs.get('measured', 0)} candidates; "
+               f"{hs.get('cached', 0)} read from the cache), {fmt_num(hs.get('seconds'), 3)} s.")
+    d = hs.get("decode")
+    if d:
+        out.append(f"Decoding after {d['context']:,} tokens: {fmt_num(d['selected_ms'], 3)} ms per token against the "
+                   f"original's {fmt_num(d['original_ms'], 3)} ms ({fmt_num(d['ratio'], 3)}×; {d['threads']} threads, "
+                   f"{d['new_tokens']} tokens; benchmarks/head_hybrid.py times it on a quiet machine).")
+    return out + list(hs.get("notes", []))
+
+
+def kept_kv_text(rep) -> str:
+    kept = rep.kept_kv()
+    if not kept or not any(kept["exact_heads"]):
+        return ""
+    parts = [f"{n:,}: {fmt_flops(k)}B of {fmt_flops(o)}B ({fmt_num(k / o if o else None, 3)}×)"
+             for n, k, o in zip(kept["contexts"], kept["exact_heads"], kept["original"])]
+    return "K/V kept by the exact heads per batch row, against the original's KV cache, by context: " + "; ".join(parts) + "."
+
+
+def head_lines(rep) -> list[str]:
+    """The Markdown "Exact heads" section: the share, the layers x heads map, keep:recall's findings and
+    curve; nothing when no site keeps exact heads and no rule asked keep:recall."""
+    if not rep.head_selection and not any(r.exact_heads for r in rep.sites):
+        return []
+    out = ["", "## Exact heads", "",
+           f"{rep.exact_head_fraction():.1%} of the rewritten sites' KV heads are exact softmax attention "
+           "(each with its own K/V cache); the others run the site's form."]
+    kv = kept_kv_text(rep)
+    if kv:
+        out += ["", kv]
+    titles, rows = head_map_rows(rep)
+    out += ["", "| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
+    out += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
+    text = head_selection_text(rep)
+    if text:
+        out += [""] + [f"- {_md_cell(t)}" for t in text]
+        out += ["", "| " + " | ".join(CURVE_TITLES) + " |", "|" + "---|" * len(CURVE_TITLES)]
+        out += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in curve_rows(rep.head_selection)]
+    return out
+
+
 def crossover_groups(rep) -> list[tuple[list[str], Any]]:
     """([site ids], threshold) per distinct set of dispatch timings: sites of one geometry, form and
     parameters share one measurement (one cache entry), shown once."""
@@ -195,6 +273,7 @@ def markdown(rep) -> str:
     for m, b, a, ratio in zip(rep.cost_multipliers, t["flops_before"], t["flops_after"], t["flops_ratio"]):
         out.append(f"- attention FLOPs at {m}× length: {fmt_flops(b)}FLOP → {fmt_flops(a)}FLOP (ratio {fmt_num(ratio)})")
     out += decode_memory_lines(rep)
+    out += head_lines(rep)
     out += measured_time_lines(rep)
     out += ["", "## End-to-end drift", ""]
     e2e = rep.end_to_end

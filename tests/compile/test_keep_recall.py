@@ -142,6 +142,23 @@ def test_compile_builds_what_the_search_chose(selected):
     assert json.loads(report.to_json())["head_selection"]["exact_heads"] == hs["exact_heads"]
 
 
+def test_the_report_shows_the_map_the_curve_and_the_cost(selected):
+    _, _, opt, _, _ = selected
+    report = opt.attnopt_report
+    hs = report.head_selection
+    md = report.to_markdown()
+    section = md[md.index("## Exact heads"):md.index("## Measured time")]
+    for layer, row in enumerate(report.head_map()):
+        assert f"| {layer} | {' | '.join(row)} |" in section
+    assert section.count("| holds |") == int(hs["holds"]) and len(hs["curve"]) == section.count("% | ")
+    assert f"{report.exact_head_fraction():.1%} of the rewritten sites' KV heads" in section
+    kept = report.kept_kv()
+    assert kept["exact_heads"][0] == hs["exact_heads"] * 1024 * 2 * 16 * 4  # K and V, head dim 16, float32
+    assert hs["decode"]["context"] == 400 and hs["decode"]["selected_ms"] > 0
+    html = report.to_html()
+    assert 'aria-label="quality against the exact share"' in html and html.count("<circle") >= len(hs["curve"])
+
+
 def test_a_second_compile_reads_its_measurements_back(selected):
     _, _, opt, again, cache = selected
     first, second = opt.attnopt_report.head_selection, again.attnopt_report.head_selection
