@@ -146,10 +146,14 @@ class Sampler:
     def __init__(self, text: bytes, seed: int):
         self.text = text
         self.rng = random.Random(seed)
+        self.copies: list[tuple[int, int, int]] = []  # (first copy's start, a later copy's start, length)
 
     def key(self) -> bytes:
+        return self.key_of(self.rng.choice(TRAIN_KEY_LENGTHS))
+
+    def key_of(self, length: int) -> bytes:
         alphabet = self.rng.choice(TRAIN_ALPHABETS)
-        return "".join(self.rng.choice(alphabet) for _ in range(self.rng.choice(TRAIN_KEY_LENGTHS))).encode()
+        return "".join(self.rng.choice(alphabet) for _ in range(length)).encode()
 
     def text_window(self, n: int) -> bytearray:
         start = self.rng.randrange(0, len(self.text) - n - 1)
@@ -166,11 +170,13 @@ class Sampler:
 
     def copy_event(self, seq: bytearray, chunk: bytes) -> None:
         """`chunk` written, then written again once or twice further on."""
-        at = self.place(seq, chunk, 0, len(seq) - len(chunk) - 1)
+        first = at = self.place(seq, chunk, 0, len(seq) - len(chunk) - 1)
         for _ in range(self.rng.choice((1, 1, 1, 2))):
             if at is None:
                 return
             at = self.place(seq, chunk, at + len(chunk), len(seq))
+            if at is not None:
+                self.copies.append((first, at, len(chunk)))
 
     def mqar(self, seq: bytearray) -> None:
         """A key→value list, then some of its pairs asked again, in another order, further on."""
@@ -206,19 +212,23 @@ class Sampler:
         self.place(seq, needle, 0, n - len(question) - 1)
         return seq[:n]
 
-    def sequence(self, n: int) -> bytes:
+    def sequence(self, n: int, repeat_share: float = 0.15) -> bytes:
+        self.copies = []
         r = self.rng.random()
         if r < 0.12:
             return bytes(self.passkey(n))
-        if r < 0.27:  # a text window, then the same window again: where induction heads form first
-            half = self.text_window(self.rng.randint(n // 8, n // 2))
+        if r < 0.12 + repeat_share:  # a window, then the same window again: where induction heads form first
+            # Random bytes half of the time: nothing but copying predicts their second copy.
+            width = self.rng.randint(n // 8, n // 2)
+            half = self.text_window(width) if self.rng.random() < 0.5 else bytearray(self.key_of(width))
             seq = self.text_window(n)
             at = self.rng.randint(0, n - 2 * len(half))
             seq[at:at + len(half)] = half
             seq[at + len(half):at + 2 * len(half)] = half
+            self.copies.append((at, at + len(half), len(half)))
             return bytes(seq)
         seq = self.text_window(n)
-        if r < 0.35:  # plain text: the model must still model language
+        if r < 0.2 + repeat_share:  # plain text: the model must still model language
             return bytes(seq)
         for _ in range(self.rng.randint(1, max(2, n // 128))):
             kind = self.rng.random()
@@ -231,10 +241,62 @@ class Sampler:
                 self.mqar(seq)
         return bytes(seq)
 
-    def batch(self, batch: int, n: int):
+    def batch(self, batch: int, n: int, repeat_share: float = 0.15):
+        """(ids [batch, n], induction targets [batch, n]): for a position t inside a later copy, the position
+        just after its earlier twin (where an induction head looks to predict t + 1); -1 elsewhere."""
         import torch
 
-        return torch.tensor([list(self.sequence(n)) for _ in range(batch)], dtype=torch.long)
+        rows, targets = [], []
+        for _ in range(batch):
+            seq = self.sequence(n, repeat_share)
+            target = [-1] * n
+            for first, later, length in self.copies:
+                for i in range(length - 1):
+                    t, j = later + i, first + i + 1
+                    # Later events may have written over a copy: keep only targets that still hold.
+                    if t + 1 < n and seq[t] == seq[j - 1] and seq[t + 1] == seq[j]:
+                        target[t] = j
+            rows.append(list(seq))
+            targets.append(target)
+        return torch.tensor(rows, dtype=torch.long), torch.tensor(targets, dtype=torch.long)
+
+
+# Attention supervision while training: q and k (after RoPE) of one head in each of the first two layers.
+AUX_HEADS = {0: "previous token", 1: "induction"}
+_AUX_QK: dict = {}
+
+
+def recording_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention, keeping q head 0 and its key head of the supervised layers."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if module.training and module.layer_idx in AUX_HEADS:
+        _AUX_QK[module.layer_idx] = (query[:, 0], key[:, 0], module.scaling)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def attention_aux_loss(induction_BN):
+    """Mean -log attention of the supervised heads on their targets: layer 0 head 0 on the previous
+    token, layer 1 head 0 on the position after the current token's earlier twin inside copies. Induction
+    heads form late from the language-model loss alone (not within a CPU budget at this size); this makes
+    them form in a few hundred steps, and the rest of the circuit is learned from the data."""
+    import torch
+
+    losses = []
+    for layer, (q_BND, k_BND, scale) in _AUX_QK.items():
+        N = q_BND.shape[1]
+        logits = (q_BND @ k_BND.transpose(1, 2)).float() * scale
+        causal = torch.ones(N, N, dtype=torch.bool, device=logits.device).tril()
+        logp = logits.masked_fill(~causal, float("-inf")).log_softmax(-1)
+        if layer == 0:
+            idx = torch.arange(1, N, device=logits.device)
+            losses.append(-logp[:, idx, idx - 1].mean())
+        else:
+            b, t = (induction_BN >= 0).nonzero(as_tuple=True)
+            if b.numel():
+                losses.append(-logp[b, t, induction_BN[b, t]].mean())
+    _AUX_QK.clear()
+    return sum(losses) if losses else None
 
 
 def perplexity(model, ids, seq_len: int, batch: int = 4) -> tuple[float, int]:
@@ -310,6 +372,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--probe-trials", type=int, default=24)
+    ap.add_argument("--aux-weight", type=float, default=1.0, help="weight of the attention supervision loss")
+    ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every phase's steps (smoke runs)")
     args = ap.parse_args(argv)
 
     import torch
@@ -321,39 +385,47 @@ def main(argv=None) -> None:
     train_bytes, held_bytes = train_text.encode("utf-8"), held_text.encode("utf-8")
     sampler = Sampler(train_bytes, args.seed)
     model = transformers.LlamaForCausalLM(config())
-    model.config._attn_implementation = "sdpa"
+    transformers.AttentionInterface.register("recording_sdpa", recording_sdpa)
+    model.config._attn_implementation = "recording_sdpa"
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    total_steps = sum(p[0] for p in PHASES)
-    ends = [sum(p[0] for p in PHASES[:i + 1]) for i in range(len(PHASES))]
+    phases = [(max(1, round(k * args.steps_scale)), n, b) for k, n, b in PHASES]
+    total_steps = sum(p[0] for p in phases)
+    ends = [sum(p[0] for p in phases[:i + 1]) for i in range(len(phases))]
     start = time.perf_counter()
     log, step = [], 0
     while step < total_steps:
         phase = next(i for i, end in enumerate(ends) if step < end)
-        _, seq_len, batch = PHASES[phase]
+        _, seq_len, batch = phases[phase]
         # Cosine from lr to lr/10 over all steps, after a short warm-up.
         warm = min(1.0, (step + 1) / 200)
         lr = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / total_steps)))
         for group in opt.param_groups:
             group["lr"] = lr
-        x = sampler.batch(batch, seq_len)
+        # The first phase repeats whole windows half the time: induction forms there, and the longer
+        # phases then stretch it over distance.
+        x, induction = sampler.batch(batch, seq_len, repeat_share=0.5 if phase == 0 else 0.25)
         model.train()
         loss = model(input_ids=x, labels=x).loss
+        aux = attention_aux_loss(induction)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss if aux is None else loss + args.aux_weight * aux).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
         if step % 50 == 0:
             log.append({"step": step, "seconds": round(time.perf_counter() - start, 1), "seq_len": seq_len,
-                        "loss": round(loss.item(), 4), "lr": lr})
-            print(f"step {step} {log[-1]['seconds']:.0f}s len {seq_len} loss {float(loss):.3f} lr {lr:.2e}", flush=True)
-        if step % 200 == 0:  # a glance at recall while training: 3/4 of the current length, 4 trials
+                        "loss": round(loss.item(), 4), "aux_loss": None if aux is None else round(aux.item(), 4),
+                        "lr": lr})
+            print(f"step {step} {log[-1]['seconds']:.0f}s len {seq_len} loss {loss.item():.3f} aux "
+                  f"{log[-1]['aux_loss']} lr {lr:.2e}", flush=True)
+        if step % (100 if phase == 0 else 200) == 0:  # a glance at recall while training: 3/4 of the current length, 4 trials
             model.eval()
             acc = recall_probe(model, held_bytes, alphabet=PROBE_ALPHABETS["upper"], key_len=12,
                                distance=3 * seq_len // 4, filler=None, seq_len=seq_len, trials=4, seed=step)
             log[-1]["recall_3/4"] = round(acc, 3)
             print(f"  recall at {3 * seq_len // 4} bytes: {acc:.3f}", flush=True)
     train_seconds = time.perf_counter() - start
+    model.config._attn_implementation = "sdpa"  # what a loader gets: the recording function is training-only
     model.eval()
     held_ids = torch.tensor(list(held_bytes), dtype=torch.long)
     ppl, windows = perplexity(model, held_ids, SEQ_LEN)
@@ -371,7 +443,9 @@ def main(argv=None) -> None:
         "held_out": f"every {HELD_OUT_EVERY}th pydoc topic and every {HELD_OUT_EVERY}th docstring module "
                     "in sorted order (heldout.txt)",
         "train_bytes": len(train_bytes), "held_out_bytes": len(held_bytes), "seq_len": SEQ_LEN,
-        "phases": [{"steps": k, "seq_len": n, "batch": b} for k, n, b in PHASES],
+        "phases": [{"steps": k, "seq_len": n, "batch": b} for k, n, b in phases],
+        "attention_supervision": {"weight": args.aux_weight, "heads": {f"layer {k}, query head 0": v
+                                                                        for k, v in AUX_HEADS.items()}},
         "steps": step, "train_seconds": round(train_seconds, 1), "threads": args.threads,
         "held_out_perplexity": ppl, "held_out_windows": windows,
         "held_out_perplexity_256": ppl_256, "held_out_windows_256": windows_256,
