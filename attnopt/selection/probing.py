@@ -5,6 +5,11 @@ teacher-forced from one forward, and perplexity on the verification text.
 A model that decodes what its forward computes (attnopt's sites do: tests compare them per step)
 gets the same answers from `generate()` as from teacher forcing while every answer token is right,
 so one forward per row measures what generation would, at a fraction of the cost.
+
+An encoder (a sentence embedder such as MiniLM: no next-token head) is measured on what it is used
+for: fact retrieval by mean-pooled embedding (a fact sentence written at a depth of one of several
+haystack passages; the query is the fact alone; top-1 is its passage) and the mean cosine of its
+pooled embeddings to the original's on those passages, which takes perplexity's place in the budget.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from attnopt.analysis.perplexity import is_causal_lm
 from attnopt.evaluation.codec import codec_for
 from attnopt.evaluation.model_io import LanguageModel
 from attnopt.evaluation.probes import Haystacks, build
@@ -39,13 +45,14 @@ class Quality:
     probe: float
     per_probe: dict
     perplexity: Optional[float] = None
+    cosine: Optional[float] = None  # an encoder's: mean cosine of its pooled embeddings to the original's
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Quality":
-        return cls(float(d["probe"]), dict(d["per_probe"]), d.get("perplexity"))
+        return cls(float(d["probe"]), dict(d["per_probe"]), d.get("perplexity"), d.get("cosine"))
 
 
 @dataclass
@@ -68,10 +75,12 @@ class ProbeSet:
 
 
 def probe_set(model, tokenizer, length: int, text_batches: Sequence[torch.Tensor], probes: Sequence[str] = PROBES,
-              depths: Sequence[float] = DEPTHS, seed: int = SEED) -> ProbeSet:
+              depths: Sequence[float] = DEPTHS, seed: int = SEED):
     """Rows of `length` tokens for every (probe, depth), built with `tokenizer` (None: UTF-8 bytes for a
     byte-level model); ValueError naming the fix when the tokenizer does not fit the model or the
-    length is too short for a probe."""
+    length is too short for a probe. An encoder gets an EncoderProbeSet."""
+    if not generates(model):
+        return encoder_probe_set(model, tokenizer, length, depths, seed)
     lm = LanguageModel(model, type(model).__name__)
     codec = codec_for(tokenizer, lm.vocab())
     hay = Haystacks(codec, "\n\n".join(english_passages()))
@@ -114,8 +123,10 @@ def text_perplexity(lm: LanguageModel, text: list) -> Optional[float]:
     return math.exp(total / count) if count else None
 
 
-def measure(model, probes: ProbeSet) -> Quality:
+def measure(model, probes) -> Quality:
     """The model's probe accuracy and perplexity on `probes` (no grad, one forward per batch of rows)."""
+    if isinstance(probes, EncoderProbeSet):
+        return measure_encoder(model, probes)
     lm = LanguageModel(model, type(model).__name__)
     hits = teacher_forced(lm, probes.rows)
     per: dict = {}
@@ -150,3 +161,94 @@ def compile_length(batches: Sequence[Any], limit: Optional[int]) -> Optional[int
         return None
     n = max(lengths)
     return min(n, limit) if limit else n
+
+
+# ---------------------------------------------------------------- encoders
+
+FACTS = 12  # passages per depth: a query's top-1 is one of these
+WORD_OF = ("lantern", "harbor", "violin", "meadow", "compass", "glacier", "orchard", "saddle", "beacon", "pepper",
+           "canyon", "falcon", "thimble", "marble", "quarry", "ribbon", "tunnel", "walnut")
+
+
+def generates(model) -> bool:
+    """Whether `model` is a causal LM (a next-token head, generate()): else it is measured as an encoder."""
+    if is_causal_lm(model):
+        return True
+    can = getattr(model, "can_generate", None)
+    return bool(callable(can) and can())
+
+
+@dataclass
+class EncoderProbeSet:
+    """Per depth, FACTS passages of `length` tokens each holding one fact sentence, the facts alone as
+    queries, and the original's pooled embeddings of the passages (what the cosine compares with)."""
+
+    length: int
+    passages: dict  # tokenizer output of every passage (depth-major, FACTS per depth)
+    queries: dict  # tokenizer output of every fact sentence, same order
+    depths: tuple
+    reference: Optional[torch.Tensor] = None  # the original's pooled passage embeddings
+    codec: str = ""
+    seed: int = SEED
+    probes: tuple = ("fact retrieval",)
+    rows: list = field(default_factory=list)
+    repeat_row: list = field(default_factory=list)
+    text: list = field(default_factory=list)
+
+    def describe(self) -> dict:
+        return {"length": self.length, "rows": int(self.passages["input_ids"].shape[0]), "probes": list(self.probes),
+                "depths": list(self.depths), "seed": self.seed, "tokenizer": self.codec, "text_tokens": 0}
+
+
+def encoder_probe_set(model, tokenizer, length: int, depths: Sequence[float], seed: int) -> EncoderProbeSet:
+    if tokenizer is None or not callable(tokenizer):
+        raise ValueError(f"{type(model).__name__} is not a causal LM, so keep:recall measures fact retrieval by its "
+                         "embeddings, built from text with its tokenizer: pass compile(..., tokenizer=...)")
+    rng = random.Random(f"attnopt-keep-recall-encoder/{seed}/{length}")
+    words = " ".join(english_passages()).split()
+    passages, queries = [], []
+    for depth in depths:
+        for i in range(FACTS):
+            fact = f"The number for {WORD_OF[i]} is {rng.randrange(10 ** 6, 10 ** 7)}."
+            start = rng.randrange(len(words))
+            filler = (words[start:] + words)[: 2 * length]  # more words than tokens: truncation cuts the tail
+            at = max(0, int(depth * length * 0.6))  # a word count roughly at that token depth
+            passages.append(" ".join(filler[:at] + [fact] + filler[at:]))
+            queries.append(fact)
+    enc = tokenizer(passages, truncation=True, max_length=length, padding="max_length", return_tensors="pt")
+    q = tokenizer(queries, truncation=True, max_length=length, padding=True, return_tensors="pt")
+    probes = EncoderProbeSet(length, dict(enc), dict(q), tuple(depths),
+                             codec=getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__, seed=seed)
+    probes.reference = pooled(model, probes.passages)
+    return probes
+
+
+def pooled(model, enc: dict) -> torch.Tensor:
+    """Mean-pooled last hidden states over the real tokens (sentence-transformers' pooling), [R, C]."""
+    with torch.no_grad():
+        out = model(**enc)
+    hidden = getattr(out, "last_hidden_state", None)
+    if hidden is None and isinstance(out, dict):
+        hidden = out.get("last_hidden_state")
+    if hidden is None and isinstance(out, (tuple, list)):
+        hidden = out[0]
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+        raise ValueError(f"{type(model).__name__} returns no hidden states [batch, tokens, channels] to pool; keep:recall "
+                         "measures an encoder by its pooled embeddings")
+    w = enc["attention_mask"].to(hidden.dtype)[..., None]
+    return (hidden * w).sum(1) / w.sum(1).clamp_min(1)
+
+
+def measure_encoder(model, probes: EncoderProbeSet) -> Quality:
+    """Top-1 fact retrieval per depth (query embedding against the FACTS passages of its depth) and the mean
+    cosine of the passage embeddings to the original's."""
+    passages = torch.nn.functional.normalize(pooled(model, probes.passages).double(), dim=-1)
+    queries = torch.nn.functional.normalize(pooled(model, probes.queries).double(), dim=-1)
+    per = {}
+    for d, depth in enumerate(probes.depths):
+        rows = slice(d * FACTS, (d + 1) * FACTS)
+        best = (queries[rows] @ passages[rows].T).argmax(-1)
+        per[f"depth {depth:g}"] = float((best == torch.arange(FACTS)).double().mean())
+    ref = torch.nn.functional.normalize(probes.reference.double(), dim=-1)
+    cosine = float((passages * ref).sum(-1).mean())
+    return Quality(sum(per.values()) / len(per), per, None, cosine)

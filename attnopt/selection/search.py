@@ -42,13 +42,17 @@ class Budget:
         return q.perplexity / original.perplexity
 
     def holds(self, q: Quality, original: Quality) -> bool:
+        """Probe accuracy, then perplexity (a causal LM's) or the pooled embeddings' cosine to the
+        original's (an encoder's: at least `recall`)."""
         ppl = self.perplexity_ratio(q, original)
-        return self.probe_ratio(q, original) >= self.recall and (ppl is None or ppl <= self.perplexity)
+        return (self.probe_ratio(q, original) >= self.recall and (ppl is None or ppl <= self.perplexity)
+                and (q.cosine is None or q.cosine >= self.recall))
 
     def shortfall(self, q: Quality, original: Quality) -> tuple:
-        """(probe deficit, perplexity ratio): what `better` compares, lowest first."""
+        """(probe deficit, perplexity ratio or cosine deficit): what the search compares, lowest first."""
         ppl = self.perplexity_ratio(q, original)
-        return max(0.0, self.recall - self.probe_ratio(q, original)), (ppl or 1.0)
+        second = ppl if ppl is not None else (1.0 - q.cosine if q.cosine is not None else 1.0)
+        return max(0.0, self.recall - self.probe_ratio(q, original)), second
 
     def to_dict(self) -> dict:
         return asdict(self)

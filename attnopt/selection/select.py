@@ -189,18 +189,22 @@ def _signal(unit: Unit, signals: dict) -> float:
 def cheap_signals(target, found, recorded, verification, in_play: list, plans: list, sites: dict,
                   probes: ProbeSet) -> dict:
     """Per site in play: retrieval mass per KV head on the signal rows (a repeated span, a pass key and a
-    copy probe) beyond the form's reach, and the form's transfer error per KV head on the recorded calls."""
-    rows = [probes.repeat_row] + [list(s.ids) for s in probes.rows if s.depth == probes.depths[1]
-                                  and s.probe in ("passkey", "copy")]
-    n = min(len(r) for r in rows)
-    ids = torch.tensor([r[:n] for r in rows], dtype=torch.long)
-    recording = target.record(_copy(found), [((), {"input_ids": ids})])
+    copy probe) beyond the form's reach, and the form's transfer error per KV head on the recorded calls.
+    (An encoder has no copying to score: its retrieval signal is 0 and the transfer error ranks.)"""
+    calls_of: dict = {}
+    ids = None
+    if probes.repeat_row:
+        rows = [probes.repeat_row] + [list(s.ids) for s in probes.rows if s.depth == probes.depths[1]
+                                      and s.probe in ("passkey", "copy")]
+        n = min(len(r) for r in rows)
+        ids = torch.tensor([r[:n] for r in rows], dtype=torch.long)
+        calls_of = target.record(_copy(found), [((), {"input_ids": ids})]).calls
     out = {}
     for i in in_play:
         sid = verification.outcomes[i].site_id
         site, module = sites[sid], verification.modules[sid]
         reach = int(plans[i].params.get("window") or 0)
-        calls = recording.calls.get(sid) or []
+        calls = calls_of.get(sid) or []
         retrieval = None
         if calls:
             retrieval = retrieval_scores(calls[0], induction_targets(ids, reach), site.scale, site.mask.keep_when,

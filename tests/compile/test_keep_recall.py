@@ -188,3 +188,21 @@ def test_keep_recall_needs_what_it_measures_with():
         attnopt.compile(other, "window:16+keep:recall", example_inputs={"input_ids": torch.randint(0, 300, (1, 64))},
                         dispatch="off", tolerance=10.0, e2e_tolerance=None)
     del model
+
+
+def test_an_encoder_is_measured_by_fact_retrieval_and_embedding_cosine(minilm):
+    """MiniLM has no next-token head: keep:recall measures top-1 fact retrieval by pooled embeddings and the
+    cosine to the original's embeddings, and the budget it reports holds on both."""
+    from attnopt.samples import english_passages
+
+    model, tok = minilm
+    enc = dict(tok(english_passages(), return_tensors="pt", truncation=True, max_length=256, padding="max_length"))
+    opt = attnopt.compile(model, "window:16+keep:recall", example_inputs=enc, tokenizer=tok)
+    sel = opt.attnopt_report.to_dict()["head_selection"]
+    assert sel["probes"]["probes"] == ["fact retrieval"] and sel["original"]["perplexity"] is None
+    assert sel["original"]["cosine"] == pytest.approx(1.0, abs=1e-6)
+    if sel["holds"]:
+        assert sel["selected"]["cosine"] >= sel["budget"]["recall"]
+        assert sel["selected"]["probe"] >= sel["budget"]["recall"] * sel["original"]["probe"] - 1e-9
+    with pytest.raises(ValueError, match="tokenizer"):
+        attnopt.compile(model, "window:16+keep:recall", example_inputs=enc)

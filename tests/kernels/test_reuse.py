@@ -103,6 +103,15 @@ def test_lists_per_query_offsets_and_queries_after_a_cache():
     assert torch.allclose(got.to(F64), want, atol=2e-6) and float(got[0, :, :2].abs().max()) == 0.0
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_one_decoding_query_equals_the_oracle(causal):
+    q, k, v = _inputs(2, 4, 2, 1, 37, 8, 6, seed=3)
+    lists = _random_lists(2, 1, 37, 4, 3, seed=5, per_block=False)
+    lists[1, 0] = torch.tensor([9, -1, 2])  # the last, partial block (key 36 only), an empty slot
+    got = block_sparse_attention(q, k, v, lists, block=4, causal=causal, scale=0.4)
+    assert torch.allclose(got.to(F64), oracle(q, k, v, lists, block=4, causal=causal, scale=0.4), atol=2e-6)
+
+
 def test_a_query_that_sees_nothing_gets_zeros_and_fp64_stays_fp64():
     q, k, v = _inputs(1, 2, 2, 8, 8, 4, 4, seed=7, dtype=F64)
     blocks = torch.full((1, 8, 2), -1, dtype=torch.long)

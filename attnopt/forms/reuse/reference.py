@@ -72,6 +72,8 @@ def gathered_attention(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, *, block
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G, K = H // Hkv, blocks.shape[-1]
     dtype = compute_dtype(q.dtype)
+    if Nq == 1 and offsets is None and key_mask is None and not q.requires_grad:
+        return _one_query(q, k, v, blocks, block, causal, scale, dtype)
     off = torch.zeros(B, dtype=torch.long, device=q.device) if offsets is None else offsets
     qpos_BQ = (Nk - Nq) + torch.arange(Nq, device=q.device)[None, :] - off[:, None]
     same_offset = offsets is None or bool((offsets == offsets[0]).all())
@@ -116,6 +118,23 @@ def gathered_attention(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, *, block
             out[r, :, :, c0:c1] = torch.matmul(p, v_g).view(Hkv, C, G, T, Dv).transpose(1, 2)
     out = out.view(B, Hkv, G, n_tiles * T, Dv)[:, :, :, lead:lead + Nq]
     return out.reshape(B, H, Nq, Dv).to(q.dtype)
+
+
+def _one_query(q, k, v, blocks, block: int, causal: bool, scale: float, dtype) -> Tensor:
+    """A decoding step without padding: the one query's K·b keys gathered and attended in a few ops
+    (the general tiling would cost more than the attention it saves)."""
+    B, H, _, D = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    ids = blocks[:, 0].long()  # [B, K]
+    cols = (ids.clamp_min(0) * block)[:, :, None] + torch.arange(block, device=q.device)
+    ok = ((ids >= 0)[:, :, None] & (cols < Nk)).flatten(1)  # [B, K·b]: the last column sees every key causally
+    cols = torch.where(ok, cols.flatten(1), 0)
+    k_g = k.gather(2, cols[:, None, :, None].expand(B, Hkv, cols.shape[1], D)).to(dtype)
+    v_g = v.gather(2, cols[:, None, :, None].expand(B, Hkv, cols.shape[1], Dv)).to(dtype)
+    s = torch.matmul(q.to(dtype).view(B, Hkv, H // Hkv, D) * scale, k_g.transpose(-1, -2))  # [B, Hkv, G, K·b]
+    s = s.masked_fill_(~ok[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num_(0.0)
+    return torch.matmul(p, v_g).view(B, H, 1, Dv).to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -77,7 +77,11 @@ class BlockRule:
     def reads_everything(self, n: int) -> bool:
         """Whether at `n` positions every query block reads every block it can see (no choice is left:
         the form then equals exact attention)."""
-        return max((self.candidates(m, self.blocks(n)) for m in range(self.blocks(n))), default=0) <= self.fits
+        M = self.blocks(n)
+        # The most candidates: at the last block (causal: they grow with m), or while the window still
+        # overlaps the sinks (bidirectional); the blocks between add nothing.
+        edge = set(range(min(M, self.sinks + self.window + 1))) | {M - 1} if M else set()
+        return max((self.candidates(m, M) for m in edge), default=0) <= self.fits
 
     @property
     def fits(self) -> int:
