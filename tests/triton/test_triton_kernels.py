@@ -58,6 +58,7 @@ def built(children):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_kernel_matches_dense_oracle(interpreted, name):
+    """One case of a form's kernel: window, linear, linear_window ("hybrid") or ssm ("decay")."""
     res = interpreted["cases"][name]
     assert "error" not in res, res.get("traceback", res.get("error"))
     checks = res["checks"]
