@@ -7,20 +7,26 @@ Two trained models:
            agreement (share of held-out passages whose most similar other passage is the same
            under the original and the rewritten model).
   tiny_lm  the byte-level Llama-style LM of benchmarks/train_tiny_lm.py (benchmarks/data/tiny_lm),
-           calibrated on 256-byte windows of its training text, measured on its held-out topics:
-           perplexity, and relative RMS of the logits against the original.
+           calibrated on 256-byte windows of its training text, measured on its held-out topics and
+           on any other text given (--held-out-text, e.g. English the model never saw): perplexity,
+           and relative RMS of the logits against the original. calibrate's own held-out guard is a
+           batch of training-text windows it does not train on, so no measured text reaches it.
 
 Every site is rewritten (tolerance 10, no end-to-end budget, dispatch off so no site falls back
-to exact attention at these lengths): this measures the forms, not the budget. Calibration wall
+to exact attention at these lengths): this measures the forms, not the budget. A site that compile
+or calibrate puts back to exact attention is listed under the row's "reverted". Calibration wall
 time is measured in the same run (the machine may be shared; the JSON says how many threads and
-the load average). Writes benchmarks/results/fidelity.json and fidelity.svg.
+the load average). The tiny LM's rows are checked against issue 39's gated goals
+(gla and delta <= 1.5x, gla+window:64 <= 1.005x the original's perplexity, each <= ssm, no site
+reverted) on every held-out text, under "gated_goals".
 
     python benchmarks/fidelity.py                     # both models, every form
     python benchmarks/fidelity.py --models tiny_lm --steps 100
     python benchmarks/fidelity.py --models tiny_lm --params forms+lora --policies gla,delta --out A.json
     python benchmarks/fidelity.py --combine A.json,B.json --out benchmarks/results/fidelity_gated.json
     python benchmarks/fidelity.py --models tiny_lm --params forms+lora --lr 0.05 \
-        --policies ssm,gla,gla+window:64,delta --result fidelity_gated   # -> results/fidelity_gated/<machine>.json
+        --policies ssm,gla,gla+window:64,delta --held-out-text topics,/usr/share/common-licenses/GPL-3 \
+        --result fidelity                                            # -> results/fidelity/<machine>.json
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parent
 MINILM_POLICIES = [
@@ -46,6 +52,9 @@ TINY_POLICIES = [
 ]
 SEQ_LEN = 256
 BATCH = 4
+TOPICS = "topics"  # --held-out-text's name for tiny_lm's own held-out topics (benchmarks/data/tiny_lm/heldout.txt)
+# issue 39's gated goals: perplexity over the original's at most this, held out, and each at most ssm's
+GATED_GOALS = {"gla": 1.5, "delta": 1.5, "gla+window:64": 1.005}
 
 
 def minilm_data(n_cal: int, n_held: int):
@@ -70,9 +79,10 @@ def minilm_data(n_cal: int, n_held: int):
     return model, batches(cal_texts), batches(held_texts)
 
 
-def tiny_lm_data(n_cal: int, n_held: int, held_text: Optional[Path] = None):
-    """(model, calibration batches, held-out batches): training-text windows, held-out topic windows
-    (or windows of `held_text`, other English the model never saw)."""
+def tiny_lm_data(n_cal: int, n_held: int, held_texts: Sequence[str] = (TOPICS,)):
+    """(model, calibration batches, guard batches, {name: held-out batches}): training-text windows to
+    calibrate on, one batch of other training-text windows for calibrate's held-out guard, and
+    windows of each held-out text (`topics`: the model's held-out topics; else a file path)."""
     import torch
     import transformers
 
@@ -82,13 +92,21 @@ def tiny_lm_data(n_cal: int, n_held: int, held_text: Optional[Path] = None):
     path = ROOT / "data" / "tiny_lm"
     model = transformers.LlamaForCausalLM.from_pretrained(path).eval()
     train_text, _ = tl.corpus()
-    held = tl.eval_chunks(tl.encode((held_text or path / "heldout.txt").read_text(encoding="utf-8")), SEQ_LEN, n_held)
+    held = {}
+    for name in held_texts:
+        file = path / "heldout.txt" if name == TOPICS else Path(name)
+        if not file.is_file():
+            raise SystemExit(f"fidelity: --held-out-text {name!r} is not a file; give a path or {TOPICS!r}")
+        chunks = tl.eval_chunks(tl.encode(file.read_text(encoding="utf-8", errors="replace")), SEQ_LEN, n_held)
+        if chunks.shape[0] < BATCH:
+            raise SystemExit(f"fidelity: {name} holds fewer than {BATCH} windows of {SEQ_LEN} bytes; give a longer text")
+        held[name] = chunks
     gen = torch.Generator().manual_seed(1)
     train_ids = tl.encode(train_text)
-    starts = torch.randint(0, train_ids.numel() - SEQ_LEN, (n_cal,), generator=gen).tolist()
-    cal = torch.stack([train_ids[s : s + SEQ_LEN] for s in starts])
+    starts = torch.randint(0, train_ids.numel() - SEQ_LEN, (n_cal + BATCH,), generator=gen).tolist()
+    windows = torch.stack([train_ids[s : s + SEQ_LEN] for s in starts])
     split = lambda x: [{"input_ids": x[i : i + BATCH]} for i in range(0, x.shape[0], BATCH)]  # noqa: E731
-    return model, split(cal), split(held)
+    return model, split(windows[:n_cal]), split(windows[n_cal:]), {k: split(v) for k, v in held.items()}
 
 
 def embeddings(model, batches):
@@ -139,44 +157,90 @@ def decoder_scores(ref_logits, logits, batches) -> dict:
     return {"perplexity": math.exp(total / count), "logits_rel_rms": math.sqrt(num / den)}
 
 
+def reverted_sites(report) -> list:
+    """Sites compile or calibrate left exact (a failed fit, a diverged training), with the reason."""
+    out = [{"site": r.site.id, "step": "compile", "reason": r.outcome.reason}
+           for r in report.sites if r.outcome.status != "rewritten"]
+    for entry in (report.calibration or {}).get("sites", []):
+        if entry.get("status") == "non_finite":
+            out.append({"site": entry["site_id"], "step": "calibrate", "reason": entry.get("reason")})
+    return out
+
+
 def run_model(name: str, policies, steps: int, n_cal: int, n_held: int, lr, params: str = "forms",
-              held_text: Optional[Path] = None) -> dict:
+              held_texts: Sequence[str] = (TOPICS,)) -> dict:
     import attnopt
     import torch
 
-    model, cal, held = minilm_data(n_cal, n_held) if name == "minilm" else tiny_lm_data(n_cal, n_held, held_text)
+    if name == "minilm":
+        model, cal, held = minilm_data(n_cal, n_held)
+        guard, held_sets = held[:1], {"passages": held}
+    else:
+        model, cal, guard, held_sets = tiny_lm_data(n_cal, n_held, held_texts)
     encoder = name == "minilm"
-    ref = embeddings(model, held) if encoder else logits_of(model, held)
-    score = (lambda m: encoder_scores(ref, embeddings(m, held))) if encoder else (
-        lambda m: decoder_scores(ref, logits_of(m, held), held))
-    rows = [{"policy": "original", "rewritten": 0, **score(model)}]
-    print(name, rows[-1], flush=True)
+    refs = {k: embeddings(model, b) if encoder else logits_of(model, b) for k, b in held_sets.items()}
+
+    def score(m) -> dict:
+        if encoder:
+            return {k: encoder_scores(refs[k], embeddings(m, b)) for k, b in held_sets.items()}
+        return {k: decoder_scores(refs[k], logits_of(m, b), b) for k, b in held_sets.items()}
+
+    first = next(iter(held_sets))
+    original = score(model)
+    rows = [{"policy": "original", "rewritten": 0, **original[first], "held_out": original}]
+    print(name, json.dumps(rows[-1]), flush=True)
     for policy in policies:
         torch.manual_seed(0)
         t0 = time.perf_counter()
         opt = attnopt.compile(model, policy, example_inputs=cal[0], tolerance=10.0, e2e_tolerance=None, dispatch="off")
+        before = score(opt)
         row = {"policy": policy, "rewritten": opt.attnopt_report.count("rewritten"),
                "sites": len(opt.attnopt_report.sites), "compile_seconds": round(time.perf_counter() - t0, 1),
-               "before": score(opt)}
+               "before": before[first], "held_out_before": before}
         try:
             t0 = time.perf_counter()
-            attnopt.calibrate(opt, cal, held_out=held[:1], steps=steps, lr=lr, params=params, progress=False)
+            attnopt.calibrate(opt, cal, held_out=guard, steps=steps, lr=lr, params=params, progress=False)
             row["calibration_seconds"] = round(time.perf_counter() - t0, 1)
-            row["after"] = score(opt)
+            after = score(opt)
+            row["after"], row["held_out"] = after[first], after
             if not encoder:
-                row["perplexity_over_original"] = round(row["after"]["perplexity"] / rows[0]["perplexity"], 4)
+                row["perplexity_over_original"] = round(after[first]["perplexity"] / original[first]["perplexity"], 4)
+                row["perplexity_over_original_by_text"] = {
+                    k: round(after[k]["perplexity"] / original[k]["perplexity"], 4) for k in after}
             cal_info = opt.attnopt_report.calibration
             row["site_rms_after_train"] = [s["rms_after"] for s in cal_info["sites"]]
+            row["site_status"] = [s["status"] for s in cal_info["sites"]]
             if cal_info.get("lora"):
                 row["lora"] = {k: cal_info["lora"][k] for k in ("status", "reason", "rms_before", "rms_after")}
         except attnopt.calibration.CalibrationError as exc:
             row["after"] = None
             row["not_calibrated"] = str(exc)
+        row["reverted"] = reverted_sites(opt.attnopt_report)
         rows.append(row)
         print(name, json.dumps(row), flush=True)
-    return {"model": name, "calibration_batches": len(cal), "held_out_batches": len(held), "batch": BATCH,
-            "seq_len": SEQ_LEN, "params": params, "held_out_text": str(held_text) if held_text else "default",
-            "rows": rows}
+    return {"model": name, "calibration_batches": len(cal), "guard_batches": len(guard),
+            "held_out_batches": {k: len(b) for k, b in held_sets.items()}, "batch": BATCH, "seq_len": SEQ_LEN,
+            "params": params, "held_out_text": list(held_sets), "rows": rows}
+
+
+def gated_goals(res: dict) -> dict:
+    """issue 39's gated-fidelity goals on one tiny_lm result, per held-out text: each gated policy's
+    perplexity over the original's against its limit and against ssm's, and no site reverted."""
+    rows = {r["policy"]: r for r in res["rows"]}
+    ssm = rows.get("ssm")
+    out = {}
+    for policy, limit in GATED_GOALS.items():
+        row = rows.get(policy)
+        if row is None:
+            continue
+        ratios = row.get("perplexity_over_original_by_text") or {}
+        ssm_ratios = (ssm or {}).get("perplexity_over_original_by_text") or {}
+        checks = {text: {"ratio": ratio, "limit": limit, "ssm_ratio": ssm_ratios.get(text),
+                         "met": ratio <= limit and (text not in ssm_ratios or ratio <= ssm_ratios[text])}
+                  for text, ratio in ratios.items()}
+        out[policy] = {"by_text": checks, "reverted": len(row["reverted"]),
+                       "met": bool(checks) and all(c["met"] for c in checks.values()) and not row["reverted"]}
+    return out
 
 
 def combine(paths: list, out: Path) -> dict:
@@ -246,8 +310,9 @@ def main(argv=None) -> None:
     ap.add_argument("--combine", default=None, help="comma-separated result JSONs to merge into --out (no run)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--calibration-texts", type=int, default=40)
-    ap.add_argument("--held-out-text", default=None, metavar="PATH",
-                    help="tiny_lm: measure on 256-byte windows of this file instead of its held-out topics")
+    ap.add_argument("--held-out-text", default=TOPICS, metavar="PATHS",
+                    help=f"tiny_lm: comma-separated texts to measure on, 256-byte windows of each ({TOPICS!r}: "
+                         "its held-out topics; else a file path); the first is the plot's and 'after''s")
     ap.add_argument("--held-out-texts", type=int, default=40)
     ap.add_argument("--out", default=str(ROOT / "results" / "fidelity.json"))
     ap.add_argument("--result", default=None, metavar="NAME",
@@ -268,8 +333,11 @@ def main(argv=None) -> None:
                "models": []}
     for name in args.models.split(","):
         policies = args.policies.split(",") if args.policies else (MINILM_POLICIES if name == "minilm" else TINY_POLICIES)
-        results["models"].append(run_model(name, policies, args.steps, args.calibration_texts, args.held_out_texts,
-                                           args.lr, args.params, Path(args.held_out_text) if args.held_out_text else None))
+        res = run_model(name, policies, args.steps, args.calibration_texts, args.held_out_texts, args.lr, args.params,
+                        args.held_out_text.split(","))
+        if name == "tiny_lm":
+            res["gated_goals"] = gated_goals(res)
+        results["models"].append(res)
     results["load_average_end"] = list(os.getloadavg())
     if args.result:
         sys.path.insert(0, str(ROOT))

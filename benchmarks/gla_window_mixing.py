@@ -53,13 +53,14 @@ def measure(variant: str, policy: str, steps: int, n_cal: int, n_held: int) -> d
 
     if variant == "liger":
         gla_window_form.GlaWindowSite.attend = liger_attend
-    model, cal, held = fidelity.tiny_lm_data(n_cal, n_held)
+    model, cal, guard, held_sets = fidelity.tiny_lm_data(n_cal, n_held)
+    held = held_sets[fidelity.TOPICS]
     ref = fidelity.logits_of(model, held)
     torch.manual_seed(0)
     opt = attnopt.compile(model, policy, example_inputs=cal[0], tolerance=10.0, e2e_tolerance=None, dispatch="off")
     row = {"variant": variant, "policy": policy, "before": fidelity.decoder_scores(ref, fidelity.logits_of(opt, held), held)}
     t0 = time.perf_counter()
-    attnopt.calibrate(opt, cal, held_out=held[:1], steps=steps, params="forms+lora", progress=False)
+    attnopt.calibrate(opt, cal, held_out=guard, steps=steps, params="forms+lora", progress=False)
     row["calibration_seconds"] = round(time.perf_counter() - t0, 1)
     row["after"] = fidelity.decoder_scores(ref, fidelity.logits_of(opt, held), held)
     row["original"] = fidelity.decoder_scores(ref, ref, held)
