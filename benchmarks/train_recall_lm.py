@@ -374,6 +374,8 @@ def main(argv=None) -> None:
     ap.add_argument("--probe-trials", type=int, default=24)
     ap.add_argument("--aux-weight", type=float, default=1.0, help="weight of the attention supervision loss")
     ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every phase's steps (smoke runs)")
+    ap.add_argument("--phases", default=None, help="STEPS:LEN:BATCH,... instead of the built-in schedule")
+    ap.add_argument("--init", default=None, help="continue training a saved recall_lm directory (its log is kept)")
     args = ap.parse_args(argv)
 
     import torch
@@ -384,11 +386,17 @@ def main(argv=None) -> None:
     train_text, held_text = corpus()
     train_bytes, held_bytes = train_text.encode("utf-8"), held_text.encode("utf-8")
     sampler = Sampler(train_bytes, args.seed)
-    model = transformers.LlamaForCausalLM(config())
+    earlier = None
+    if args.init:
+        model = transformers.LlamaForCausalLM.from_pretrained(args.init)
+        earlier = json.loads((Path(args.init) / "train_log.json").read_text())
+    else:
+        model = transformers.LlamaForCausalLM(config())
     transformers.AttentionInterface.register("recording_sdpa", recording_sdpa)
     model.config._attn_implementation = "recording_sdpa"
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    phases = [(max(1, round(k * args.steps_scale)), n, b) for k, n, b in PHASES]
+    schedule = PHASES if args.phases is None else [tuple(int(x) for x in p.split(":")) for p in args.phases.split(",")]
+    phases = [(max(1, round(k * args.steps_scale)), n, b) for k, n, b in schedule]
     total_steps = sum(p[0] for p in phases)
     ends = [sum(p[0] for p in phases[:i + 1]) for i in range(len(phases))]
     start = time.perf_counter()
@@ -397,7 +405,7 @@ def main(argv=None) -> None:
         phase = next(i for i, end in enumerate(ends) if step < end)
         _, seq_len, batch = phases[phase]
         # Cosine from lr to lr/10 over all steps, after a short warm-up.
-        warm = min(1.0, (step + 1) / 200)
+        warm = 1.0 if earlier else min(1.0, (step + 1) / 200)
         lr = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / total_steps)))
         for group in opt.param_groups:
             group["lr"] = lr
@@ -456,6 +464,15 @@ def main(argv=None) -> None:
             "trials_per_cell": args.probe_trials, "chance_upper": 1 / 26, "accuracy": probe_acc},
         "log": log,
     }
+    if earlier:  # a continuation: the whole history, and the time of both runs
+        info["phases"] = earlier["phases"] + info["phases"]
+        info["steps"] += earlier["steps"]
+        info["train_seconds"] = round(earlier["train_seconds"] + train_seconds, 1)
+        info["runs"] = earlier.get("runs", [{"steps": earlier["steps"], "train_seconds": earlier["train_seconds"],
+                                             "threads": earlier["threads"]}])
+        info["runs"].append({"steps": step, "train_seconds": round(train_seconds, 1), "threads": args.threads,
+                             "lr": args.lr, "continued_from": "the run above"})
+        info["log"] = earlier["log"] + log
     (out / "train_log.json").write_text(json.dumps(info, indent=1))
     print(json.dumps({k: v for k, v in info.items() if k != "log"}, indent=1))
 
