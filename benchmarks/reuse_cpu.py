@@ -16,13 +16,19 @@ conditions recorded beside it):
            weights) at 16k: original against `reuse+every:3` (anchors 0, 3; layers 1, 2, 4, 5 reused;
            6 and 7 exact).
   decode   per-token time at a context of 8k: an 8-layer decoder, hidden 128 (4/2 heads, D 32),
-           original against `reuse+every:3`, both prefilled afresh each round.
+           original against `reuse+every:3`, both prefilled afresh each round; 64 timed steps, one
+           block, so each round holds one refresh of the selection (it runs once per block).
   quality  benchmarks/data/recall_lm (6-layer byte-level Llama, context 2048) with its middle layers
-           reused: held-out perplexity and retrieval probes (attnopt.evaluation, scored by generate())
-           against the original, and per-step logits of cached generate() against the full forward
-           of the reused model. Skipped, said so, while recall_lm is not trained.
+           reused: held-out perplexity and retrieval probes (attnopt.evaluation, scored by generate(),
+           the original scored once on the same rows), and per-step logits of cached generate()
+           against the full forward of the reused model. Skipped, said so, while recall_lm is not
+           trained.
   minilm   all-MiniLM-L6-v2 at 512 tokens (bidirectional): mean-pooled embedding cosine on passages
            compile never saw.
+
+Every policy row says the share of the keys its reused layers read at that length (`key_share`):
+the default `reuse` (top_k 16 of 64-token blocks) reads every key up to about 1.2k tokens, so a
+short case measures the plan's exact layers, not a selection.
 """
 
 from __future__ import annotations
@@ -51,8 +57,9 @@ from attnopt.forms.reuse.selection import BlockRule, select_call  # noqa: E402
 
 RECALL_LM = HERE / "data" / "recall_lm"
 E2E_POLICY = "reuse+every:3"
-QUALITY_POLICIES = ("reuse", "reuse+every:2", "reuse:8+block:32")
-MINILM_POLICIES = ("reuse:2+block:32", "reuse:4+block:32+every:2")
+QUALITY_POLICIES = ("reuse", "reuse+every:2", "reuse:8+block:32", "reuse:4+block:32")
+MINILM_POLICIES = ("reuse", "reuse:2+block:32", "reuse:4+block:32+every:2")
+DECODE_STEPS = 64  # one block of the default rule: each timed round holds one refresh of the selection
 
 
 def _rounds(turns) -> dict:
@@ -64,6 +71,22 @@ def _rounds(turns) -> dict:
 def _ratios(rows: dict, base: str) -> dict:
     return {k: {"best": v / rows["best_s"][base], "median": rows["median_s"][k] / rows["median_s"][base]}
             for k, v in rows["best_s"].items() if k != base}
+
+
+def key_share(policy: str, n: int, causal: bool) -> float:
+    """Share of the keys a reused layer of `policy` reads at n positions, over all its queries (whole
+    blocks; a causal query block m sees m + 1 of them and reads at most `slots`)."""
+    from attnopt.forms.reuse.form import rule_of
+
+    rule = rule_of(attnopt.Policy.parse(policy).rules[0].params, causal)
+    M = rule.blocks(n)
+    seen = [m + 1 if causal else M for m in range(M)]
+    return sum(min(s, rule.slots) for s in seen) / sum(seen)
+
+
+def _stamp(section: dict) -> dict:
+    """The section with the machine conditions at its end (a long run's load changes)."""
+    return {**section, "conditions_after": Conditions.now().to_dict()}
 
 
 # ---------------------------------------------------------------- op
@@ -131,7 +154,7 @@ def e2e_section(lengths, repeats: int) -> dict:
         rows = _rounds(turns)
         speed = {"best": rows["best_s"]["original"] / rows["best_s"][E2E_POLICY],
                  "median": rows["median_s"]["original"] / rows["median_s"][E2E_POLICY]}
-        out["lengths"][n] = {**rows, "speedup": speed}
+        out["lengths"][n] = {"key_share": key_share(E2E_POLICY, n, True), **rows, "speedup": speed}
         print(f"e2e N={n}: speedup {speed}", flush=True)
     return out
 
@@ -180,7 +203,8 @@ def decode_section(context: int, steps: int, repeats: int) -> dict:
     rows = _rounds(turns)
     out = {"model": "Llama-style, 8 layers, hidden 128, 4/2 heads, D 32, random weights, batch 1, fp32",
            "policy": E2E_POLICY, "forms": [r.outcome.final_form for r in opt.attnopt_report.sites],
-           "context": context, "steps": steps, "per_token": rows, "vs_original": _ratios(rows, "original")}
+           "context": context, "steps": steps, "key_share": key_share(E2E_POLICY, context, True),
+           "per_token": rows, "vs_original": _ratios(rows, "original")}
     print(f"decode @{context}: {out['vs_original']}", flush=True)
     return out
 
@@ -224,27 +248,43 @@ def quality_section(policies, lengths, samples: int) -> dict:
     enc = torch.tensor([list(heldout.encode("utf-8"))[:8 * 2048]], dtype=torch.long).view(-1, 2048)
     example = {"input_ids": enc[:1], "use_cache": False}
     calibration = [{"input_ids": enc[1:2], "use_cache": False}]
+
+    def scores(m) -> dict:  # the same rows for every model: the audit's plan depends on its seed only
+        audit = evaluate(m, texts=heldout, lengths=lengths, samples=samples)
+        s = audit.model
+        return {"probes": {p: s.probe_mean(p) for p in audit.probes},
+                "probes_by_length": {p: {n: s.probe_mean(p, n) for n in lengths} for p in audit.probes},
+                "teacher_forced": {p: s.probe_mean(p, which="teacher_forced") for p in audit.probes},
+                "perplexity": s.perplexity.to_dict() if s.perplexity else None,
+                "decode_disagreements": s.decode_disagreements, "rows": s.rows}
+
+    original = scores(model)
     out = {"model": str(RECALL_LM.relative_to(HERE.parent)), "held_out": "heldout.txt (never trained on)",
-           "policies": {}}
+           "compile_on": "heldout.txt bytes 0-4095 (example and calibration); scored on all of it",
+           "lengths": lengths, "samples": samples, "original": original, "policies": {}}
     for policy in policies:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             opt = attnopt.compile(model, policy, example_inputs=example, calibration=calibration, e2e_tolerance=None,
                                   dispatch="off")
         rep = opt.attnopt_report
-        audit = evaluate(opt, reference=model, texts=heldout, lengths=lengths, samples=samples)
-        m, r = audit.model, audit.reference
-        probes = {p: {"reused": m.probe_mean(p), "original": r.probe_mean(p)} for p in audit.probes}
-        ppl = {"reused": m.perplexity.to_dict() if m.perplexity else None,
-               "original": r.perplexity.to_dict() if r.perplexity else None}
+        got = scores(opt)
+        ppl = {"reused": (got["perplexity"] or {}).get("overall"), "original": (original["perplexity"] or {}).get("overall")}
         out["policies"][policy] = {
             "forms": [x.outcome.final_form for x in rep.sites],
-            "anchors": {x.site.layer: x.outcome.reason for x in rep.sites if x.outcome.final_form != "reuse"},
+            "kept_exact": {x.site.layer: x.outcome.reason for x in rep.sites if x.outcome.final_form != "reuse"},
             "plan": rep.counts.get("verify", {}).get("plans", {}).get("reuse"),
-            "probes": probes, "perplexity": ppl, "decode_disagreements": m.decode_disagreements, "rows": m.rows,
+            "key_share": {n: key_share(policy, n, True) for n in lengths},
+            **got,
+            "perplexity_ratio": ppl["reused"] / ppl["original"] if ppl["reused"] and ppl["original"] else None,
+            "probe_ratio": {p: (v / original["probes"][p] if original["probes"][p] else None)
+                            for p, v in got["probes"].items()},
+            "probe_mean_ratio": (statistics.mean(got["probes"].values()) / statistics.mean(original["probes"].values())
+                                 if statistics.mean(original["probes"].values()) else None),
             "decode_vs_forward": decode_equals_forward(opt, model, enc[2:3, :1500], 64),
         }
-        print(f"quality {policy}: {json.dumps(probes)}", flush=True)
+        print(f"quality {policy}: ppl {ppl}, probes {json.dumps(got['probes'])} (original "
+              f"{json.dumps(original['probes'])})", flush=True)
     return out
 
 
@@ -280,6 +320,7 @@ def minilm_section(policies) -> dict:
         cos = [c for b in enc[2:] for c in cosines(opt, b)]
         rep = opt.attnopt_report
         out["policies"][policy] = {"forms": [r.outcome.final_form for r in rep.sites],
+                                   "key_share": key_share(policy, 512, False),
                                    "plan": rep.counts.get("verify", {}).get("plans", {}).get("reuse"),
                                    "held_out_cosine_mean": statistics.mean(cos), "held_out_cosine_min": min(cos)}
         print(f"minilm {policy}: mean {statistics.mean(cos):.4f} min {min(cos):.4f}", flush=True)
@@ -301,16 +342,17 @@ def main(argv=None) -> None:
     quick = args.quick
     payload = {"conditions_before": Conditions.now().to_dict(), "quick": quick}
     if "op" in sections:
-        payload["op"] = op_section((2048, 4096) if quick else (8192, 16384), args.repeats or (2 if quick else 5))
+        payload["op"] = _stamp(op_section((2048, 4096) if quick else (8192, 16384), args.repeats or (2 if quick else 5)))
     if "e2e" in sections:
-        payload["e2e"] = e2e_section((4096,) if quick else (16384,), args.repeats or (1 if quick else 3))
+        payload["e2e"] = _stamp(e2e_section((4096,) if quick else (16384,), args.repeats or (1 if quick else 3)))
     if "decode" in sections:
-        payload["decode"] = decode_section(2048 if quick else 8192, 8 if quick else 32, args.repeats or (2 if quick else 5))
+        payload["decode"] = _stamp(decode_section(2048 if quick else 8192, 8 if quick else DECODE_STEPS,
+                                                  args.repeats or (2 if quick else 5)))
     if "quality" in sections:
-        payload["quality"] = quality_section(QUALITY_POLICIES[:1] if quick else QUALITY_POLICIES,
-                                             [512] if quick else [1024, 2048], 1 if quick else 4)
+        payload["quality"] = _stamp(quality_section(QUALITY_POLICIES[:1] if quick else QUALITY_POLICIES,
+                                                    [512] if quick else [1024, 2048], 1 if quick else 4))
     if "minilm" in sections:
-        payload["minilm"] = minilm_section(MINILM_POLICIES[:1] if quick else MINILM_POLICIES)
+        payload["minilm"] = _stamp(minilm_section(MINILM_POLICIES[:2] if quick else MINILM_POLICIES))
     payload["conditions_after"] = Conditions.now().to_dict()
     if quick:
         print(json.dumps(payload, indent=1, default=str)[:4000])

@@ -121,20 +121,31 @@ def gathered_attention(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, *, block
 
 
 def _one_query(q, k, v, blocks, block: int, causal: bool, scale: float, dtype) -> Tensor:
-    """A decoding step without padding: the one query's K·b keys gathered and attended in a few ops
-    (the general tiling would cost more than the attention it saves)."""
-    B, H, _, D = q.shape
+    """A decoding step without padding: per row, the listed whole blocks taken as slabs of a
+    [J, b] view of the cache (index_select copies K·b rows; an element-wise gather cost 6× more
+    at 8k), the partial last block sliced on, then one SDPA call. The query is the last column, so
+    it sees every listed key, causal or not; ids outside the cache add nothing."""
+    B, H = q.shape[:2]
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    ids = blocks[:, 0].long()  # [B, K]
-    cols = (ids.clamp_min(0) * block)[:, :, None] + torch.arange(block, device=q.device)
-    ok = ((ids >= 0)[:, :, None] & (cols < Nk)).flatten(1)  # [B, K·b]: the last column sees every key causally
-    cols = torch.where(ok, cols.flatten(1), 0)
-    k_g = k.gather(2, cols[:, None, :, None].expand(B, Hkv, cols.shape[1], D)).to(dtype)
-    v_g = v.gather(2, cols[:, None, :, None].expand(B, Hkv, cols.shape[1], Dv)).to(dtype)
-    s = torch.matmul(q.to(dtype).view(B, Hkv, H // Hkv, D) * scale, k_g.transpose(-1, -2))  # [B, Hkv, G, K·b]
-    s = s.masked_fill_(~ok[:, None, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num_(0.0)
-    return torch.matmul(p, v_g).view(B, H, 1, Dv).to(q.dtype)
+    whole_blocks = Nk // block
+    rows = []
+    for r in range(B):
+        ids = blocks[r, 0].long()
+        whole = ids[(ids >= 0) & (ids < whole_blocks)]
+        # (4-D, selecting along dim 2: measured 4× faster than the same index_select on a 3-D view)
+        k_r = k[r:r + 1, :, : whole_blocks * block].unflatten(2, (whole_blocks, block)).index_select(2, whole)
+        v_r = v[r:r + 1, :, : whole_blocks * block].unflatten(2, (whole_blocks, block)).index_select(2, whole)
+        k_r, v_r = k_r.flatten(2, 3), v_r.flatten(2, 3)
+        if Nk % block and bool((ids == whole_blocks).any()):  # the partial last block
+            k_r = torch.cat([k_r, k[r:r + 1, :, whole_blocks * block:]], dim=2)
+            v_r = torch.cat([v_r, v[r:r + 1, :, whole_blocks * block:]], dim=2)
+        if k_r.shape[2] == 0:
+            rows.append(q.new_zeros(1, H, 1, Dv, dtype=dtype))
+            continue
+        rows.append(torch.nn.functional.scaled_dot_product_attention(
+            q[r:r + 1].to(dtype), k_r.to(dtype), v_r.to(dtype), scale=scale, enable_gqa=H != Hkv))
+    out = rows[0] if B == 1 else torch.cat(rows, dim=0)
+    return out.to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ M query blocks, J key blocks, K = slots (the most blocks one query block reads),
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -77,6 +78,9 @@ class BlockRule:
     def reads_everything(self, n: int) -> bool:
         """Whether at `n` positions every query block reads every block it can see (no choice is left:
         the form then equals exact attention)."""
+        return _reads_everything(self, n) if type(n) is int else self._reads_everything(n)  # a SymInt: no hash
+
+    def _reads_everything(self, n: int) -> bool:
         M = self.blocks(n)
         # The most candidates: at the last block (causal: they grow with m), or while the window still
         # overlaps the sinks (bidirectional); the blocks between add nothing.
@@ -95,6 +99,10 @@ class BlockRule:
         lo, hi = max(0, m - self.window), min(visible, m + self.window + 1)
         forced = len(set(range(min(self.sinks, visible))) | set(range(lo, hi)))
         return visible - forced
+
+
+# Asked by every reused layer at every decoding step (the answer changes only with the length).
+_reads_everything = functools.lru_cache(maxsize=4096)(BlockRule._reads_everything)
 
 
 @dataclass(frozen=True)
