@@ -14,6 +14,7 @@ k, Dv head dim of v. Tensors are in SDPA layout [B, H, N, D] unless a name says 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import importlib
 import importlib.util
 from dataclasses import dataclass, field
@@ -75,6 +76,12 @@ class Param:
             if self.maximum is not None and value > self.maximum:
                 raise PolicyError(f"form {form!r}: parameter {name!r} got {value!r}; must be <= {self.maximum:g}")
         return value if self.convert is None else self.convert(form, name, value)
+
+
+def with_defaults(params: Mapping[str, Param], **defaults: Any) -> dict[str, Param]:
+    """`params` with some defaults changed: a family's parameters at one form's own defaults."""
+    return {name: dataclasses.replace(p, default=defaults[name]) if name in defaults else p
+            for name, p in params.items()}
 
 
 def _type_names(types: tuple) -> str:
@@ -538,16 +545,19 @@ class Form(abc.ABC):
     def decode_state_bytes(self, site: AttentionSite, params: Mapping[str, Any], context: int,
                            element_bytes: int) -> int:
         """Bytes one batch row of this site holds while decoding at `context` tokens: its KV cache
-        unless the form keeps a state of its own (then also the exact prefix under min_seq_len)."""
-        return kv_cache_bytes(site.kv_heads, site.head_dim, site.v_head_dim or site.head_dim, context, element_bytes)
+        unless the form keeps a state of its own (`state_bytes`; a causal site), then that state plus
+        the exact prefix a min_seq_len site keeps until `context` passes it."""
+        kv = kv_cache_bytes(site.kv_heads, site.head_dim, site.v_head_dim or site.head_dim, context, element_bytes)
+        own = self.state_bytes(site, params, context, element_bytes) if site.causal else None
+        if own is None:
+            return kv
+        return own if context >= int(params.get("min_seq_len", 0) or 0) else own + kv
 
-    def state_bytes_with_prefix(self, site: AttentionSite, params: Mapping[str, Any], context: int,
-                                element_bytes: int, own: int) -> int:
-        """`own` plus the exact prefix a min_seq_len site keeps until `context` passes it."""
-        T = int(params.get("min_seq_len", 0) or 0)
-        if context >= T:
-            return own
-        return own + kv_cache_bytes(site.kv_heads, site.head_dim, site.v_head_dim or site.head_dim, context, element_bytes)
+    def state_bytes(self, site: AttentionSite, params: Mapping[str, Any], context: int,
+                    element_bytes: int) -> Optional[int]:
+        """Bytes of one row's own decode state at `context` tokens (accumulators in fp32 at least);
+        None: the form keeps the site's KV cache. Forms that decode from a state override it."""
+        return None
 
     def fit(self, module: SiteModule, calls: list[SiteCall]) -> Optional[FitResult]:
         """Fit the module's own parameters to the recorded calls (in place); None when nothing to fit."""

@@ -111,6 +111,12 @@ def count_spec() -> StateSpec:
     return StateSpec("conv_state", torch.int64, (BATCH, 1, 1))
 
 
+def recurrent_states(heads: int, M: int, W: int) -> list:
+    """The states of a linear-state form: recurrent_state [B, heads, M, W] float32 (its S, with the
+    normaliser z as one more column when it has one: kernels.normaliser) and the real-token count."""
+    return [StateSpec("recurrent_state", torch.float32, (BATCH, heads, M, W)), count_spec()]
+
+
 def per_kv_head(state_BHX: Tensor, kv_heads: int) -> Tensor:
     """A state kept per query head whose heads repeat within each group -> one per kv head."""
     H = state_BHX.shape[1]

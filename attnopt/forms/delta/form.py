@@ -32,20 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnopt.forms.common.base import CostAt, Form, Param, SiteModule, io_elements
-from attnopt.forms.delta.reference import (
-    gated_delta_attention,
-    gated_delta_attention_step,
-    init_gated_delta_state,
-)
+from attnopt.forms.common.base import CostAt, Param, SiteModule, io_elements
+from attnopt.forms.common.families import FittedForm, RecurrentForm
+from attnopt.forms.delta.reference import gated_delta_attention, gated_delta_attention_step, init_gated_delta_state
 from attnopt.forms.delta.short_conv import causal_short_conv, identity_taps
-from attnopt.forms.gla.form import (
-    GLA_FEATURE_MAPS,
-    KeyGates,
-    causal_self_attention_reason,
-    fit_with_init,
-    init_gates_from_calls,
-)
+from attnopt.forms.gla.form import GLA_FEATURE_MAPS, KeyGates, fit_with_init, init_gates_from_calls
 from attnopt.forms.linear.form import feature_count
 
 CHUNK = 64  # the op's chunk length, for the cost model
@@ -58,7 +49,7 @@ class DeltaSite(SiteModule):
         super().__init__(site, params)
         p = params
         # φ per kv head and the per-head log-gate g = logsigmoid(k·w + b)/16 (w: the mean of the key channels)
-        self.gates = KeyGates(site.head_dim, site.kv_heads, p["feature_map"], p["num_features"], p["seed"], "head")
+        self.gates = KeyGates.of(site, p, gate="head")
         M = state_width(site, p)
         beta = min(max(float(p["beta"]), 1e-4), 1 - 1e-4)
         self.beta_proj_HkvM = nn.Parameter(torch.zeros(site.kv_heads, M), requires_grad=False)
@@ -133,7 +124,7 @@ def state_width(site, params) -> int:
     return feature_count(params["feature_map"], params["num_features"], site.head_dim)
 
 
-class DeltaForm(Form):
+class DeltaForm(RecurrentForm, FittedForm):
     name = "delta"
     aliases = ("gated_delta", "gdn")
     summary = "gated delta rule on L2-normalised q/k, gates and β from small per-head tensors; causal sites only"
@@ -151,13 +142,7 @@ class DeltaForm(Form):
         "fit_steps": Param(int, 100, minimum=0, doc="Adam steps fitting φ, the gates, β and the output scale (0: none)"),
     }
     preset_arg = "beta"
-    preset_keys = {"map": "feature_map"}
     default_tolerance = 0.8
-    cost_rank = 1
-    auto_params = None  # its fit is a compile-time cost "auto" should not pay per site and form
-
-    def check_site(self, site, params, sites):
-        return causal_self_attention_reason("delta", site)
 
     def cost(self, site, params, B, Nq, Nk):
         H, Hkv, D, Dv = site.heads, site.kv_heads, site.head_dim, site.v_head_dim
@@ -174,10 +159,9 @@ class DeltaForm(Form):
     def build(self, site, params, context):
         return DeltaSite(site, params)
 
-    def decode_state_bytes(self, site, params, context, element_bytes):
+    def state_bytes(self, site, params, context, element_bytes):
         own = site.kv_heads * state_width(site, params) * site.v_head_dim * max(element_bytes, 4)  # fp32 state
-        own += site.kv_heads * max(params["conv"] - 1, 0) * (site.head_dim + site.v_head_dim) * element_bytes
-        return self.state_bytes_with_prefix(site, params, context, element_bytes, own)
+        return own + site.kv_heads * max(params["conv"] - 1, 0) * (site.head_dim + site.v_head_dim) * element_bytes
 
     def fit(self, module, calls, *, lr: float = 3e-2, seed: int = 0):
         """Closed-form start from the calls, then Adam on the gates, β and the output scale."""

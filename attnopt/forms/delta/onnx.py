@@ -17,15 +17,14 @@ from __future__ import annotations
 from onnxscript import opset18 as op
 
 from attnopt.forms.gla.onnx import token_scan, zero_state
-from attnopt.forms.linear.onnx import check_self_attention
 from attnopt.kernels.onnx.functions import (
     MS_DOMAIN,
+    causal_prefill_dims,
     contrib_node,
     f32,
     i64,
     keep_BN1,
     pack_heads,
-    static_dim,
     unpack_heads,
 )
 from attnopt.kernels.onnx.lowering import OpLowering
@@ -34,8 +33,7 @@ from attnopt.kernels.onnx.steps import new_columns_keep
 
 def _inputs(q, k, v, g, beta, key_mask, scale):
     """s·q, and k, g, β zeroed where a key is dropped."""
-    check_self_attention(q, k, "delta")
-    H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
+    H, Hkv, D, Dv = causal_prefill_dims(q, k, v, "delta")
     qs = op.Mul(q, op.CastLike(f32(scale), q))
     g, beta = op.CastLike(g, q), op.CastLike(beta, q)
     if key_mask is not None:

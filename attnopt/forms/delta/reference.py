@@ -54,18 +54,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnopt.forms.common.plain_autograd import wants_plain_autograd
-from attnopt.forms.gla.reference import (
-    check_log_gate,
-    factored_chunk,
-    own,
-    pad_positions,
-    rev_cumsum_exclusive,
-    segsum,
-    values_known,
-)
+from attnopt.forms.gla.reference import check_log_gate, factored_chunk, pad_positions, rev_cumsum_exclusive, segsum
 from attnopt.kernels.dispatch import cuda_kernels
-from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
-from attnopt.kernels.registration import register_recompute_autograd
+from attnopt.kernels.layout import check_causal_inputs, check_scan_options, compute_dtype, values_known
+from attnopt.kernels.registration import prefill_op
 
 __all__ = ["gated_delta_attention", "gated_delta_attention_step", "init_gated_delta_state", "gated_delta_chunked",
            "unit_lower_solve"]
@@ -85,22 +77,14 @@ def _check_beta(who, beta, B, Hkv, N) -> None:
 
 
 def _check_inputs(q, k, v, g, beta, key_mask, who=_WHO) -> None:
-    check_sdpa_inputs(who, q, k, v, key_mask)
+    check_causal_inputs(who, "gated delta attention", q, k, v, key_mask)
     B, Hkv, Nk, _ = k.shape
-    if q.shape[2] > Nk:
-        raise ValueError(
-            f"{who}: {q.shape[2]} queries but only {Nk} keys; gated delta attention is causal and needs Nq <= Nk "
-            "(queries are the last Nq positions)"
-        )
     check_log_gate(who, g, B, Hkv, Nk, None, per_channel_ok=False)
     _check_beta(who, beta, B, Hkv, Nk)
 
 
 def _check_options(scale, chunk_size, who=_WHO) -> None:
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
-        raise ValueError(f"{who}: scale must be a finite float or None (1/sqrt(D)), got {scale!r}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"{who}: chunk_size must be an int >= 1, got {chunk_size!r}")
+    check_scan_options(who, scale, chunk_size)
 
 
 def _check_state(S, B, Hkv, D, Dv, who=_WHO) -> Tensor:
@@ -209,8 +193,8 @@ def unit_lower_solve(L: Tensor, rhs: Tensor, block: int = 0) -> Tensor:
     return torch.cat(xs, dim=-2)
 
 
-def _delta_forward(q, k, v, g, beta, key_mask, scale: float, chunk_size: int, S0: Optional[Tensor] = None,
-                   solve_block: int = 0):
+def _delta_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, key_mask: Optional[Tensor], scale: float,
+                   chunk_size: int, S0: Optional[Tensor] = None, solve_block: int = 0):
     """Chunked prefill, differentiable plain PyTorch. Returns (out, S)."""
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -244,22 +228,8 @@ def _delta_forward(q, k, v, g, beta, key_mask, scale: float, chunk_size: int, S0
     return out.to(out_dtype), S.reshape(B, Hkv, D, Dv)
 
 
-# ---- custom op ----
-
-
-@torch.library.custom_op("attnopt::gated_delta_attention", mutates_args=())
-def _gated_delta_op(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, key_mask: Optional[Tensor], scale: float, chunk_size: int
-) -> Tensor:
-    return own(_delta_forward(q, k, v, g, beta, key_mask, scale, chunk_size)[0])
-
-
-@_gated_delta_op.register_fake
-def _(q, k, v, g, beta, key_mask, scale, chunk_size):
-    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
-
-
-register_recompute_autograd(_gated_delta_op, lambda *a: _delta_forward(*a)[0], differentiable=(0, 1, 2, 3, 4))
+# The stateless prefill as one opaque node; gradients reach q, k, v, g and β.
+prefill_op("attnopt::gated_delta_attention", _delta_forward, differentiable=(0, 1, 2, 3, 4))
 
 
 # ---- public API ----

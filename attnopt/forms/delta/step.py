@@ -15,20 +15,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnopt.forms.common.graph import (
-    BATCH,
-    GraphStep,
-    StateSpec,
-    StepSite,
-    add_real_tokens,
-    count_spec,
-    new_keep,
-)
+from attnopt.forms.common.graph import (BATCH, GraphStep, StateSpec, StepSite, add_real_tokens, new_keep,
+                                       recurrent_states)
 from attnopt.forms.delta.form import state_width
 from attnopt.forms.delta.reference import gated_delta_attention
+from attnopt.kernels.registration import step_op
 
 
-@torch.library.custom_op("attnopt::delta_step", mutates_args=())
+@step_op("attnopt::delta_step", presents=("state",))
 def delta_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, mask: Tensor,
                state: Tensor) -> tuple[Tensor, Tensor]:
     """The gated delta rule over the new tokens from the carried state; returns (out, present state)."""
@@ -37,18 +31,12 @@ def delta_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, mask: T
     return out.contiguous(), S.to(state.dtype).contiguous()
 
 
-@delta_step.register_fake
-def _(q, k, v, g, beta, mask, state):
-    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1]), state.new_empty(state.shape)
-
-
 def states(site: StepSite) -> list:
     g = site.geometry
-    M = state_width(site.module.geometry, site.module.params)
-    recurrent = StateSpec("recurrent_state", torch.float32, (BATCH, g.kv_heads, M, g.v_head_dim))
+    recurrent, count = recurrent_states(g.kv_heads, state_width(site.module.geometry, site.module.params), g.v_head_dim)
     conv = site.module.conv_HkvWK
     if conv is None:
-        return [recurrent, count_spec()]
+        return [recurrent, count]
     taps = conv.shape[-1]
     return [recurrent, StateSpec("conv_state", torch.float32, (BATCH, g.kv_heads * (taps - 1), conv.shape[1]))]
 

@@ -29,6 +29,7 @@ from attnopt.kernels.onnx.functions import (
     dim,
     expand_heads,
     f32,
+    head_dims,
     i64,
     pack_heads,
     static_dim,
@@ -60,7 +61,7 @@ def causal_visible(mask_BN, q):
 
 
 def exact_step_std(q, k, v, mask, past_key, past_value, scale):
-    H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
+    H, Hkv, D, Dv = head_dims(q, k, v)
     K, V = op.Concat(past_key, k, axis=2), op.Concat(past_value, v, axis=2)
     out = masked_softmax(q, expand_heads(K, Hkv, H, D), expand_heads(V, Hkv, H, Dv), causal_visible(mask, q), scale)
     return out, K, V
@@ -126,7 +127,7 @@ def _prefix_attention(q, k, v, prefix, form_out, keep, pos_BT, scale, H, Hkv, D,
 
 
 def exact_prefix_step(q, k, v, mask, prefix, form_out, scale):
-    H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
+    H, Hkv, D, Dv = head_dims(q, k, v)
     slots = static_dim(prefix, 2, "exact prefix slots")
     keep = new_columns_keep(mask, q)
     pos_BT, before_B1 = _real_positions(mask, keep)

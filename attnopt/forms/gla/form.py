@@ -29,15 +29,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from attnopt.forms.common.base import (
-    CostAt,
-    FitResult,
-    Form,
-    Param,
-    SiteModule,
-    io_elements,
-    no_arbitrary_mask,
-)
+from attnopt.forms.common.base import CostAt, FitResult, Param, SiteModule, io_elements
+from attnopt.forms.common.families import FittedForm, RecurrentForm
 from attnopt.forms.common.fitting import adam_fit, relative_mse, sample_rows
 from attnopt.forms.common.plain_autograd import plain_autograd
 from attnopt.forms.gla.reference import (
@@ -95,6 +88,12 @@ class KeyGates(nn.Module):
         width = pool.shape[1]
         self.gate_proj_HkvDG = nn.Parameter(pool.expand(kv_heads, head_dim, width).clone().float(), requires_grad=False)
         self.gate_bias_HkvG = nn.Parameter(torch.zeros(kv_heads, width), requires_grad=False)
+
+    @classmethod
+    def of(cls, site, params, gate: Optional[str] = None) -> "KeyGates":
+        """The gates a site's parameters describe (`gate` overrides params["gate"])."""
+        return cls(site.head_dim, site.kv_heads, params["feature_map"], params["num_features"], params["seed"],
+                   gate or params["gate"])
 
     def features(self, q_BHND: Tensor, k_BHkvND: Tensor, scale: float) -> tuple[Tensor, Tensor]:
         """φ(q) [B, H, Nq, M] and φ(k) [B, Hkv, Nk, M]: the map of a kv head serves its G query heads."""
@@ -208,8 +207,7 @@ class GlaSite(SiteModule):
 
     def __init__(self, site, params):
         super().__init__(site, params)
-        p = params
-        self.gates = KeyGates(site.head_dim, site.kv_heads, p["feature_map"], p["num_features"], p["seed"], p["gate"])
+        self.gates = KeyGates.of(site, params)
 
     def inputs(self, q, k):
         """The op's featurised inputs: φ(q) [B, H, N, M], φ(k) [B, Hkv, N, M] and the log-gates g."""
@@ -235,16 +233,6 @@ class GlaSite(SiteModule):
         return gated_linear_attention(phi_q, phi_k, v, g, key_mask=keep, state=form_state, **self._options())
 
 
-def causal_self_attention_reason(form: str, site) -> Optional[str]:
-    """The conditions of a recurrent form: a causal self-attention site with a causal/padding mask."""
-    if not site.causal:
-        # The recurrence only carries the past: on a bidirectional site it would drop every later key.
-        return f"{form} is causal by construction and this site is bidirectional; use linear or window there"
-    if str(site.q_len) != str(site.kv_len):
-        return f"{form} needs self-attention (query length == key length); this site is cross-attention"
-    return no_arbitrary_mask(site)
-
-
 def gla_flops(site, params, B: int, Nq: int, Nk: int) -> float:
     """Featurise, gate, build the state and read it (+ the in-chunk blocks), per kv head for K/V."""
     H, Hkv, D, Dv = site.heads, site.kv_heads, site.head_dim, site.v_head_dim
@@ -255,7 +243,7 @@ def gla_flops(site, params, B: int, Nq: int, Nk: int) -> float:
     return flops + 2 * B * Hkv * Nk * D * Mg + 4 * B * Hkv * Nk * Mg  # gate projection, logsigmoid and exp
 
 
-class GlaForm(Form):
+class GlaForm(RecurrentForm, FittedForm):
     name = "gla"
     aliases = ("gated_linear",)
     summary = "gated linear attention, per-channel gates pooled from the keys (Liger); causal sites only"
@@ -266,13 +254,7 @@ class GlaForm(Form):
         "eps": Param(float, 1e-6, minimum=0.0, doc="added to the denominator φ(q)ᵀz"),
     }
     preset_arg = "feature_map"
-    preset_keys = {"map": "feature_map"}
     default_tolerance = 0.8
-    cost_rank = 1
-    auto_params = None  # its fit is a compile-time cost "auto" should not pay per site and form
-
-    def check_site(self, site, params, sites):
-        return causal_self_attention_reason("gla", site)
 
     def cost(self, site, params, B, Nq, Nk):
         M = feature_count(params["feature_map"], params["num_features"], site.head_dim)
@@ -283,11 +265,9 @@ class GlaForm(Form):
     def build(self, site, params, context):
         return GlaSite(site, params)
 
-    def decode_state_bytes(self, site, params, context, element_bytes):
+    def state_bytes(self, site, params, context, element_bytes):
         M = feature_count(params["feature_map"], params["num_features"], site.head_dim)
-        z = 1 if params["normalize"] else 0
-        own = site.kv_heads * M * (site.v_head_dim + z) * max(element_bytes, 4)  # fp32 accumulators
-        return self.state_bytes_with_prefix(site, params, context, element_bytes, own)
+        return site.kv_heads * M * (site.v_head_dim + int(params["normalize"])) * max(element_bytes, 4)
 
     def fit(self, module, calls, *, lr: float = 3e-2, seed: int = 0):
         """Gate bias from the calls' look-back, then φ, the pooling and the bias by Adam on the calls."""

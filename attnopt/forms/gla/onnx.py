@@ -20,9 +20,9 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript import opset18 as op
 
-from attnopt.forms.linear.onnx import check_self_attention
 from attnopt.kernels.onnx.functions import (
     MS_DOMAIN,
+    causal_prefill_dims,
     contrib_node,
     f32,
     features,
@@ -30,7 +30,6 @@ from attnopt.kernels.onnx.functions import (
     keep_BN1,
     pack_heads,
     ratio_of_ones_column,
-    static_dim,
     unpack_heads,
     with_ones_column,
 )
@@ -119,8 +118,7 @@ def packed_decay(g4, per_channel: bool):
 
 def _inputs(q, k, v, g, key_mask, feature_map, normalize, scale):
     """φ(q) (scaled unless normalised), φ(k) and the gates (0 where a key is dropped), v or [v, 1]."""
-    check_self_attention(q, k, "gla")
-    H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
+    H, Hkv, D, Dv = causal_prefill_dims(q, k, v, "gla")
     phi_q = features(feature_map, q, scale, None, D)
     if not normalize:
         phi_q = op.Mul(phi_q, op.CastLike(f32(scale), phi_q))

@@ -53,8 +53,7 @@ torch.export; fake and recompute-autograd registered; gradients for q, k, v and 
 On CUDA, a stateless call that needs no gradient runs the Triton forward kernel instead
 (`attnopt.forms.gla.triton`, when Triton imports and its `unsupported` returns None).
 
-The range-sum helpers (`segsum`, `rev_cumsum_exclusive`), `own`, `values_known` and
-`check_log_gate` are public: the delta form's op uses them too.
+The range-sum helpers (`segsum`, `rev_cumsum_exclusive`) and `check_log_gate` are public: the delta form's op uses them too.
 
 Letters: B batch, H query heads, Hkv key/value heads, G = H // Hkv, N length, D head dim of q/k,
 M feature width of φ, Mg gate width (M or 1), Dv head dim of v, C chunk, c sub-chunk, nc chunks,
@@ -74,13 +73,9 @@ from attnopt.forms.common.plain_autograd import wants_plain_autograd
 from attnopt.forms.ssm.schedule import DECAY_FEATURE_MAPS
 from attnopt.kernels.dispatch import cuda_kernels
 from attnopt.kernels.feature_maps import feature_map_class
-from attnopt.kernels.layout import (
-    check_sdpa_inputs,
-    compute_dtype,
-    is_fake_tensor,
-    ratio_or_zero,
-)
-from attnopt.kernels.registration import register_recompute_autograd
+from attnopt.kernels.layout import check_causal_inputs, check_scan_options, compute_dtype, ratio_or_zero, values_known
+from attnopt.kernels.normaliser import check_state, normalised_out, start_state, with_ones
+from attnopt.kernels.registration import prefill_op
 
 __all__ = [
     "gated_linear_attention",
@@ -90,8 +85,6 @@ __all__ = [
     "check_log_gate",
     "segsum",
     "rev_cumsum_exclusive",
-    "own",
-    "values_known",
     "pad_positions",
     "factored_chunk",
 ]
@@ -112,18 +105,6 @@ def _feature(x: Tensor, feature_map: str) -> Tensor:
     if feature_map == "identity":
         return x
     return feature_map_class(feature_map).features(x, 1.0, None)
-
-
-def own(t: Tensor) -> Tensor:
-    """A custom op's output must be a fresh dense tensor (its fake twin has offset 0), not a slice."""
-    t = t.contiguous()
-    return t if t.storage_offset() == 0 else t.clone()
-
-
-def values_known(t: Tensor) -> bool:
-    """Whether a value check can look at `t`: not a fake tensor (torch.export) and not while
-    torch.compile traces (a data-dependent branch there would only break the graph)."""
-    return t.numel() > 0 and not torch.compiler.is_compiling() and not is_fake_tensor(t)
 
 
 def segsum(x: Tensor) -> Tensor:
@@ -161,24 +142,12 @@ def rev_cumsum_exclusive(x: Tensor, dim: int) -> Tensor:
 def _check_options(feature_map, normalize, scale, eps, chunk_size, who=_WHO) -> None:
     if not isinstance(feature_map, str) or feature_map not in GATED_LINEAR_FEATURE_MAPS:
         raise ValueError(f"{who}: unknown feature_map {feature_map!r}; allowed: {', '.join(GATED_LINEAR_FEATURE_MAPS)}")
-    if not isinstance(normalize, bool):
-        raise TypeError(f"{who}: normalize must be a bool, got {normalize!r}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
-        raise ValueError(f"{who}: scale must be a finite float or None (1/sqrt(D)), got {scale!r}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"{who}: eps must be a float >= 0, got {eps!r}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"{who}: chunk_size must be an int >= 1, got {chunk_size!r}")
+    check_scan_options(who, scale, chunk_size, normalize=normalize, eps=eps)
 
 
 def _check_inputs(q, k, v, g, key_mask, who=_WHO) -> None:
-    check_sdpa_inputs(who, q, k, v, key_mask)
+    check_causal_inputs(who, "gated attention", q, k, v, key_mask)
     B, Hkv, Nk, D = k.shape
-    if q.shape[2] > Nk:
-        raise ValueError(
-            f"{who}: {q.shape[2]} queries but only {Nk} keys; gated attention is causal and needs Nq <= Nk "
-            "(queries are the last Nq positions)"
-        )
     check_log_gate(who, g, B, Hkv, Nk, D, per_channel_ok=True)
 
 
@@ -198,23 +167,6 @@ def check_log_gate(who: str, g, B: int, Hkv: int, N: int, M: Optional[int], per_
         raise ValueError(
             f"{who}: g holds log-gates and must be finite and <= 0 (got {bad}); pass e.g. F.logsigmoid(x), not the gate itself"
         )
-
-
-def _check_state(state, B, Hkv, M, Dv, normalize, who=_WHO) -> tuple:
-    if not isinstance(state, (tuple, list)) or len(state) != 2:
-        raise TypeError(f"{who}: state must be a pair (S [B, Hkv, M, Dv], z [B, Hkv, M] or None); see init_gated_linear_state")
-    S, z = state
-    if not isinstance(S, Tensor) or tuple(S.shape) != (B, Hkv, M, Dv):
-        got = list(S.shape) if isinstance(S, Tensor) else type(S).__name__
-        raise ValueError(f"{who}: state S must have shape [B, Hkv, M, Dv] = {[B, Hkv, M, Dv]}, got {got}")
-    if normalize:
-        if not isinstance(z, Tensor) or tuple(z.shape) != (B, Hkv, M):
-            raise ValueError(
-                f"{who}: normalize=True needs state z of shape [B, Hkv, M] = {[B, Hkv, M]}; use init_gated_linear_state(..., normalize=True)"
-            )
-    elif z is not None:
-        raise ValueError(f"{who}: state carries z but normalize=False; pass (S, None) or set normalize=True")
-    return S, z
 
 
 # ---- the chunked core ----
@@ -360,20 +312,9 @@ def _gla_chunks_factored(fq: Tensor, fk: Tensor, v: Tensor, g: Tensor, T0: Tenso
     return out.view(X, nc, G, C, W).transpose(1, 2).reshape(X, G, L, W), S
 
 
-def _gla_forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    key_mask: Optional[Tensor],
-    feature_map: str,
-    normalize: bool,
-    scale: float,
-    eps: float,
-    chunk_size: int,
-    S0: Optional[Tensor] = None,
-    z0: Optional[Tensor] = None,
-):
+def _gla_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, key_mask: Optional[Tensor], feature_map: str,
+                 normalize: bool, scale: float, eps: float, chunk_size: int, S0: Optional[Tensor] = None,
+                 z0: Optional[Tensor] = None):
     """Chunked prefill, differentiable plain PyTorch. Returns (out, S, z-or-None)."""
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -393,14 +334,9 @@ def _gla_forward(
         fk = torch.where(keep, fk, torch.zeros_like(fk))
         vv = torch.where(keep, vv, torch.zeros_like(vv))
         gg = torch.where(keep, gg, torch.zeros_like(gg))
-    if normalize:  # z travels as an extra value column
-        vv = torch.cat([vv, torch.ones_like(vv[..., :1])], dim=-1)
+    vv = with_ones(vv, normalize)  # z travels as an extra value column
     W = vv.shape[-1]
-
-    T0 = S0.to(cdt) if S0 is not None else fk.new_zeros(B, Hkv, M, Dv)
-    if normalize:
-        zz = z0.to(cdt) if z0 is not None else fk.new_zeros(B, Hkv, M)
-        T0 = torch.cat([T0, zz[..., None]], dim=-1)
+    T0 = start_state(S0, z0, (B, Hkv, M, Dv), fk, normalize)
     if Nk == 0:
         out = fq.new_zeros(B, H, 0, Dv)
         T = T0
@@ -419,40 +355,13 @@ def _gla_forward(
         )
         out = out.reshape(B, H, L, W)[:, :, Nk - Nq : Nk]
         T = T.reshape(B, Hkv, M, W)
-    if normalize:
-        out = ratio_or_zero(out[..., :Dv], out[..., Dv:], eps)
-        S, z = T[..., :Dv], T[..., Dv]
-    else:
-        S, z = T, None
+    out, S, z = normalised_out(out, T, Dv, normalize, eps)
     return out.to(out_dtype), S, z
 
 
-# ---- custom op: the stateless prefill as one opaque node ----
-
-
-@torch.library.custom_op("attnopt::gated_linear_attention", mutates_args=())
-def _gated_linear_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    key_mask: Optional[Tensor],
-    feature_map: str,
-    normalize: bool,
-    scale: float,
-    eps: float,
-    chunk_size: int,
-) -> Tensor:
-    return own(_gla_forward(q, k, v, g, key_mask, feature_map, normalize, scale, eps, chunk_size)[0])
-
-
-@_gated_linear_op.register_fake
-def _(q, k, v, g, key_mask, feature_map, normalize, scale, eps, chunk_size):
-    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
-
-
-# Gradients reach q, k, v and the gates; the mask and options are constants.
-register_recompute_autograd(_gated_linear_op, lambda *a: _gla_forward(*a)[0], differentiable=(0, 1, 2, 3))
+# The stateless prefill as one opaque node; gradients reach q, k, v and the gates (the mask and
+# options are constants).
+prefill_op("attnopt::gated_linear_attention", _gla_forward, differentiable=(0, 1, 2, 3))
 
 
 # ---- public API ----
@@ -504,7 +413,8 @@ def gated_linear_attention(
         return _gla_forward(q, k, v, g, key_mask, feature_map, normalize, s, float(eps), chunk_size)[0]
     if state is None:
         return torch.ops.attnopt.gated_linear_attention(q, k, v, g, key_mask, feature_map, normalize, s, float(eps), chunk_size)
-    S0, z0 = _check_state(state, B, Hkv, D, Dv, normalize)
+    sizes = {"B": B, "Hkv": Hkv, "M": D, "Dv": Dv}
+    S0, z0 = check_state(_WHO, state, sizes, normalize, "init_gated_linear_state")
     out, S, z = _gla_forward(q, k, v, g, key_mask, feature_map, normalize, s, float(eps), chunk_size, S0, z0)
     return out, (S, z)
 
@@ -536,7 +446,7 @@ def gated_linear_attention_step(
     cdt = compute_dtype(q.dtype)
     if state is None:
         state = init_gated_linear_state(B, Hkv, D, Dv, normalize=normalize, dtype=q.dtype, device=q.device)
-    S, z = _check_state(state, B, Hkv, D, Dv, normalize, who)
+    S, z = check_state(who, state, {"B": B, "Hkv": Hkv, "M": D, "Dv": Dv}, normalize, "init_gated_linear_state")
     fq = _feature(q.to(cdt), feature_map).reshape(B, Hkv, G, D)
     fk = _feature(k.to(cdt), feature_map)[:, :, 0]  # [B, Hkv, M]
     vv = v.to(cdt)[:, :, 0]

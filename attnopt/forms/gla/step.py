@@ -15,35 +15,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnopt.forms.common.graph import (
-    BATCH,
-    GraphStep,
-    StateSpec,
-    StepSite,
-    add_real_tokens,
-    count_spec,
-    new_keep,
-)
+from attnopt.forms.common.graph import GraphStep, StepSite, add_real_tokens, new_keep, recurrent_states
 from attnopt.forms.gla.reference import gated_linear_attention
+from attnopt.kernels.normaliser import join_state, split_state
+from attnopt.kernels.registration import step_op
 
 
-@torch.library.custom_op("attnopt::gla_step", mutates_args=())
+@step_op("attnopt::gla_step", out=("phi_q", "v"), presents=("state", "count"))
 def gla_step(phi_q: Tensor, phi_k: Tensor, v: Tensor, g: Tensor, mask: Tensor, state: Tensor, count: Tensor,
              normalize: bool, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """Gated linear attention of the new tokens from the carried state; returns (out, present state, count)."""
     keep = new_keep(mask, phi_q.shape[2])
-    Dv = v.shape[-1]
-    S, z = (state[..., :Dv], state[..., Dv]) if normalize else (state, None)
     out, (S, z) = gated_linear_attention(phi_q, phi_k, v, g, feature_map="identity", normalize=normalize, scale=1.0,
-                                         eps=eps, key_mask=keep, state=(S, z))
-    present = torch.cat([S, z[..., None]], dim=-1) if normalize else S
+                                         eps=eps, key_mask=keep, state=split_state(state, v.shape[-1], normalize))
+    present = join_state(S, z)
     return out.contiguous(), present.to(state.dtype).contiguous(), add_real_tokens(count, keep)
-
-
-@gla_step.register_fake
-def _(phi_q, phi_k, v, g, mask, state, count, normalize, eps):
-    return (phi_q.new_empty(phi_q.shape[0], phi_q.shape[1], phi_q.shape[2], v.shape[-1]), state.new_empty(state.shape),
-            count.new_empty(count.shape))
 
 
 def width(module) -> int:
@@ -54,8 +40,7 @@ def width(module) -> int:
 
 def states(site: StepSite) -> list:
     g = site.geometry
-    W = g.v_head_dim + (1 if site.module.params["normalize"] else 0)
-    return [StateSpec("recurrent_state", torch.float32, (BATCH, g.kv_heads, width(site.module), W)), count_spec()]
+    return recurrent_states(g.kv_heads, width(site.module), g.v_head_dim + int(site.module.params["normalize"]))
 
 
 def call(site: StepSite, q, k, v, mask, pasts):

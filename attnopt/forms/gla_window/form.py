@@ -14,32 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from attnopt.forms.common.base import CostAt, Form, Param, SiteModule, io_elements
+from attnopt.forms.common.base import CostAt, Param, SiteModule, io_elements, with_defaults
+from attnopt.forms.common.families import FittedForm, RecurrentForm
 from attnopt.forms.common.fitting import relative_mse
-from attnopt.forms.gla.form import (
-    GLA_PARAMS,
-    KeyGates,
-    causal_self_attention_reason,
-    fit_with_init,
-    gla_flops,
-    init_gates_from_calls,
-    module_loss,
-)
+from attnopt.forms.gla.form import GLA_PARAMS, KeyGates, fit_with_init, gla_flops, init_gates_from_calls, module_loss
 from attnopt.forms.gla_window.decode import gla_window_decode
-from attnopt.forms.gla_window.reference import (
-    CHUNK,
-    beta_tensor,
-    gla_window_attention,
-    window_part,
-    with_gated_part,
-)
+from attnopt.forms.gla_window.reference import CHUNK, beta_tensor, gla_window_attention, window_part, with_gated_part
 from attnopt.forms.linear.form import feature_count
-from attnopt.forms.window.form import (
-    WINDOW_PARAMS,
-    effective_window,
-    visible_keys,
-    window_cache_bytes,
-)
+from attnopt.forms.linear_window.form import log_beta_parameter
+from attnopt.forms.window.form import WINDOW_PARAMS, WindowedForm, effective_window, visible_keys, window_cache_bytes
 from attnopt.ir.masks import key_keep
 
 
@@ -48,11 +31,8 @@ class GlaWindowSite(SiteModule):
 
     def __init__(self, site, params):
         super().__init__(site, params)
-        p = params
-        self.gates = KeyGates(site.head_dim, site.kv_heads, p["feature_map"], p["num_features"], p["seed"], p["gate"])
-        # β_h = exp(log_beta_h) > 0 per query head: learnable without a constraint.
-        beta = torch.full((site.heads,), float(p["beta"]), dtype=torch.float64)
-        self.log_beta = torch.nn.Parameter(torch.log(beta.clamp_min(1e-30)).float(), requires_grad=False)
+        self.gates = KeyGates.of(site, params)
+        self.log_beta = log_beta_parameter(site.heads, params["beta"])
 
     def beta(self):
         return torch.exp(self.log_beta) if self.params["beta"] > 0 else 0.0
@@ -102,31 +82,18 @@ def window_fixed_loss(module: GlaWindowSite, calls: list):
     return loss
 
 
-class GlaWindowForm(Form):
+class GlaWindowForm(RecurrentForm, WindowedForm, FittedForm):
     name = "gla+window"
     aliases = ("gla_window", "liger")
     summary = "softmax in a window (plus sinks), key-gated linear attention beyond it, one normaliser"
     presets = ("gla+window:64", "gla+window:64+sinks:4")
     params = {
-        **{k: Param(p.type, 64 if k == "window" else p.default, p.choices, p.minimum, p.maximum, p.doc)
-           for k, p in WINDOW_PARAMS.items()},
+        **with_defaults(WINDOW_PARAMS, window=64),
         **GLA_PARAMS,
         "beta": Param(float, 1.0, minimum=0.0, doc="initial per-head weight β of the gated part (0: window only)"),
     }
     preset_arg = "window"
-    preset_keys = {"map": "feature_map"}
     default_tolerance = 0.6
-    cost_rank = 1
-    auto_params = None  # its fit is a compile-time cost "auto" should not pay per site and form
-
-    def check_site(self, site, params, sites):
-        return causal_self_attention_reason("gla+window", site)
-
-    def acts_at(self, site, params, q_len, kv_len):
-        return super().acts_at(site, params, q_len, kv_len) and kv_len > params["window"] + params["sinks"]
-
-    def acting_length(self, site, params):
-        return max(super().acting_length(site, params), 4 * (params["window"] + params["sinks"]))
 
     def cost(self, site, params, B, Nq, Nk):
         H, Hkv, D, Dv = site.heads, site.kv_heads, site.head_dim, site.v_head_dim
@@ -139,12 +106,11 @@ class GlaWindowForm(Form):
     def build(self, site, params, context):
         return GlaWindowSite(site, params)
 
-    def decode_state_bytes(self, site, params, context, element_bytes):
+    def state_bytes(self, site, params, context, element_bytes):
         M = feature_count(params["feature_map"], params["num_features"], site.head_dim)
-        own = window_cache_bytes(site, params, context, element_bytes)
-        buffered = min(context, effective_window(params, site.window) - 1)
-        own += site.kv_heads * M * (site.v_head_dim + 1 + buffered) * max(element_bytes, 4)
-        return self.state_bytes_with_prefix(site, params, context, element_bytes, own)
+        buffered = min(context, effective_window(params, site.window) - 1)  # the buffered keys' decayed φ(k)
+        gated = site.kv_heads * M * (site.v_head_dim + 1 + buffered) * max(element_bytes, 4)
+        return window_cache_bytes(site, params, context, element_bytes) + gated
 
     def fit(self, module, calls, *, lr: float = 3e-2, seed: int = 0):
         """Gate bias from the look-back beyond the window, then φ, the gates and β by Adam on the calls."""

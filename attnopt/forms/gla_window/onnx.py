@@ -27,11 +27,11 @@ import onnx_ir as ir
 from onnxscript import opset18 as op
 
 from attnopt.forms.gla.onnx import gated_scan, gates_4d, packed_decay
-from attnopt.forms.linear.onnx import check_self_attention
 from attnopt.forms.window.onnx import arange, banded_sums, holds_sink, ones_keep, window_step_sums
 from attnopt.forms.window.reference import default_window_block_size
 from attnopt.kernels.onnx.functions import (
     MS_DOMAIN,
+    causal_prefill_dims,
     contrib_node,
     dim,
     expand_heads,
@@ -96,8 +96,7 @@ def one_normaliser(num, den, log_factor, lin, beta, H: int, Dv: int, like):
 
 def _lowering(contrib: bool):
     def lower(q, k, v, phi_q, phi_k, g, beta, key_mask, window, sinks, scale, chunk_size):
-        check_self_attention(q, k, "gla+window")
-        H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
+        H, Hkv, D, Dv = causal_prefill_dims(q, k, v, "gla+window")
         M = static_dim(phi_k, 3, "feature count")
         keep = ones_keep(q) if key_mask is None else key_mask
         num, den, m, seen = banded_sums(q, expand_heads(k, Hkv, H, D), expand_heads(v, Hkv, H, Dv), keep, window,

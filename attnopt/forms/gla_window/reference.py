@@ -46,11 +46,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnopt.forms.common.plain_autograd import wants_plain_autograd
-from attnopt.forms.gla.reference import check_log_gate, gated_linear_attention, own
+from attnopt.forms.gla.reference import check_log_gate, gated_linear_attention
 from attnopt.forms.window.reference import first_real_keys, sink_key_mask
 from attnopt.kernels.dispatch import cuda_kernels
 from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
-from attnopt.kernels.registration import register_recompute_autograd
+from attnopt.kernels.registration import prefill_op
 
 __all__ = ["gla_window_attention", "window_sums", "window_gate_sums", "combine", "gla_window_reference", "window_part",
            "with_gated_part"]
@@ -174,7 +174,8 @@ def with_gated_part(o_w: Tensor, lse: Tensor, v: Tensor, phi_q: Tensor, phi_k: T
     return combine(o_w, lse, lin, beta.to(device=v.device, dtype=cdt))
 
 
-def _forward(q, k, v, phi_q, phi_k, g, beta, key_mask, window: int, sinks: int, scale: float, chunk_size: int):
+def _forward(q: Tensor, k: Tensor, v: Tensor, phi_q: Tensor, phi_k: Tensor, g: Tensor, beta: Tensor,
+             key_mask: Optional[Tensor], window: int, sinks: int, scale: float, chunk_size: int) -> Tensor:
     """The op's differentiable plain-PyTorch body."""
     B, H, Nq, _ = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
@@ -184,18 +185,8 @@ def _forward(q, k, v, phi_q, phi_k, g, beta, key_mask, window: int, sinks: int, 
     return with_gated_part(o_w, lse, v, phi_q, phi_k, g, beta, key_mask, window, sinks, chunk_size).to(q.dtype)
 
 
-@torch.library.custom_op("attnopt::gla_window_attention", mutates_args=())
-def _gla_window_op(q: Tensor, k: Tensor, v: Tensor, phi_q: Tensor, phi_k: Tensor, g: Tensor, beta: Tensor,
-                   key_mask: Optional[Tensor], window: int, sinks: int, scale: float, chunk_size: int) -> Tensor:
-    return own(_forward(q, k, v, phi_q, phi_k, g, beta, key_mask, window, sinks, scale, chunk_size))
-
-
-@_gla_window_op.register_fake
-def _(q, k, v, phi_q, phi_k, g, beta, key_mask, window, sinks, scale, chunk_size):
-    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
-
-
-register_recompute_autograd(_gla_window_op, _forward, differentiable=(0, 1, 2, 3, 4, 5, 6))
+# One opaque node in captured graphs; gradients reach q, k, v, φ(q), φ(k), the gates and β.
+prefill_op("attnopt::gla_window_attention", _forward, differentiable=(0, 1, 2, 3, 4, 5, 6))
 
 
 def _check_int(name: str, value, minimum: int) -> int:

@@ -23,11 +23,11 @@ from attnopt.forms.common.graph import BATCH, GraphStep, StateSpec, StepSite, ne
 from attnopt.forms.gla.step import width
 from attnopt.forms.gla_window.decode import GlaWindowState, gla_window_decode
 from attnopt.forms.linear_window.step import beta_of
-from attnopt.forms.window.form import effective_window
-from attnopt.forms.window.step import cache_of, state_of
+from attnopt.forms.window.step import buffer_specs, cache_of, state_of, window_and_sinks
+from attnopt.kernels.registration import step_op
 
 
-@torch.library.custom_op("attnopt::gla_window_step", mutates_args=())
+@step_op("attnopt::gla_window_step", presents=("buffer", "slots", "gated", "gated_keys"))
 def gla_window_step(q: Tensor, k: Tensor, v: Tensor, phi_q: Tensor, phi_k: Tensor, g: Tensor, mask: Tensor,
                     buffer: Tensor, slots: Tensor, gated: Tensor, gated_keys: Tensor, beta: Tensor, window: int,
                     sinks: int, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -49,30 +49,17 @@ def gla_window_step(q: Tensor, k: Tensor, v: Tensor, phi_q: Tensor, phi_k: Tenso
     return out.contiguous(), present, slots, state.S_BHkvMW.to(gated.dtype).contiguous(), keys
 
 
-@gla_window_step.register_fake
-def _(q, k, v, phi_q, phi_k, g, mask, buffer, slots, gated, gated_keys, beta, window, sinks, scale):
-    return (q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1]), buffer.new_empty(buffer.shape),
-            slots.new_empty(slots.shape), gated.new_empty(gated.shape), gated_keys.new_empty(gated_keys.shape))
-
-
-def _window(site: StepSite) -> tuple[int, int]:
-    p = site.module.params
-    return effective_window(p, site.module.geometry.model_window), p["sinks"]
-
-
 def states(site: StepSite) -> list:
     g = site.geometry
-    W, S = _window(site)
+    W, _ = window_and_sinks(site)
     M = width(site.module)
-    return [StateSpec("recurrent_state", g.dtype, (BATCH, g.kv_heads, S + W - 1, g.head_dim + g.v_head_dim)),
-            StateSpec("conv_state", torch.int64, (BATCH, 1, S + W)),
-            StateSpec("gated_state", torch.float32, (BATCH, g.kv_heads, M, g.v_head_dim + 1)),
-            StateSpec("gated_keys", torch.float32, (BATCH, g.kv_heads, W - 1, M))]
+    return buffer_specs(site) + [StateSpec("gated_state", torch.float32, (BATCH, g.kv_heads, M, g.v_head_dim + 1)),
+                                 StateSpec("gated_keys", torch.float32, (BATCH, g.kv_heads, W - 1, M))]
 
 
 def call(site: StepSite, q, k, v, mask, pasts):
     m = site.module
-    W, S = _window(site)
+    W, S = window_and_sinks(site)
     phi_q, phi_k = m.gates.features(q, k, m.geometry.scale)
     out, *presents = torch.ops.attnopt.gla_window_step(q, k, v, phi_q, phi_k, m.gates.log_gates(k), mask, *pasts,
                                                        beta_of(m), W, S, float(m.geometry.scale))
@@ -80,7 +67,7 @@ def call(site: StepSite, q, k, v, mask, pasts):
 
 
 def why_not(site: StepSite) -> Optional[str]:
-    W, _ = _window(site)
+    W, _ = window_and_sinks(site)
     if W < 2:
         return "a window of 1 key buffers no column for the gated part; use window >= 2"
     return None

@@ -11,23 +11,13 @@ from typing import Optional
 
 import torch
 
-from attnopt.forms.common.base import (
-    CostAt,
-    Form,
-    Param,
-    SiteModule,
-    io_elements,
-    no_arbitrary_mask,
-)
+from attnopt.forms.common.base import CostAt, Form, Param, SiteModule, io_elements, no_arbitrary_mask
 from attnopt.forms.common.fitting import adam_fit, relative_mse, sample_rows
-from attnopt.forms.linear.reference import default_chunk, linear_attention, packed_state
+from attnopt.forms.linear.reference import default_chunk, linear_attention
 from attnopt.ir.masks import key_keep
-from attnopt.kernels.feature_maps import (
-    FEATURE_MAP_NAMES,
-    favor_projection,
-    make_feature_map,
-)
+from attnopt.kernels.feature_maps import FEATURE_MAP_NAMES, favor_projection, make_feature_map
 from attnopt.kernels.layout import compute_dtype
+from attnopt.kernels.normaliser import packed_state, split_state
 from attnopt.kernels.token_step import PackedStateStep, elu_plus_one
 
 
@@ -55,6 +45,12 @@ def kernel_flops(B: int, H: int, Nq: int, Nk: int, D: int, Dv: int, feature_map:
     if causal:  # masked C×C products inside each chunk of the scan
         flops += 2 * B * H * Nq * min(chunk or default_chunk(M), Nq) * (M + Dv)
     return flops
+
+
+def linear_state_bytes(site, params, element_bytes: int) -> int:
+    """One row's (S, z) per query head: M·(Dv + 1) accumulators each, in fp32 at least."""
+    M = feature_count(params["feature_map"], params["num_features"], site.head_dim)
+    return site.heads * M * (site.v_head_dim + 1) * max(element_bytes, 4)
 
 
 LINEAR_PARAMS = {
@@ -101,7 +97,7 @@ class LinearSite(SiteModule):
         if fmap.name == "favor":
             return None
         cdt = compute_dtype(q.dtype)
-        T_BHMW = packed_state(form_state, cdt)
+        T_BHMW = packed_state(*form_state, cdt)
         Dv = T_BHMW.shape[-1] - 1
         weight = fmap.op_weight()
         weight = None if weight is None else weight.to(device=q.device, dtype=cdt)
@@ -109,7 +105,7 @@ class LinearSite(SiteModule):
             features = elu_plus_one
         else:
             features = functools.partial(type(fmap).features, scale=self.geometry.scale, weight=weight)
-        return PackedStateStep(T_BHMW, (T_BHMW[..., :Dv], T_BHMW[..., Dv]), q.dtype, features,
+        return PackedStateStep(T_BHMW, split_state(T_BHMW, Dv, True), q.dtype, features,
                                kv_heads=k.shape[1], per_head=fmap.per_head, eps=self.eps,
                                guard_zero=self.eps < torch.finfo(cdt).tiny)
 
@@ -160,12 +156,8 @@ class LinearForm(Form):
     def build(self, site, params, context):
         return LinearSite(site, params)
 
-    def decode_state_bytes(self, site, params, context, element_bytes):
-        if not site.causal:
-            return super().decode_state_bytes(site, params, context, element_bytes)
-        M = feature_count(params["feature_map"], params["num_features"], site.head_dim)
-        own = site.heads * M * (site.v_head_dim + 1) * max(element_bytes, 4)  # fp32 accumulators
-        return self.state_bytes_with_prefix(site, params, context, element_bytes, own)
+    def state_bytes(self, site, params, context, element_bytes):
+        return linear_state_bytes(site, params, element_bytes)
 
     def public_ops(self):
         return {"linear_attention": linear_attention, "make_feature_map": make_feature_map,
@@ -182,7 +174,6 @@ class LinearForm(Form):
             return sum(relative_mse(*quadratic_linear(module, c, rows if sampled else 0)) for c in calls) / len(calls)
 
         return adam_fit(f"{module.params['feature_map']} map", weights, loss, steps=steps, lr=lr, seed=seed)
-
 
 
 FORM = LinearForm()

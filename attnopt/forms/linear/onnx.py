@@ -21,16 +21,17 @@ from attnopt.kernels.onnx.functions import (
     CHUNK,
     MS_DOMAIN,
     causal_linear_chunks,
+    check_self_attention,
     contrib_node,
     expand_heads,
     f32,
     feature_count,
+    head_dims,
     i64,
     pack_heads,
     query_key_features,
     ratio_of_ones_column,
     slice_axis,
-    static_dim,
     unpack_heads,
     with_ones_column,
 )
@@ -38,16 +39,9 @@ from attnopt.kernels.onnx.lowering import OpLowering
 from attnopt.kernels.onnx.steps import add_real_tokens, linear_attention, new_columns_keep
 
 
-def check_self_attention(q, k, form: str) -> None:
-    """Causal lowerings pair query i with key i: the export is a prefill, Nq = Nk."""
-    if q.shape is not None and k.shape is not None and q.shape[2] != k.shape[2]:
-        raise ValueError(f"ONNX lowering of {form}: causal export needs as many queries as keys (a prefill), "
-                         f"got {q.shape[2]} and {k.shape[2]}")
-
-
 def _featurised(q, k, v, feature_map, weight, scale, key_mask):
     """φ(q) [B, H, N, M], φ(k) [B, Hf, N, M], v [B, Hf, N, Dv] and the sizes (H, Hf, M, Dv)."""
-    H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
+    H, Hkv, D, Dv = head_dims(q, k, v)
     phi_q, phi_k, _ = query_key_features(feature_map, q, k, scale, weight, key_mask, H, Hkv, D)
     Hf = H if feature_map == "hedgehog" else Hkv  # per-head maps featurise keys per query head
     return phi_q, phi_k, expand_heads(v, Hkv, Hf, Dv), (H, Hf, feature_count(feature_map, D, weight), Dv)
@@ -92,7 +86,7 @@ def _step_features(q, k, v, mask, state, feature_map, weight, scale):
     FAVOR+ keeps its state in true feature units (as linear_attention does): the new keys' stabiliser
     c_k and the state's own scale log max z meet at one shared constant that cancels in the ratio."""
     keep = new_columns_keep(mask, q)
-    H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
+    H, Hkv, D, Dv = head_dims(q, k, v)
     phi_q, phi_k, log_scale_k = query_key_features(feature_map, q, k, scale, weight, keep, H, Hkv, D)
     Hf = H if feature_map == "hedgehog" else Hkv
     shared = None

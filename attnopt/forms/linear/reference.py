@@ -35,13 +35,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from attnopt.kernels.chunk_scan import (
-    causal_chunks,
-    causal_linear_blocks,
-    grouped_heads,
-    heads_inner_empty,
-    state_times,
-)
+from attnopt.kernels.chunk_scan import causal_chunks, causal_linear_blocks, grouped_heads, state_times
 from attnopt.kernels.dispatch import cuda_kernels
 from attnopt.kernels.feature_maps import (
     FavorFeatureMap,
@@ -52,7 +46,7 @@ from attnopt.kernels.feature_maps import (
     resolve_feature_map,
 )
 from attnopt.kernels.layout import compute_dtype
-from attnopt.kernels.registration import register_recompute_autograd
+from attnopt.kernels.registration import prefill_op
 
 __all__ = ["linear_attention", "linear_attention_reference", "linear_attention_op"]
 
@@ -250,40 +244,16 @@ def _state_in(state: State, B: int, H: int, Hf: int, M: int, Dv: int, cdt: torch
 # ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("attnopt::linear_attention", mutates_args=())
-def linear_attention_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    feature_map: str,
-    weight: Optional[Tensor],
-    causal: bool,
-    scale: float,
-    eps: float,
-    key_mask: Optional[Tensor],
-    chunk_size: int,
-) -> Tensor:
-    """The op behind `linear_attention` (no state). `weight`: FAVOR+ ω [D, M], hedgehog W [H, D, P], else None.
-    Out [B, H, Nq, Dv] is laid out in memory as [B, Nq, H, Dv], the layout attention functions hand
-    back (so their transpose costs no copy). Cost as `linear_attention`."""
-    out = _forward(q, k, v, feature_map, weight, causal, scale, eps, key_mask, chunk_size)[0]
-    return out if out.transpose(1, 2).is_contiguous() else _out_layout(q, v).copy_(out)
-
-
-def _out_layout(q: Tensor, v: Tensor) -> Tensor:
-    """An empty [B, H, Nq, Dv] in q's dtype whose memory is [B, Nq, H, Dv] (the op's output layout)."""
-    return heads_inner_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1], q)
-
-
-@linear_attention_op.register_fake
-def _linear_attention_fake(q, k, v, feature_map, weight, causal, scale, eps, key_mask, chunk_size):
+def _check_op_inputs(q, k, v, feature_map, scale, eps, key_mask, chunk_size, **_) -> None:
     _check_inputs(q, k, v, key_mask, scale, eps, chunk_size)
     feature_map_class(feature_map)
-    return _out_layout(q, v)
 
 
-# Gradients reach q, k, v and the feature map's weight (FAVOR+ ω, hedgehog W).
-register_recompute_autograd(linear_attention_op, lambda *a: _forward(*a)[0], differentiable=(0, 1, 2, 4))
+# `attnopt::linear_attention`, the op behind `linear_attention` (no state): `weight` is FAVOR+ ω [D, M],
+# hedgehog W [H, D, P], else None. Out [B, H, Nq, Dv] is laid out in memory as [B, Nq, H, Dv].
+# Gradients reach q, k, v and the feature map's weight.
+linear_attention_op = prefill_op("attnopt::linear_attention", _forward, differentiable=(0, 1, 2, 4),
+                                 check=_check_op_inputs, heads_inner=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,19 +330,6 @@ def _one_token(q, k, v, feature_map, weight, scale, eps, key_mask, state) -> tup
     num = (phi_q1[..., None] * S).sum(-2)  # [B, Hf, G, Dv]
     out = _safe_ratio(num, (phi_q1 * z).sum(-1), eps).reshape(B, H, 1, Dv).to(q.dtype)
     return out, (S.reshape(B, H, M, Dv), z.reshape(B, H, M))
-
-
-def packed_state(state: State, cdt: torch.dtype) -> Tensor:
-    """The [B, H, M, Dv + 1] buffer whose views `state` = (S, z) are, made once when they are not:
-    the in-place token step (`attnopt.kernels.token_step`) updates both and reads numerator and
-    denominator together from it, with one product each."""
-    S, z = state
-    base = S._base
-    if (base is not None and base is z._base and base.dtype == cdt and base.dim() == 4 and base.is_contiguous()
-            and base.shape[-1] == S.shape[-1] + 1 and S.data_ptr() == base.data_ptr()
-            and z.data_ptr() == base.data_ptr() + S.shape[-1] * base.element_size()):
-        return base
-    return torch.cat([S.to(cdt), z.to(cdt)[..., None]], dim=-1)
 
 
 def linear_attention_reference(

@@ -13,38 +13,25 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from attnopt.forms.common.graph import (
-    BATCH,
-    GraphStep,
-    StateSpec,
-    StepSite,
-    add_real_tokens,
-    count_spec,
-    new_keep,
-    per_kv_head,
-    per_query_head,
-)
+from attnopt.forms.common.graph import (GraphStep, StepSite, add_real_tokens, new_keep, per_kv_head, per_query_head,
+                                       recurrent_states)
 from attnopt.forms.linear.reference import linear_attention
 from attnopt.kernels.feature_maps import feature_map_of
+from attnopt.kernels.normaliser import join_state, split_state
+from attnopt.kernels.registration import step_op
 
 
-@torch.library.custom_op("attnopt::linear_step", mutates_args=())
+@step_op("attnopt::linear_step", presents=("state", "count"))
 def linear_step(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, state: Tensor, count: Tensor, feature_map: str,
                 weight: Optional[Tensor], scale: float, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """Linear attention of the new tokens from the carried (S, z); returns (out, present state, count)."""
     keep = new_keep(mask, q.shape[2])
     H, Hs, Dv = q.shape[1], state.shape[1], v.shape[-1]
-    S, z = per_query_head(state[..., :Dv], H), per_query_head(state[..., Dv], H)
+    S, z = (per_query_head(t, H) for t in split_state(state, Dv, True))
     out, (S, z) = linear_attention(q, k, v, feature_map=feature_map_of(feature_map, weight), causal=True,
                                    scale=scale, eps=eps, key_mask=keep, state=(S, z))
-    present = per_kv_head(torch.cat([S, z[..., None]], dim=-1), Hs).to(state.dtype)
+    present = per_kv_head(join_state(S, z), Hs).to(state.dtype)
     return out, present, add_real_tokens(count, keep)
-
-
-@linear_step.register_fake
-def _(q, k, v, mask, state, count, feature_map, weight, scale, eps):
-    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1]), state.new_empty(state.shape), \
-        count.new_empty(count.shape)
 
 
 def state_heads(site: StepSite) -> int:
@@ -54,8 +41,7 @@ def state_heads(site: StepSite) -> int:
 
 def states(site: StepSite) -> list:
     g = site.geometry
-    M = site.module.feature_map.num_features(g.head_dim)
-    return [StateSpec("recurrent_state", torch.float32, (BATCH, state_heads(site), M, g.v_head_dim + 1)), count_spec()]
+    return recurrent_states(state_heads(site), site.module.feature_map.num_features(g.head_dim), g.v_head_dim + 1)
 
 
 def call(site: StepSite, q, k, v, mask, pasts):

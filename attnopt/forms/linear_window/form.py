@@ -12,32 +12,23 @@ from dataclasses import dataclass
 
 import torch
 
-from attnopt.forms.common.base import (
-    CostAt,
-    Form,
-    Param,
-    SiteModule,
-    io_elements,
-    no_arbitrary_mask,
-)
+from attnopt.forms.common.base import CostAt, Param, SiteModule, io_elements, with_defaults
+from attnopt.forms.common.families import FittedForm
 from attnopt.forms.common.fitting import adam_fit, relative_mse, sample_rows
-from attnopt.forms.linear.form import LINEAR_PARAMS, feature_count, kernel_flops
-from attnopt.forms.linear_window.decode import (
-    LinearWindowState,
-    linear_window_decode,
-    linear_window_step_,
-)
+from attnopt.forms.linear.form import LINEAR_PARAMS, feature_count, kernel_flops, linear_state_bytes
+from attnopt.forms.linear_window.decode import LinearWindowState, linear_window_decode, linear_window_step_
 from attnopt.forms.linear_window.reference import linear_window_attention
 from attnopt.forms.window.decode import WindowRing, ring_of, ring_ready
-from attnopt.forms.window.form import (
-    WINDOW_PARAMS,
-    aligned_positions_reason,
-    effective_window,
-    visible_keys,
-    window_cache_bytes,
-)
+from attnopt.forms.window.form import WINDOW_PARAMS, WindowedForm, effective_window, visible_keys, window_cache_bytes
 from attnopt.ir.masks import key_keep
 from attnopt.kernels.feature_maps import make_feature_map
+
+
+def log_beta_parameter(heads: int, beta: float) -> torch.nn.Parameter:
+    """log β_h per query head, the weight of the part beyond the window (linear+window, gla+window):
+    β_h = exp(log β_h) > 0 is learnable without a constraint."""
+    start = torch.full((heads,), float(beta), dtype=torch.float64)
+    return torch.nn.Parameter(torch.log(start.clamp_min(1e-30)).float(), requires_grad=False)
 
 
 class LinearWindowSite(SiteModule):
@@ -48,23 +39,19 @@ class LinearWindowSite(SiteModule):
         super().__init__(site, params)
         self.feature_map = make_feature_map(params["feature_map"], site.head_dim, site.heads,
                                             num_features=params["num_features"], seed=params["seed"])
-        # β_h = exp(log_beta_h) > 0 per query head: learnable without a constraint.
-        beta = torch.full((site.heads,), float(params["beta"]), dtype=torch.float64)
-        self.log_beta = torch.nn.Parameter(torch.log(beta.clamp_min(1e-30)).float(), requires_grad=False)
+        self.log_beta = log_beta_parameter(site.heads, params["beta"])
+
+    def options(self) -> dict:
+        g, p = self.geometry, self.params
+        return {"window": effective_window(p, g.model_window), "sinks": p["sinks"], "feature_map": self.feature_map,
+                "scale": g.scale, "linear_weight": torch.exp(self.log_beta) if p["beta"] > 0 else 0.0}
 
     def attend(self, q, k, v, keep, mask, x):
-        g, p = self.geometry, self.params
-        beta = torch.exp(self.log_beta) if p["beta"] > 0 else 0.0
-        return linear_window_attention(q, k, v, window=effective_window(p, g.model_window), sinks=p["sinks"],
-                                       causal=g.causal, feature_map=self.feature_map, scale=g.scale,
-                                       linear_weight=beta, key_mask=keep)
+        return linear_window_attention(q, k, v, causal=self.geometry.causal, key_mask=keep, **self.options())
 
     def decode_step(self, q, k, v, keep, form_state):
         """The window cache plus the linear sums of the keys that left it: O(S + W + M·Dv) per token."""
-        g, p = self.geometry, self.params
-        beta = torch.exp(self.log_beta) if p["beta"] > 0 else 0.0
-        return linear_window_decode(q, k, v, form_state, window=effective_window(p, g.model_window), sinks=p["sinks"],
-                                    feature_map=self.feature_map, scale=g.scale, linear_weight=beta, key_mask=keep)
+        return linear_window_decode(q, k, v, form_state, key_mask=keep, **self.options())
 
     def decode_token(self, q, k, v, form_state):
         """The window half as a ring written in place; the keys leaving it join (S, z) in place."""
@@ -127,33 +114,20 @@ def rows_output(module: "LinearWindowSite", t: RowTerms) -> torch.Tensor:
     return (t.window_num + lin @ t.v) / torch.where(den > 0, den, torch.ones_like(den))
 
 
-class LinearWindowForm(Form):
+class LinearWindowForm(WindowedForm, FittedForm):
     name = "linear+window"
     aliases = ("linear_window", "lolcats")
     summary = "softmax in a window (plus sinks), β-weighted linear attention outside it, one normaliser"
     presets = ("linear+window:64", "linear+window:64+sinks:4", "linear+window:64+map:elu")
     params = {
-        **{k: Param(p.type, 64 if k == "window" else p.default, p.choices, p.minimum, p.maximum, p.doc)
-           for k, p in WINDOW_PARAMS.items()},
-        **{k: Param(p.type, "hedgehog" if k == "feature_map" else p.default, p.choices, p.minimum, p.maximum, p.doc)
-           for k, p in LINEAR_PARAMS.items()},
+        **with_defaults(WINDOW_PARAMS, window=64),
+        **with_defaults(LINEAR_PARAMS, feature_map="hedgehog"),
         "beta": Param(float, 1.0, minimum=0.0, doc="initial per-head weight β of the linear part (0: window only)"),
         "fit_steps": Param(int, 100, minimum=0, doc="Adam steps fitting φ and β at compile time (0: no fit)"),
     }
     preset_arg = "window"
-    preset_keys = {"map": "feature_map"}
     default_tolerance = 0.6
     cost_rank = 1
-    auto_params = None  # its fit is a compile-time cost "auto" should not pay per site and form
-
-    def check_site(self, site, params, sites):
-        return no_arbitrary_mask(site) or aligned_positions_reason(site)
-
-    def acts_at(self, site, params, q_len, kv_len):
-        return super().acts_at(site, params, q_len, kv_len) and kv_len > params["window"] + params["sinks"]
-
-    def acting_length(self, site, params):
-        return max(super().acting_length(site, params), 4 * (params["window"] + params["sinks"]))
 
     def cost(self, site, params, B, Nq, Nk):
         H, D, Dv = site.heads, site.head_dim, site.v_head_dim
@@ -169,13 +143,8 @@ class LinearWindowForm(Form):
     def build(self, site, params, context):
         return LinearWindowSite(site, params)
 
-    def decode_state_bytes(self, site, params, context, element_bytes):
-        if not site.causal:
-            return super().decode_state_bytes(site, params, context, element_bytes)
-        M = feature_count(params["feature_map"], params["num_features"], site.head_dim)
-        own = window_cache_bytes(site, params, context, element_bytes)
-        own += site.heads * M * (site.v_head_dim + 1) * max(element_bytes, 4)
-        return self.state_bytes_with_prefix(site, params, context, element_bytes, own)
+    def state_bytes(self, site, params, context, element_bytes):
+        return window_cache_bytes(site, params, context, element_bytes) + linear_state_bytes(site, params, element_bytes)
 
     def fit(self, module, calls, *, lr: float = 3e-2, rows: int = 64, seed: int = 0):
         """φ's weights (hedgehog) and β, by Adam on the relative MSE of `rows` query rows per call."""
@@ -195,7 +164,6 @@ class LinearWindowForm(Form):
 
     def public_ops(self):
         return {"linear_window_attention": linear_window_attention, "linear_window_decode": linear_window_decode}
-
 
 
 FORM = LinearWindowForm()

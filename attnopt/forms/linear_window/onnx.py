@@ -22,17 +22,18 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript import opset18 as op
 
-from attnopt.forms.linear.onnx import check_self_attention
 from attnopt.forms.window.onnx import arange, banded_sums, holds_sink, ones_keep, window_step_sums
 from attnopt.kernels.onnx.functions import (
     CHUNK,
     causal_linear_chunks,
+    causal_prefill_dims,
     dim,
     expand_heads,
     f32,
     favor_exponent,
     feature_count,
     features,
+    head_dims,
     i64,
     keep_BN1,
     slice_axis,
@@ -72,8 +73,7 @@ def _linear_features(name, q, k, scale, weight, keep_BN, H, D):
 
 def linear_window_std(q, k, v, key_mask, window, causal, sinks, scale, feature_map, feature_weight, linear_weight,
                       block_size, chunk_size):
-    check_self_attention(q, k, "linear+window")
-    H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
+    H, Hkv, D, Dv = causal_prefill_dims(q, k, v, "linear+window")
     k_H, v_H = expand_heads(k, Hkv, H, D), expand_heads(v, Hkv, H, Dv)
     keep = ones_keep(q) if key_mask is None else key_mask
     num, den, m, seen = banded_sums(q, k_H, v_H, keep, window, causal, sinks, scale, block_size, D, Dv)
@@ -123,7 +123,7 @@ def _leaving_keys(s, q, T, window: int, sinks: int):
 def linear_window_step(q, k, v, mask, buffer, slots, linear, feature_map, weight, beta, window, sinks, scale):
     if feature_map == "favor":
         raise ValueError("ONNX decode lowering of linear+window: the favor map's stabiliser is not lowered")
-    H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
+    H, Hkv, D, Dv = head_dims(q, k, v)
     W = Dv + 1
     s = window_step_sums(q, k, v, mask, buffer, slots, window, sinks, scale)
     T = dim(q, 2)

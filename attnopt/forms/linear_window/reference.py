@@ -84,8 +84,8 @@ from attnopt.kernels.feature_maps import (
     query_key_features,
     resolve_feature_map,
 )
-from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
-from attnopt.kernels.registration import register_recompute_autograd
+from attnopt.kernels.layout import check_int, check_sdpa_inputs, compute_dtype, values_known
+from attnopt.kernels.registration import prefill_op
 
 __all__ = ["linear_window_attention", "linear_window_attention_reference", "linear_window_attention_op"]
 
@@ -258,22 +258,9 @@ def _features(
     return phi_q, phi_k, c_q + c_k.repeat_interleave(G, dim=1)[..., None]
 
 
-def _forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    key_mask: Optional[Tensor],
-    window: int,
-    causal: bool,
-    sinks: int,
-    scale: float,
-    feature_map: str,
-    feature_weight: Optional[Tensor],
-    linear_weight: Tensor,
-    block_size: int,
-    chunk_size: int,
-    scores_per_step: int = SCORES_PER_STEP,
-) -> Tensor:
+def _forward(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], window: int, causal: bool, sinks: int,
+             scale: float, feature_map: str, feature_weight: Optional[Tensor], linear_weight: Tensor, block_size: int,
+             chunk_size: int, scores_per_step: int = SCORES_PER_STEP) -> Tensor:
     """The op's differentiable plain-PyTorch body; `linear_weight` is β [H]."""
     B, H, Nq, _ = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
@@ -308,60 +295,26 @@ def _forward(
     return out.to(q.dtype)
 
 
-# ---- custom op: one opaque node in captured graphs, fake + autograd registered ----
-
-
-@torch.library.custom_op("attnopt::linear_window_attention", mutates_args=())
-def linear_window_attention_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    key_mask: Optional[Tensor],
-    window: int,
-    causal: bool,
-    sinks: int,
-    scale: float,
-    feature_map: str,
-    feature_weight: Optional[Tensor],
-    linear_weight: Tensor,
-    block_size: int,
-    chunk_size: int,
-) -> Tensor:
-    """The op behind `linear_window_attention`. `feature_weight`: FAVOR+ ω [D, M], hedgehog W [H, D, P],
-    else None; `linear_weight`: β [H]."""
-    # A value check, so here and not in the wrapper: under torch.export β is a fake tensor.
-    if not bool(torch.isfinite(linear_weight).all()) or bool((linear_weight < 0).any()):
+def _check_beta_values(linear_weight: Tensor, **_) -> None:
+    # A value check, so inside the op and not in the wrapper: under torch.export β is a fake tensor.
+    if values_known(linear_weight) and (not bool(torch.isfinite(linear_weight).all())
+                                        or bool((linear_weight < 0).any())):
         raise ValueError(f"{_WHO}: linear_weight (β) must be finite and >= 0 per head, got {linear_weight.tolist()}")
-    return _forward(
-        q, k, v, key_mask, window, causal, sinks, scale, feature_map, feature_weight, linear_weight,
-        block_size, chunk_size,
-    )
 
 
-@linear_window_attention_op.register_fake
-def _(q, k, v, key_mask, window, causal, sinks, scale, feature_map, feature_weight, linear_weight, block_size,
-      chunk_size):
-    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
-
-
-# Gradients reach q, k, v, the feature map's weight and β (calibration learns both).
-register_recompute_autograd(linear_window_attention_op, _forward, differentiable=(0, 1, 2, 9, 10))
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{_WHO}: {name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{_WHO}: {name} must be >= {minimum}, got {value}")
-    return value
+# `attnopt::linear_window_attention`, one opaque node in captured graphs: `feature_weight` is FAVOR+
+# ω [D, M], hedgehog W [H, D, P], else None; `linear_weight` β [H]. Gradients reach q, k, v, the
+# feature map's weight and β (calibration learns both).
+linear_window_attention_op = prefill_op("attnopt::linear_window_attention", _forward,
+                                        differentiable=(0, 1, 2, 9, 10), check=_check_beta_values)
 
 
 def _check_options(q, k, v, key_mask, window, causal, sinks, scale) -> tuple[int, int, float]:
     check_sdpa_inputs(_WHO, q, k, v, key_mask)
     if not isinstance(causal, bool):
         raise TypeError(f"{_WHO}: causal must be a bool, got {causal!r}")
-    window = _check_int("window", window, 1)
-    sinks = _check_int("sinks", sinks, 0)
+    window = check_int(_WHO, "window", window, 1)
+    sinks = check_int(_WHO, "sinks", sinks, 0)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"{_WHO}: scale must be a finite number > 0, got {scale!r}")
@@ -419,8 +372,8 @@ def linear_window_attention(
     window, sinks, scale = _check_options(q, k, v, key_mask, window, causal, sinks, scale)
     if block_size is None:
         block_size = default_window_block_size(window, causal)
-    block_size = _check_int("block_size", block_size, 1)
-    chunk_size = _check_int("chunk_size", chunk_size, 1)
+    block_size = check_int(_WHO, "block_size", block_size, 1)
+    chunk_size = check_int(_WHO, "chunk_size", chunk_size, 1)
     fmap = resolve_feature_map(feature_map, q.shape[-1], q.shape[1])
     beta = _beta_tensor(linear_weight, q.shape[1], q)
     tk = cuda_kernels(q, __package__)

@@ -16,12 +16,13 @@ from torch import Tensor
 
 from attnopt.forms.common.graph import BATCH, GraphStep, StateSpec, StepSite, new_keep
 from attnopt.forms.linear_window.decode import LinearWindowState, linear_window_decode
-from attnopt.forms.window.form import effective_window
-from attnopt.forms.window.step import cache_of, state_of
+from attnopt.forms.window.step import buffer_specs, cache_of, state_of, window_and_sinks
 from attnopt.kernels.feature_maps import feature_map_of
+from attnopt.kernels.normaliser import join_state, split_state
+from attnopt.kernels.registration import step_op
 
 
-@torch.library.custom_op("attnopt::linear_window_step", mutates_args=())
+@step_op("attnopt::linear_window_step", presents=("buffer", "slots", "linear"))
 def linear_window_step(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, buffer: Tensor, slots: Tensor,
                        linear: Tensor, feature_map: str, weight: Optional[Tensor], beta: Tensor, window: int,
                        sinks: int, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -29,32 +30,18 @@ def linear_window_step(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, buffer: Te
     T, Dv = q.shape[2], v.shape[-1]
     keep = new_keep(mask, T)
     cache = cache_of(buffer, slots, mask.shape[1] - T, window, sinks, k.shape[-1])
-    state = None if cache is None else LinearWindowState(cache, linear[..., :Dv], linear[..., Dv])
+    state = None if cache is None else LinearWindowState(cache, *split_state(linear, Dv, True))
     out, state = linear_window_decode(q, k, v, state, window=window, sinks=sinks,
                                       feature_map=feature_map_of(feature_map, weight), scale=scale,
                                       linear_weight=beta, key_mask=keep)
     present, slots = state_of(state.window, slots[:, 0, 0] + keep.long().sum(-1), buffer.dtype)
-    return out, present, slots, torch.cat([state.S_BHMDv, state.z_BHM[..., None]], dim=-1).to(linear.dtype)
-
-
-@linear_window_step.register_fake
-def _(q, k, v, mask, buffer, slots, linear, feature_map, weight, beta, window, sinks, scale):
-    return (q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1]), buffer.new_empty(buffer.shape),
-            slots.new_empty(slots.shape), linear.new_empty(linear.shape))
-
-
-def _window(site: StepSite) -> tuple[int, int]:
-    p = site.module.params
-    return effective_window(p, site.module.geometry.model_window), p["sinks"]
+    return out, present, slots, join_state(state.S_BHMDv, state.z_BHM).to(linear.dtype)
 
 
 def states(site: StepSite) -> list:
     g = site.geometry
-    W, S = _window(site)
     M = site.module.feature_map.num_features(g.head_dim)
-    return [StateSpec("recurrent_state", g.dtype, (BATCH, g.kv_heads, S + W - 1, g.head_dim + g.v_head_dim)),
-            StateSpec("conv_state", torch.int64, (BATCH, 1, S + W)),
-            StateSpec("linear_state", torch.float32, (BATCH, g.heads, M, g.v_head_dim + 1))]
+    return buffer_specs(site) + [StateSpec("linear_state", torch.float32, (BATCH, g.heads, M, g.v_head_dim + 1))]
 
 
 def beta_of(module) -> Tensor:
@@ -66,7 +53,7 @@ def beta_of(module) -> Tensor:
 
 def call(site: StepSite, q, k, v, mask, pasts):
     m = site.module
-    W, S = _window(site)
+    W, S = window_and_sinks(site)
     out, buffer, slots, linear = torch.ops.attnopt.linear_window_step(
         q, k, v, mask, pasts[0], pasts[1], pasts[2], m.params["feature_map"], m.feature_map.op_weight(), beta_of(m),
         W, S, float(m.geometry.scale))

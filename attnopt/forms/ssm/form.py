@@ -10,14 +10,8 @@ import math
 
 import torch
 
-from attnopt.forms.common.base import (
-    CostAt,
-    Form,
-    Param,
-    SiteModule,
-    io_elements,
-    no_arbitrary_mask,
-)
+from attnopt.forms.common.base import CostAt, Param, SiteModule, io_elements
+from attnopt.forms.common.families import RecurrentForm
 from attnopt.forms.linear.form import feature_count, kernel_flops
 from attnopt.forms.ssm.reference import (
     CHUNK,
@@ -26,11 +20,11 @@ from attnopt.forms.ssm.reference import (
     decay_attention_step,
     decay_features,
     init_decay_state,
-    packed_decay_state,
     retnet_decay,
 )
 from attnopt.ir.errors import PolicyError
 from attnopt.kernels.layout import compute_dtype
+from attnopt.kernels.normaliser import packed_state, split_state
 from attnopt.kernels.token_step import PackedStateStep
 
 
@@ -75,12 +69,8 @@ class SsmSite(SiteModule):
         """The recurrence on one [S ‖ z] buffer (S alone without normalising), decayed and advanced in place."""
         p = self.params
         cdt = compute_dtype(q.dtype)
-        packed = packed_decay_state(form_state, cdt)
-        if p["normalize"]:
-            Dv = packed.shape[-1] - 1
-            state = (packed[..., :Dv], packed[..., Dv])
-        else:
-            state = (packed, None)
+        packed = packed_state(*form_state, cdt)
+        state = split_state(packed, packed.shape[-1] - 1, p["normalize"])
         scale = self.geometry.scale
         return PackedStateStep(packed, state, q.dtype, decay_features(p["feature_map"]), kv_heads=k.shape[1],
                                normalize=p["normalize"], eps=1e-6, guard_zero=p["feature_map"] == "identity",
@@ -88,7 +78,7 @@ class SsmSite(SiteModule):
                                out_scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale))
 
 
-class SsmForm(Form):
+class SsmForm(RecurrentForm):
     name = "ssm"
     aliases = ("recurrent", "retention")
     summary = "decayed recurrent state S_t = γ S_{t−1} + φ(k_t) v_tᵀ (causal sites only)"
@@ -100,7 +90,6 @@ class SsmForm(Form):
     }
     preset_arg = "decay"
     default_tolerance = 0.8
-    cost_rank = 1
     auto_params = {}
 
     def check_params(self, params):
@@ -114,14 +103,6 @@ class SsmForm(Form):
             if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 < float(g) <= 1.0:
                 raise PolicyError(f"form 'ssm': parameter 'decay' got {decay!r}; every γ must lie in (0, 1] (1 = no decay)")
 
-    def check_site(self, site, params, sites):
-        if not site.causal:
-            # The recurrence only carries the past: on a bidirectional site it drops every later key.
-            return "ssm is causal by construction and this site is bidirectional; use linear or window"
-        if str(site.q_len) != str(site.kv_len):
-            return "ssm needs self-attention (query length == key length)"
-        return no_arbitrary_mask(site)
-
     def cost(self, site, params, B, Nq, Nk):
         H, D, Dv = site.heads, site.head_dim, site.v_head_dim
         M = feature_count(params["feature_map"], 0, D)
@@ -131,15 +112,12 @@ class SsmForm(Form):
     def build(self, site, params, context):
         return SsmSite(site, params)
 
-    def decode_state_bytes(self, site, params, context, element_bytes):
-        z = 1 if params["normalize"] else 0
-        own = site.heads * site.head_dim * (site.v_head_dim + z) * max(element_bytes, 4)  # fp32 accumulators
-        return self.state_bytes_with_prefix(site, params, context, element_bytes, own)
+    def state_bytes(self, site, params, context, element_bytes):
+        return site.heads * site.head_dim * (site.v_head_dim + int(params["normalize"])) * max(element_bytes, 4)
 
     def public_ops(self):
         return {"decay_attention": decay_attention, "decay_attention_step": decay_attention_step,
                 "retnet_decay": retnet_decay, "init_decay_state": init_decay_state}
-
 
 
 FORM = SsmForm()

@@ -22,10 +22,10 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript import opset18 as op
 
-from attnopt.forms.linear.onnx import check_self_attention
 from attnopt.kernels.onnx.functions import (
     CHUNK,
     MS_DOMAIN,
+    causal_prefill_dims,
     contrib_node,
     dim,
     expand_heads,
@@ -37,7 +37,6 @@ from attnopt.kernels.onnx.functions import (
     pad_axis,
     ratio_of_ones_column,
     slice_axis,
-    static_dim,
     unpack_heads,
     with_ones_column,
 )
@@ -47,8 +46,7 @@ from attnopt.kernels.onnx.steps import add_real_tokens, arange, linear_attention
 
 def _inputs(q, k, v, key_mask, feature_map, normalize, scale):
     """φ(q) (scaled unless normalised), φ(k), v repeated to H heads, and (H, D, W)."""
-    check_self_attention(q, k, "ssm")
-    H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
+    H, Hkv, D, Dv = causal_prefill_dims(q, k, v, "ssm")
     phi_q = features(feature_map, q, scale, None, D)
     if not normalize:
         phi_q = op.Mul(phi_q, op.CastLike(f32(scale), phi_q))

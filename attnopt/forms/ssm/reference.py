@@ -42,13 +42,9 @@ from torch import Tensor
 
 from attnopt.forms.ssm.schedule import DECAY_FEATURE_MAPS, retnet_decay
 from attnopt.kernels.dispatch import cuda_kernels
-from attnopt.kernels.layout import (
-    check_sdpa_inputs,
-    compute_dtype,
-    is_fake_tensor,
-    ratio_or_zero,
-)
-from attnopt.kernels.registration import register_recompute_autograd
+from attnopt.kernels.layout import check_causal_inputs, check_scan_options, compute_dtype, is_fake_tensor, ratio_or_zero
+from attnopt.kernels.normaliser import check_state, normalised_out, start_state, with_ones
+from attnopt.kernels.registration import prefill_op
 from attnopt.kernels.token_step import elu_plus_one
 
 __all__ = [
@@ -124,27 +120,13 @@ def _check_gamma_values(values: list) -> None:
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], who: str = "decay_attention") -> None:
-    """SDPA layout checks, plus causality's Nq <= Nk."""
-    check_sdpa_inputs(who, q, k, v, key_mask)
-    Nq = q.shape[2]
-    if Nq > k.shape[2]:
-        raise ValueError(
-            f"{who}: {Nq} queries but only {k.shape[2]} keys; decayed attention is causal and needs Nq <= Nk "
-            "(queries are the last Nq positions)"
-        )
+    check_causal_inputs(who, "decayed attention", q, k, v, key_mask)
 
 
 def _check_options(feature_map, normalize, scale, eps, chunk_size, who="decay_attention") -> None:
-    if feature_map not in DECAY_FEATURE_MAPS:
+    if not isinstance(feature_map, str) or feature_map not in DECAY_FEATURE_MAPS:
         raise ValueError(f"{who}: unknown feature_map {feature_map!r}; allowed: {', '.join(DECAY_FEATURE_MAPS)}")
-    if not isinstance(normalize, bool):
-        raise TypeError(f"{who}: normalize must be a bool, got {normalize!r}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
-        raise ValueError(f"{who}: scale must be a finite float or None (1/sqrt(D)), got {scale!r}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"{who}: eps must be a float >= 0, got {eps!r}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"{who}: chunk_size must be an int >= 1, got {chunk_size!r}")
+    check_scan_options(who, scale, chunk_size, normalize=normalize, eps=eps)
 
 
 def _expand_kv(x_BHkvND: Tensor, H: int) -> Tensor:
@@ -203,45 +185,29 @@ def _chunk_pass(q_c: Tensor, k_c: Tensor, v_c: Tensor, S0: Tensor, log_gamma_H: 
     return intra + inter, S
 
 
-def _decay_forward(
-    q_BHND: Tensor,
-    k_BHkvND: Tensor,
-    v_BHkvND: Tensor,
-    gamma_H: Tensor,
-    key_mask_BN: Optional[Tensor],
-    feature_map: str,
-    normalize: bool,
-    scale: float,
-    eps: float,
-    chunk_size: int,
-    S0: Optional[Tensor] = None,
-    z0: Optional[Tensor] = None,
-):
+def _decay_forward(q: Tensor, k: Tensor, v: Tensor, decay: Tensor, key_mask: Optional[Tensor], feature_map: str,
+                   normalize: bool, scale: float, eps: float, chunk_size: int, S0: Optional[Tensor] = None,
+                   z0: Optional[Tensor] = None):
     """Chunk-parallel prefill; differentiable plain PyTorch. Returns (out, S, z-or-None)."""
-    B, H, Nq, Dk = q_BHND.shape
-    Nk, Dv = k_BHkvND.shape[2], v_BHkvND.shape[3]
-    out_dtype = q_BHND.dtype
+    B, H, Nq, Dk = q.shape
+    Nk, Dv = k.shape[2], v.shape[3]
+    out_dtype = q.dtype
     cdt = compute_dtype(out_dtype)
-    device = q_BHND.device
+    device = q.device
 
-    phi_q = _feature(q_BHND.to(cdt), feature_map)
+    phi_q = _feature(q.to(cdt), feature_map)
     if not normalize:
         phi_q = phi_q * scale
-    phi_k = _feature(_expand_kv(k_BHkvND, H).to(cdt), feature_map)
-    v = _expand_kv(v_BHkvND, H).to(cdt)
-    if key_mask_BN is not None:
-        phi_k = phi_k * key_mask_BN[:, None, :, None].to(cdt)
+    phi_k = _feature(_expand_kv(k, H).to(cdt), feature_map)
+    v = _expand_kv(v, H).to(cdt)
+    if key_mask is not None:
+        phi_k = phi_k * key_mask[:, None, :, None].to(cdt)
     if Nq < Nk:  # bottom-right: the queries are the last Nq positions; earlier rows are discarded
         phi_q = F.pad(phi_q, (0, 0, Nk - Nq, 0))
-    if normalize:  # carry z as an extra value column: one pass yields numerator and denominator
-        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    v = with_ones(v, normalize)  # one pass yields numerator and denominator
     Dv1 = v.shape[-1]
-
-    S = S0.to(cdt) if S0 is not None else phi_q.new_zeros(B, H, Dk, Dv)
-    if normalize:
-        z = z0.to(cdt) if z0 is not None else phi_q.new_zeros(B, H, Dk)
-        S = torch.cat([S, z[..., None]], dim=-1)
-    log_gamma_H = torch.log(gamma_H.to(torch.float64)).to(device=device, dtype=cdt)
+    S = start_state(S0, z0, (B, H, Dk, Dv), phi_q, normalize)
+    log_gamma_H = torch.log(decay.to(torch.float64)).to(device=device, dtype=cdt)
 
     C = max(1, min(chunk_size, Nk))
     n_full = (Nk // C) * C
@@ -261,41 +227,13 @@ def _decay_forward(
         )
         outs.append(o.reshape(B, H, e - a, Dv1))
     out = torch.cat(outs, dim=2)[:, :, Nk - Nq :] if outs else phi_q.new_zeros(B, H, 0, Dv1)
-    if normalize:
-        out = ratio_or_zero(out[..., :Dv], out[..., Dv:], eps)
-        S, z = S[..., :Dv], S[..., Dv]
-    else:
-        z = None
+    out, S, z = normalised_out(out, S, Dv, normalize, eps)
     return out.to(out_dtype), S, z
 
 
-# ---- custom op: the stateless prefill as one opaque node, fake + autograd registered ----
-
-
-@torch.library.custom_op("attnopt::decay_attention", mutates_args=())
-def _decay_attention_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    decay: Tensor,
-    key_mask: Optional[Tensor],
-    feature_map: str,
-    normalize: bool,
-    scale: float,
-    eps: float,
-    chunk_size: int,
-) -> Tensor:
-    out, _, _ = _decay_forward(q, k, v, decay, key_mask, feature_map, normalize, scale, eps, chunk_size)
-    return out
-
-
-@_decay_attention_op.register_fake
-def _(q, k, v, decay, key_mask, feature_map, normalize, scale, eps, chunk_size):
-    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
-
-
-# Gradients reach q, k, v; the decays, mask and options are constants.
-register_recompute_autograd(_decay_attention_op, lambda *a: _decay_forward(*a)[0], differentiable=(0, 1, 2))
+# The stateless prefill as one opaque node; gradients reach q, k, v (the decays, mask and options
+# are constants).
+prefill_op("attnopt::decay_attention", _decay_forward, differentiable=(0, 1, 2))
 
 
 # ---- public API ----
@@ -314,21 +252,6 @@ def init_decay_state(
     """Zero state (S [B, H, Dk, Dv], z [B, H, Dk] when normalize else None) = no earlier tokens."""
     S = torch.zeros(B, H, Dk, Dv, dtype=compute_dtype(dtype), device=device)
     z = torch.zeros(B, H, Dk, dtype=compute_dtype(dtype), device=device) if normalize else None
-    return S, z
-
-
-def _check_state(state, B, H, Dk, Dv, normalize, who) -> tuple:
-    if not isinstance(state, (tuple, list)) or len(state) != 2:
-        raise TypeError(f"{who}: state must be a pair (S [B, H, Dk, Dv], z [B, H, Dk] or None); see init_decay_state")
-    S, z = state
-    if not isinstance(S, Tensor) or tuple(S.shape) != (B, H, Dk, Dv):
-        got = tuple(S.shape) if isinstance(S, Tensor) else type(S).__name__
-        raise ValueError(f"{who}: state S must have shape [B, H, Dk, Dv] = {(B, H, Dk, Dv)}, got {got}")
-    if normalize:
-        if not isinstance(z, Tensor) or tuple(z.shape) != (B, H, Dk):
-            raise ValueError(f"{who}: normalize=True needs state z of shape [B, H, Dk] = {(B, H, Dk)}; use init_decay_state(..., normalize=True)")
-    elif z is not None:
-        raise ValueError(f"{who}: state carries z but normalize=False; pass (S, None) or set normalize=True")
     return S, z
 
 
@@ -366,7 +289,8 @@ def decay_attention(
                                   eps=eps, key_mask=key_mask)
     if state is None:
         return torch.ops.attnopt.decay_attention(q, k, v, gamma, key_mask, feature_map, normalize, s, float(eps), chunk_size)
-    S0, z0 = _check_state(state, B, H, D, v.shape[3], normalize, "decay_attention")
+    S0, z0 = check_state("decay_attention", state, {"B": B, "H": H, "Dk": D, "Dv": v.shape[3]}, normalize,
+                         "init_decay_state")
     out, S, z = _decay_forward(q, k, v, gamma, key_mask, feature_map, normalize, s, float(eps), chunk_size, S0, z0)
     return out, (S, z)
 
@@ -397,7 +321,7 @@ def decay_attention_step(
     cdt = compute_dtype(q_t.dtype)
     if state is None:
         state = init_decay_state(B, H, D, Dv, normalize=normalize, dtype=q_t.dtype, device=q_t.device)
-    S, z = _check_state(state, B, H, D, Dv, normalize, who)
+    S, z = check_state(who, state, {"B": B, "H": H, "Dk": D, "Dv": Dv}, normalize, "init_decay_state")
     gamma = _decay_tensor(decay, H, q_t.device).to(cdt)
     phi_q = _feature(q_t.to(cdt), feature_map)  # [B, H, 1, Dk]
     phi_k = _feature(_expand_kv(k_t, H).to(cdt), feature_map)
@@ -411,20 +335,6 @@ def decay_attention_step(
         s = 1.0 / math.sqrt(D) if scale is None else float(scale)
         out = s * num
     return out.to(q_t.dtype), (S, z)
-
-
-def packed_decay_state(state: DecayState, cdt: torch.dtype) -> Tensor:
-    """The buffer the in-place token step (`attnopt.kernels.token_step`) works on: [S ‖ z] [B, H, Dk, Dv + 1] when
-    normalising (S and z its views, made once when they are not), else S itself in `cdt`."""
-    S, z = state
-    if z is None:
-        return S if S.dtype == cdt and S.is_contiguous() else S.to(cdt).contiguous()
-    base = S._base
-    if (base is not None and base is z._base and base.dtype == cdt and base.dim() == 4 and base.is_contiguous()
-            and base.shape[-1] == S.shape[-1] + 1 and S.data_ptr() == base.data_ptr()
-            and z.data_ptr() == base.data_ptr() + S.shape[-1] * base.element_size()):
-        return base
-    return torch.cat([S.to(cdt), z.to(cdt)[..., None]], dim=-1)
 
 
 def decay_attention_reference(

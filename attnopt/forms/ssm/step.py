@@ -11,36 +11,28 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnopt.forms.common.graph import BATCH, GraphStep, StateSpec, StepSite, add_real_tokens, count_spec, new_keep
+from attnopt.forms.common.graph import GraphStep, StepSite, add_real_tokens, new_keep, recurrent_states
 from attnopt.forms.ssm.reference import decay_attention
+from attnopt.kernels.normaliser import join_state, split_state
+from attnopt.kernels.registration import step_op
 
 # decay_attention's own ε, the one SsmSite decodes with.
 EPS = 1e-6
 
 
-@torch.library.custom_op("attnopt::decay_step", mutates_args=())
+@step_op("attnopt::decay_step", presents=("state", "count"))
 def decay_step(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, state: Tensor, count: Tensor, decay: Tensor,
                feature_map: str, normalize: bool, scale: float, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """Decayed attention of the new tokens from the carried state; returns (out, present state, count)."""
     keep = new_keep(mask, q.shape[2])
-    Dv = v.shape[-1]
-    S, z = (state[..., :Dv], state[..., Dv]) if normalize else (state, None)
     out, (S, z) = decay_attention(q, k, v, decay=decay, feature_map=feature_map, normalize=normalize, scale=scale,
-                                  eps=eps, key_mask=keep, state=(S, z))
-    present = torch.cat([S, z[..., None]], dim=-1) if normalize else S
-    return out, present.to(state.dtype), add_real_tokens(count, keep)
-
-
-@decay_step.register_fake
-def _(q, k, v, mask, state, count, decay, feature_map, normalize, scale, eps):
-    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1]), state.new_empty(state.shape), \
-        count.new_empty(count.shape)
+                                  eps=eps, key_mask=keep, state=split_state(state, v.shape[-1], normalize))
+    return out, join_state(S, z).to(state.dtype), add_real_tokens(count, keep)
 
 
 def states(site: StepSite) -> list:
     g = site.geometry
-    W = g.v_head_dim + (1 if site.module.params["normalize"] else 0)
-    return [StateSpec("recurrent_state", torch.float32, (BATCH, g.heads, g.head_dim, W)), count_spec()]
+    return recurrent_states(g.heads, g.head_dim, g.v_head_dim + int(site.module.params["normalize"]))
 
 
 def call(site: StepSite, q, k, v, mask, pasts):

@@ -6,22 +6,9 @@ GroupQueryAttention.local_window_size counts the same way; ONNX Attention's left
 
 from __future__ import annotations
 
-from attnopt.forms.common.base import (
-    CostAt,
-    Form,
-    Param,
-    SiteModule,
-    io_elements,
-    no_arbitrary_mask,
-)
+from attnopt.forms.common.base import CostAt, Form, Param, SiteModule, io_elements, no_arbitrary_mask
 from attnopt.forms.common.decoding import kv_cache_bytes
-from attnopt.forms.window.decode import (
-    WindowRing,
-    ring_of,
-    ring_ready,
-    window_decode,
-    RingStep,
-)
+from attnopt.forms.window.decode import RingStep, WindowRing, ring_of, ring_ready, window_decode
 from attnopt.forms.window.reference import window_attention
 
 WINDOW_PARAMS = {
@@ -82,16 +69,9 @@ class WindowSite(SiteModule):
         return RingStep(form_state, q.dtype, self.geometry.scale, k.shape[1] != q.shape[1])
 
 
-class WindowForm(Form):
-    name = "window"
-    aliases = ("windowed",)
-    summary = "softmax restricted to a band of keys (plus sink tokens), O(N·W)"
-    presets = ("window:256", "window:256+sinks:4")
-    params = WINDOW_PARAMS
-    preset_arg = "window"
-    default_tolerance = 0.6
-    cost_rank = 2
-    auto_params = {"window": 64, "sinks": 4}
+class WindowedForm(Form):
+    """A form with a softmax band of `window` keys (plus `sinks`): it differs from exact attention only
+    once a query's keys outnumber them, and needs query i and key i to be one token."""
 
     def check_site(self, site, params, sites):
         return no_arbitrary_mask(site) or aligned_positions_reason(site)
@@ -103,6 +83,18 @@ class WindowForm(Form):
         # Four bands: most queries then miss most keys, so the drift measured is the form's own.
         return max(super().acting_length(site, params), 4 * (params["window"] + params["sinks"]))
 
+
+class WindowForm(WindowedForm):
+    name = "window"
+    aliases = ("windowed",)
+    summary = "softmax restricted to a band of keys (plus sink tokens), O(N·W)"
+    presets = ("window:256", "window:256+sinks:4")
+    params = WINDOW_PARAMS
+    preset_arg = "window"
+    default_tolerance = 0.6
+    cost_rank = 2
+    auto_params = {"window": 64, "sinks": 4}
+
     def cost(self, site, params, B, Nq, Nk):
         H, D, Dv = site.heads, site.head_dim, site.v_head_dim
         keys = visible_keys(params, site.causal, Nk)
@@ -111,15 +103,11 @@ class WindowForm(Form):
     def build(self, site, params, context):
         return WindowSite(site, params)
 
-    def decode_state_bytes(self, site, params, context, element_bytes):
-        if not site.causal:
-            return super().decode_state_bytes(site, params, context, element_bytes)
-        return self.state_bytes_with_prefix(site, params, context, element_bytes,
-                                            window_cache_bytes(site, params, context, element_bytes))
+    def state_bytes(self, site, params, context, element_bytes):
+        return window_cache_bytes(site, params, context, element_bytes)
 
     def public_ops(self):
         return {"window_attention": window_attention, "window_decode": window_decode}
-
 
 
 FORM = WindowForm()

@@ -33,6 +33,7 @@ from attnopt.kernels.onnx.functions import (
     dim,
     expand_heads,
     f32,
+    head_dims,
     i64,
     pack_heads,
     pad_axis,
@@ -142,7 +143,7 @@ def _ir_bool(array):
 
 
 def window_std(q, k, v, key_mask, window, causal, sinks, scale, block_size):
-    H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
+    H, Hkv, D, Dv = head_dims(q, k, v)
     num, den, _m, _seen = banded_sums(q, expand_heads(k, Hkv, H, D), expand_heads(v, Hkv, H, Dv), key_mask,
                                       window, causal, sinks, scale, block_size, D, Dv)
     # A row that sees a key has den >= 1 (its max term is e^0); one that sees none gets 0.
@@ -286,7 +287,7 @@ def _banded_step_sums(q, k_H, v_H, keep, front, sink_scores, sink_v_H, window, s
 
 
 def window_step_sums(q, k, v, mask, buffer, slots, window: int, sinks: int, scale: float) -> WindowStep:
-    H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
+    H, Hkv, D, Dv = head_dims(q, k, v)
     S, L = sinks, window - 1
     keep, P, T = new_columns_keep(mask, q), past_columns(mask, q), dim(q, 2)
     sink_k, sink_v, pos1, ring_k, ring_v, ring_keep, count = _state_parts(buffer, slots, S, L, D, Dv)

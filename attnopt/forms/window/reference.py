@@ -54,8 +54,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnopt.kernels.dispatch import cuda_kernels
-from attnopt.kernels.layout import check_sdpa_inputs, compute_dtype
-from attnopt.kernels.registration import register_recompute_autograd
+from attnopt.kernels.layout import check_int, check_sdpa_inputs, compute_dtype
+from attnopt.kernels.registration import prefill_op
 
 __all__ = [
     "window_attention",
@@ -73,14 +73,6 @@ __all__ = [
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor]) -> None:
     check_sdpa_inputs("window_attention", q, k, v, key_mask)
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"window_attention: {name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"window_attention: {name} must be >= {minimum}, got {value}")
-    return value
 
 
 def first_real_keys(key_mask_BN: Optional[Tensor], sinks: int, B: int, Nk: int, device=None) -> tuple[Tensor, Tensor]:
@@ -339,38 +331,28 @@ def _shifted_block(
     return num.reshape(B, Hkv, n, Bq, G, Dv) / denom.clamp(min=1.0)[..., None]
 
 
-def _window_forward(
-    q_BHND: Tensor,
-    k_BHkvND: Tensor,
-    v_BHkvND: Tensor,
-    key_mask_BN: Optional[Tensor],
-    window: int,
-    causal: bool,
-    sinks: int,
-    scale: float,
-    block_size: int,
-    scores_per_step: Optional[int] = None,
-) -> Tensor:
+def _window_forward(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], window: int, causal: bool,
+                    sinks: int, scale: float, block_size: int, scores_per_step: Optional[int] = None) -> Tensor:
     """Blockwise banded softmax; differentiable plain PyTorch (the custom op wraps it).
 
     k and v are padded once so every block's band is in range; a step takes n blocks, views their
     bands with `unfold` ([B, Hkv, n, D, L]) and runs one masked softmax over [B, Hkv, n, Bq, G, L].
     """
-    B, H, Nq, _ = q_BHND.shape
-    Hkv, Nk, Dv = k_BHkvND.shape[1], k_BHkvND.shape[2], v_BHkvND.shape[3]
+    B, H, Nq, _ = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     if Nq == 0 or Nk == 0:
-        return q_BHND.new_zeros(B, H, Nq, Dv)
-    G, cdt, device = H // Hkv, compute_dtype(q_BHND.dtype), q_BHND.device
+        return q.new_zeros(B, H, Nq, Dv)
+    G, cdt, device = H // Hkv, compute_dtype(q.dtype), q.device
     blocks = band_blocks(Nq, Nk, window, causal, sinks, block_size)
     per_step = SCORES_PER_STEP if scores_per_step is None else scores_per_step
-    q_BHkvNGD = _grouped_queries(q_BHND, Hkv, scale, cdt, blocks)
-    k_pad, v_pad = blocks.pad_keys(k_BHkvND.to(cdt)), blocks.pad_keys(v_BHkvND.to(cdt))
-    km_pad_BN = None if key_mask_BN is None else blocks.pad_key_mask(key_mask_BN)
+    q_BHkvNGD = _grouped_queries(q, Hkv, scale, cdt, blocks)
+    k_pad, v_pad = blocks.pad_keys(k.to(cdt)), blocks.pad_keys(v.to(cdt))
+    km_pad_BN = None if key_mask is None else blocks.pad_key_mask(key_mask)
     band_Bq_L = blocks.band_mask(device)
-    sink_keys = _gather_sinks(k_BHkvND, v_BHkvND, key_mask_BN, blocks.S, cdt, device) if blocks.S > 0 else None
+    sink_keys = _gather_sinks(k, v, key_mask, blocks.S, cdt, device) if blocks.S > 0 else None
     # Without sinks, padding or queries before key 0, every row sees at least itself: the fused
     # softmax is exact there. Otherwise rows may see nothing and the explicit path gives them 0.
-    fast = blocks.S == 0 and key_mask_BN is None and blocks.off >= 0
+    fast = blocks.S == 0 and key_mask is None and blocks.off >= 0
     outs = []
     for step in blocks.steps(blocks.blocks_per_step(B * H, blocks.L, per_step)):
         k_band, v_band = blocks.bands(k_pad, v_pad, step)
@@ -384,33 +366,11 @@ def _window_forward(
         v_sink = None if sink_keys is None else sink_keys.v_BHkv1SDv
         outs.append(_shifted_block(s_B_Hkv_n_Bq_G_L, ss, v_band, v_sink, Dv, cdt))
     out_BHkvNGDv = torch.cat(outs, dim=2).reshape(B, Hkv, blocks.nb * blocks.Bq, G, Dv)[:, :, :Nq]
-    return out_BHkvNGDv.permute(0, 1, 3, 2, 4).reshape(B, H, Nq, Dv).to(q_BHND.dtype)
+    return out_BHkvNGDv.permute(0, 1, 3, 2, 4).reshape(B, H, Nq, Dv).to(q.dtype)
 
 
-# ---- custom op: one opaque node in captured graphs, fake + autograd registered ----
-
-
-@torch.library.custom_op("attnopt::window_attention", mutates_args=())
-def _window_attention_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    key_mask: Optional[Tensor],
-    window: int,
-    causal: bool,
-    sinks: int,
-    scale: float,
-    block_size: int,
-) -> Tensor:
-    return _window_forward(q, k, v, key_mask, window, causal, sinks, scale, block_size)
-
-
-@_window_attention_op.register_fake
-def _(q, k, v, key_mask, window, causal, sinks, scale, block_size):
-    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
-
-
-register_recompute_autograd(_window_attention_op, _window_forward, differentiable=(0, 1, 2))
+# One opaque node in captured graphs; the backward recomputes the blockwise forward (O(N·W) too).
+prefill_op("attnopt::window_attention", _window_forward, differentiable=(0, 1, 2))
 
 
 def window_attention(
@@ -440,11 +400,11 @@ def window_attention(
     _check_inputs(q, k, v, key_mask)
     if not isinstance(causal, bool):
         raise TypeError(f"window_attention: causal must be a bool, got {causal!r}")
-    window = _check_int("window", window, 1)
-    sinks = _check_int("sinks", sinks, 0)
+    window = check_int("window_attention", "window", window, 1)
+    sinks = check_int("window_attention", "sinks", sinks, 0)
     if block_size is None:
         block_size = default_window_block_size(window, causal)
-    block_size = _check_int("block_size", block_size, 1)
+    block_size = check_int("window_attention", "block_size", block_size, 1)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     scale = float(scale)

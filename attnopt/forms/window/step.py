@@ -20,6 +20,7 @@ from torch import Tensor
 from attnopt.forms.common.graph import BATCH, GraphStep, StateSpec, StepSite, new_keep
 from attnopt.forms.window.decode import WindowCache, window_decode
 from attnopt.forms.window.form import effective_window
+from attnopt.kernels.registration import step_op
 
 
 def cache_of(buffer: Tensor, slots: Tensor, P: int, window: int, sinks: int, D: int) -> Optional[WindowCache]:
@@ -49,7 +50,7 @@ def state_of(cache: WindowCache, count: Tensor, dtype: torch.dtype) -> tuple[Ten
     return torch.cat([sinks, ring], dim=2), slots
 
 
-@torch.library.custom_op("attnopt::window_step", mutates_args=())
+@step_op("attnopt::window_step", presents=("buffer", "slots"))
 def window_step(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, buffer: Tensor, slots: Tensor, window: int,
                 sinks: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """Window (+ sinks) attention of the new tokens from the fixed buffer; returns (out, buffer, slots)."""
@@ -59,12 +60,6 @@ def window_step(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, buffer: Tensor, s
     out, cache = window_decode(q, k, v, cache, window=window, sinks=sinks, scale=scale, key_mask=keep)
     present, slots = state_of(cache, slots[:, 0, 0] + keep.long().sum(-1), buffer.dtype)
     return out, present, slots
-
-
-@window_step.register_fake
-def _(q, k, v, mask, buffer, slots, window, sinks, scale):
-    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1]), buffer.new_empty(buffer.shape), \
-        slots.new_empty(slots.shape)
 
 
 def window_and_sinks(site: StepSite) -> tuple[int, int]:

@@ -48,6 +48,24 @@ def static_dim(x, axis: int, what: str) -> int:
     return d
 
 
+def head_dims(q, k, v) -> tuple[int, int, int, int]:
+    """(H, Hkv, D, Dv) of q [B, H, N, D], k [B, Hkv, N, D], v [B, Hkv, N, Dv]: static when exporting."""
+    return static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
+
+
+def check_self_attention(q, k, form: str) -> None:
+    """Causal lowerings pair query i with key i: the export is a prefill, Nq = Nk."""
+    if q.shape is not None and k.shape is not None and q.shape[2] != k.shape[2]:
+        raise ValueError(f"ONNX lowering of {form}: causal export needs as many queries as keys (a prefill), "
+                         f"got {q.shape[2]} and {k.shape[2]}")
+
+
+def causal_prefill_dims(q, k, v, form: str) -> tuple[int, int, int, int]:
+    """(H, Hkv, D, Dv) of a causal lowering's call, checked to pair query i with key i."""
+    check_self_attention(q, k, form)
+    return head_dims(q, k, v)
+
+
 def dim(x, axis: int):
     """One dim of x as a 1-D int64 [1] tensor (symbolic dims stay symbolic)."""
     return op.Shape(x, start=axis, end=axis + 1)
