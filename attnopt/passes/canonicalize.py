@@ -380,6 +380,21 @@ def heads_view_of(node: Node, depth: int = 8) -> Optional[tuple[Node, list[Node]
 
 # ---- GQA: repeat_kv / repeat_interleave ----------------------------------------------------------
 
+def _walk_up(node: Node, passes, members: Optional[list] = None) -> Node:
+    """The first node up the chain of first arguments from `node` that `passes` rejects; the nodes
+    passed on the way join `members`."""
+    while passes(node):
+        if members is not None:
+            members.append(node)
+        node = node.args[0]
+    return node
+
+
+def _whole_slice(node: Node) -> bool:
+    """A slice that keeps every element (`x[:, :, None]` traces as one around the unsqueeze)."""
+    return op_name(node) == "slice" and same_shape(node, node.args[0])
+
+
 def see_through_repeat_kv(node: Node) -> tuple[Node, int, list[Node], str]:
     """If `node` is a [B, H, N, D] tensor made by repeating [B, Hkv, N, D] heads, return the source.
 
@@ -400,27 +415,16 @@ def see_through_repeat_kv(node: Node) -> tuple[Node, int, list[Node], str]:
         return node, 1, [], ""
     out_shape = shape(cur)
     members.append(cur)
-    cur = cur.args[0]
-    while op_name(cur) in ("clone", "contiguous"):
-        members.append(cur)
-        cur = cur.args[0]
-    if op_name(cur) != "expand":
+    exp = _walk_up(cur.args[0], lambda n: op_name(n) in ("clone", "contiguous"), members)
+    if op_name(exp) != "expand":
         return node, 1, [], ""
-    exp = cur
     members.append(exp)
-    cur = exp.args[0]
     # the inserted axis: unsqueeze(2), or slicing + None indexing spelled as slice/unsqueeze chains
-    while op_name(cur) == "slice" and same_shape(cur, cur.args[0]):
-        members.append(cur)
-        cur = cur.args[0]
-    if op_name(cur) != "unsqueeze":
+    uns = _walk_up(exp.args[0], _whole_slice, members)
+    if op_name(uns) != "unsqueeze":
         return node, 1, [], ""
-    uns = cur
     members.append(uns)
-    src = uns.args[0]
-    while op_name(src) == "slice" and same_shape(src, src.args[0]):
-        members.append(src)
-        src = src.args[0]
+    src = _walk_up(uns.args[0], _whole_slice, members)
     es, ss = shape(exp), shape(src)
     if out_shape is None or es is None or ss is None or len(ss) != 4 or len(es) != 5 or len(out_shape) != 4:
         return node, 1, [], ""
@@ -496,9 +500,7 @@ def _merged_repeat(node: Node, axis: int) -> Optional[tuple[Node, int]]:
     """A reshape merging an expanded (Hkv, R) pair into the head axis: (source, R), heads on the same
     axis of the source; None for any other reshape."""
     out_shape = shape(node)
-    cur = node.args[0]
-    while op_name(cur) in COPY_OPS:
-        cur = cur.args[0]
+    cur = _walk_up(node.args[0], lambda n: op_name(n) in COPY_OPS)
     if op_name(cur) != "expand":
         return None
     es = shape(cur)
@@ -511,9 +513,7 @@ def _merged_repeat(node: Node, axis: int) -> Optional[tuple[Node, int]]:
         return None
     if not all(map(same_dim, es[axis + 2:], out_shape[axis + 1:])):
         return None
-    src = cur.args[0]
-    while op_name(src) == "slice" and same_shape(src, src.args[0]):
-        src = src.args[0]
+    src = _walk_up(cur.args[0], _whole_slice)
     if op_name(src) != "unsqueeze" or src.args[1] % len(es) != axis + 1:
         return None  # the new axis must follow the kv-head axis: head h then reads kv head h // R
     return src.args[0], reps
