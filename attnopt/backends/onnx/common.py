@@ -1,13 +1,14 @@
 """What both ONNX exporters share (export.py: one prefill file; decode.py: a decode folder): the
 export record, the target and opset checks, the optional packages, the dispatch thresholds a file
-drops, and the translation table that lowers every form's op for a target."""
+drops, the translation table that lowers every form's op for a target, and the search for the site
+whose lowering fails alone."""
 
 from __future__ import annotations
 
 import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Iterable, Optional
 
 from torch import nn
 
@@ -40,6 +41,20 @@ class OnnxExport:
         return {"path": self.path, "target": self.target, "opset": self.opset, "sites": list(self.sites),
                 "ops_before": dict(self.ops_before), "ops_after": dict(self.ops_after),
                 "parity": list(self.parity), "seconds": self.seconds, "dispatch_dropped": dict(self.dispatch_dropped)}
+
+
+def first_failing_site(trials: Iterable[tuple[str, Callable[[], float]]], what: str, none_alone: str) -> str:
+    """Which site's lowering broke parity: the first of `trials`, (site label, a call exporting the site
+    alone and returning its relative RMS against torch), that raises or exceeds PARITY_TOLERANCE, in
+    one line; `none_alone` when every site matches alone. `what` names what was compared."""
+    for label, measure in trials:
+        try:
+            err = measure()
+        except Exception as exc:  # a lowering that fails to build or run is the failing site too
+            return f"site {label}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        if not err <= PARITY_TOLERANCE:
+            return f"site {label}: {what} differs from torch by relative RMS {err:.2e} > {PARITY_TOLERANCE:g}"
+    return none_alone
 
 
 def histogram(model) -> dict:

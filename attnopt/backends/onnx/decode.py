@@ -22,6 +22,7 @@ fixed exact prefix of min_seq_len slots (forms/exact/step.py), so ORT generates 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -44,6 +45,7 @@ from attnopt.backends.onnx.common import (
     PARITY_TOLERANCE,
     OnnxExport,
     check_target,
+    first_failing_site,
     histogram,
     quiet_export,
     require_packages,
@@ -369,20 +371,17 @@ def localise(twin: nn.Module, layout: Layout, prompt, table: dict, opset, messag
         out = graph(ids, mask, pos, *layout.example_pasts(ids.shape[0], 0))
         step_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         graph(ids[:, -1:], step_mask, step_mask.sum(1, keepdim=True) - 1, *out[1:])
-    for plan, ins, extra, want in graph.record:
-        ins = ins + _flat(extra)
-        try:
-            with quiet_export():
-                program = torch.onnx.export(torch.export.export(_StepAlone(plan, extra), ins, strict=False),
-                                            dynamo=True, custom_translation_table=table, opset_version=opset,
-                                            verbose=False)
-            err = _ort_rel_rms(program.model_proto, ins, want)
-        except Exception as exc:  # a lowering that fails to build or run is the failing site too
-            return f"site {plan.site_id} ({plan.form}): {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-        if not err <= PARITY_TOLERANCE:
-            return (f"site {plan.site_id} ({plan.form}): its ONNX decode step differs from torch by relative RMS "
-                    f"{err:.2e} > {PARITY_TOLERANCE:g}")
-    return f"every site's step matches alone; the whole graph does not: {message}"
+
+    def step_alone(plan, ins: tuple, extra: dict, want) -> float:
+        with quiet_export():
+            program = torch.onnx.export(torch.export.export(_StepAlone(plan, extra), ins, strict=False),
+                                        dynamo=True, custom_translation_table=table, opset_version=opset, verbose=False)
+        return _ort_rel_rms(program.model_proto, ins, want)
+
+    trials = ((f"{plan.site_id} ({plan.form})", functools.partial(step_alone, plan, ins + _flat(extra), extra, want))
+              for plan, ins, extra, want in graph.record)
+    return first_failing_site(trials, "its ONNX decode step",
+                              f"every site's step matches alone; the whole graph does not: {message}")
 
 
 def _ort_rel_rms(proto, ins: tuple, want: tuple) -> float:

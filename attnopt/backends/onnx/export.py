@@ -13,6 +13,7 @@ graph, and a file that silently dropped the switch would compute something else 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 import warnings
@@ -36,6 +37,7 @@ from attnopt.backends.onnx.common import (  # noqa: F401  (check_target, histogr
     OnnxExport,
     check_target,
     dispatch_dropped,
+    first_failing_site,
     histogram,
     require_packages,
     run_time_switches,
@@ -253,18 +255,16 @@ def _name_sites(calls: list, site_calls: list) -> list:
 
 def _localise(opt: nn.Module, wrapper: nn.Module, flat: tuple, table: dict, message: str, opset: int) -> str:
     """Which site's lowering broke parity: each site module exported alone on its recorded inputs."""
-    for module, a, kw in _site_calls(opt, wrapper, flat):
+
+    def site_alone(module, a, kw) -> float:
         site = _SiteAlone(module, a, kw)
         tensors = site.tensors(a, kw)
-        try:
-            program = _to_onnx(site, tensors, None, table, opset)
-            err = checks.ort_rel_rms(program.model_proto, site, tensors)
-        except Exception as exc:  # a lowering that fails to build or run is the failing site too
-            return f"site {module.geometry.site_id} ({module.form}): {type(exc).__name__}: {exc}"
-        if not err <= PARITY_TOLERANCE:
-            return (f"site {module.geometry.site_id} ({module.form}): ONNX Runtime output differs from torch by "
-                    f"relative RMS {err:.2e} > {PARITY_TOLERANCE:g}")
-    return f"every site matches alone; the whole model does not: {message}"
+        return checks.ort_rel_rms(_to_onnx(site, tensors, None, table, opset).model_proto, site, tensors)
+
+    trials = ((f"{module.geometry.site_id} ({module.form})", functools.partial(site_alone, module, a, kw))
+              for module, a, kw in _site_calls(opt, wrapper, flat))
+    return first_failing_site(trials, "ONNX Runtime output",
+                              f"every site matches alone; the whole model does not: {message}")
 
 
 class _SiteAlone(nn.Module):
