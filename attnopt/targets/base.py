@@ -138,7 +138,7 @@ class Target(abc.ABC):
 
     def check_sites_match(self, report: Any, where: Path) -> None:
         """SaveError unless the loaded model runs exactly the forms and parameters its report names:
-        every rewritten site has its module, and no other site has one (but `extra_module_ok`)."""
+        every rewritten site has its module, and no other site has one."""
         modules = self.site_modules()
         for record in report.sites:
             site_id, outcome = record.site.id, record.outcome
@@ -151,15 +151,26 @@ class Target(abc.ABC):
                     raise SaveError(f"attnopt.load: {where}: site {site_id} runs {module.form} {plain_params(module.params)}, "
                                     f"the report says {outcome.final_form} {plain_params(outcome.params)}; the directory is "
                                     "damaged (save the model again)")
-            elif module is not None and not self.extra_module_ok(module, record.site):
+            elif module is not None:
                 raise SaveError(f"attnopt.load: {where}: site {site_id} has a {module.form} module but the report "
                                 f"keeps it {outcome.final_form}; the directory is damaged (save the model again)")
         if modules:
             raise SaveError(f"attnopt.load: {where} has site modules the report does not list: {sorted(modules)}")
 
-    def extra_module_ok(self, module: SiteModule, site: AttentionSite) -> bool:
-        """Whether a site the report keeps exact may still carry `module` (default: never)."""
-        return False
+
+def site_entries(header_file: Path, entries: Any, fields: dict) -> list:
+    """A saved header's site entries, each a dict with every field of `fields` ({name: type}) of its
+    type and no site listed twice; SaveError naming the field otherwise."""
+    if not isinstance(entries, list):
+        raise SaveError(f"attnopt.load: {header_file} field 'sites' is missing or not a list")
+    for i, entry in enumerate(entries):
+        for name, kind in fields.items():
+            if not isinstance(entry, dict) or not isinstance(entry.get(name), kind):
+                raise SaveError(f"attnopt.load: {header_file} field 'sites[{i}].{name}' is missing or not a "
+                                f"{kind.__name__}; the directory is damaged (save the model again)")
+    if len({e["site_id"] for e in entries}) != len(entries):
+        raise SaveError(f"attnopt.load: {header_file} field 'sites' lists a site twice")
+    return entries
 
 
 def read_site_state(file: Path) -> dict:

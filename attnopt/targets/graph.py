@@ -42,7 +42,7 @@ from attnopt.passes.detect import detect
 from attnopt.passes.input_guard import contract_from_dict, contract_to_dict, guard_of, install_guard
 from attnopt.passes.record import record_graph
 from attnopt.passes.splice import splice_graph
-from attnopt.targets.base import Installed, Target, read_site_state, restore_site
+from attnopt.targets.base import Installed, Target, read_site_state, restore_site, site_entries
 from attnopt.targets.program_archive import read_program, write_program
 
 
@@ -225,7 +225,7 @@ class GraphTarget(Target):
     def load(cls, path: Path, header: dict, report) -> nn.Module:
         where = path / HEADER
         check_listed_files(path, header, {cls.PROGRAM_FILE, cls.SITE_STATE_FILE})
-        entries = _site_entries(where, header.get("sites"))
+        entries = site_entries(where, header.get("sites"), ENTRY_FIELDS)
         try:
             contract = contract_from_dict(header.get("inputs"))
         except ValueError as exc:
@@ -313,19 +313,6 @@ def check_listed_files(path: Path, header: dict, allowed: set) -> None:
     if extra:
         raise SaveError(f"attnopt.load: {path / HEADER} lists {extra[0]!r}, which a graph-path directory does not "
                         f"hold (only {', '.join(sorted(allowed))}); the directory is damaged (save the model again)")
-
-
-def _site_entries(where: Path, entries) -> list:
-    if not isinstance(entries, list):
-        raise SaveError(f"attnopt.load: {where} field 'sites' is missing or not a list")
-    for i, entry in enumerate(entries):
-        for field, kind in ENTRY_FIELDS.items():
-            if not isinstance(entry, dict) or not isinstance(entry.get(field), kind):
-                raise SaveError(f"attnopt.load: {where} field 'sites[{i}].{field}' is missing or not a "
-                                f"{kind.__name__}; the directory is damaged (save the model again)")
-    if len({e["site_id"] for e in entries}) != len(entries):
-        raise SaveError(f"attnopt.load: {where} field 'sites' lists a site twice")
-    return entries
 
 
 def _restore_site(entry: dict, sites: list, state: dict, path: Path) -> SiteModule:

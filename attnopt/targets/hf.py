@@ -45,7 +45,7 @@ from attnopt.ir.errors import SaveError
 from attnopt.ir.outcomes import Status
 from attnopt.passes.capture import capture_export, without_cache
 from attnopt.passes.detect import detect_all
-from attnopt.targets.base import Installed, LongerBatch, Target, read_site_state, restore_site
+from attnopt.targets.base import Installed, LongerBatch, Target, read_site_state, restore_site, site_entries
 
 __all__ = ["HfTarget", "is_hf_model"]
 
@@ -237,8 +237,6 @@ class HfTarget(Target):
             site_id = module.geometry.site_id
             own = {name: t.detach().contiguous().clone() for name, t in module.state_dict().items()}
             state.update({f"{site_id}/{name}": t for name, t in own.items()})
-            # Sites not accepted in the report are exact sites install() runs as the model's own window
-            # band (take_over_model_windows); saved too, so the loaded model is the same module for module.
             entries.append({"site_id": site_id, "module_path": module_path, "form": module.form,
                             "params": dict(module.params), "accepted": site_id in accepted,
                             "state": {name: list(t.shape) for name, t in own.items()},
@@ -269,7 +267,7 @@ class HfTarget(Target):
     def load(cls, path: Path, header: dict, report) -> nn.Module:
         from attnopt.hf.install import install  # needs transformers' cache classes
 
-        entries = _site_entries(path / HEADER, header.get("sites"))
+        entries = site_entries(path / HEADER, header.get("sites"), ENTRY_FIELDS)
         state = read_site_state(path / SITE_STATE_FILE) if (path / SITE_STATE_FILE).is_file() else {}
         with _checked_files_only(path, header["files"]) as staged:
             model = _load_pretrained(staged, header, path)
@@ -281,29 +279,10 @@ class HfTarget(Target):
         target.check_sites_match(report, path / HEADER)
         return model
 
-    def extra_module_ok(self, module, site) -> bool:
-        # install() runs a model's own sliding window as attnopt's band on sites kept exact.
-        return module.form == "window" and site.window is not None and module.params.get("window") == site.window \
-            and module.params.get("sinks") == 0
-
 
 HEADER = "attnopt.json"
 ENTRY_FIELDS = {"site_id": str, "module_path": str, "form": str, "params": dict, "accepted": bool, "state": dict,
                 "sha256": str}
-
-
-def _site_entries(header_file: Path, entries) -> list:
-    """The header's site entries, each with every field of the right type."""
-    if not isinstance(entries, list):
-        raise SaveError(f"attnopt.load: {header_file} field 'sites' is missing or not a list")
-    for i, entry in enumerate(entries):
-        for field, kind in ENTRY_FIELDS.items():
-            if not isinstance(entry, dict) or not isinstance(entry.get(field), kind):
-                raise SaveError(f"attnopt.load: {header_file} field 'sites[{i}].{field}' is missing or not a "
-                                f"{kind.__name__}; the directory is damaged (save the model again)")
-    if len({e["site_id"] for e in entries}) != len(entries):
-        raise SaveError(f"attnopt.load: {header_file} field 'sites' lists a site twice")
-    return entries
 
 
 def _restore_site(entry: dict, sites: list, state: dict, path: Path) -> nn.Module:
