@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 from attnopt.analysis.cost import element_bytes
 from attnopt.analysis.decode_memory import decode_memory
 from attnopt.analysis.timing import Conditions, ForwardTime
+from attnopt.evaluation.report import written_page
 from attnopt.ir.outcomes import Cost, Drift, OutputDrift, SiteOutcome, SitePlan, Status
 from attnopt.ir.site import AttentionSite, MaskInfo, NearMiss, SiteNodes
 from attnopt.passes.crossover import Threshold
@@ -104,22 +105,16 @@ class CompileReport:
             raise ValueError(f"unknown status {status!r}; allowed: {', '.join(STATUSES)}")
         return sum(1 for r in self.sites if r.outcome.status == status)
 
-    @property
-    def flops_before(self) -> list[float]:
-        """Total attention FLOPs of the original model at each multiplier."""
-        return [sum(r.costs_before[i].flops for r in self.sites if i < len(r.costs_before)) for i in range(len(self.cost_multipliers))]
+    def _summed(self, costs: str, what: str) -> list[float]:
+        """The sites' `costs` ("costs_before" or "costs_after") summed by `what` at each multiplier."""
+        return [sum(getattr(getattr(r, costs)[i], what) for r in self.sites if i < len(getattr(r, costs)))
+                for i in range(len(self.cost_multipliers))]
 
-    @property
-    def flops_after(self) -> list[float]:
-        return [sum(r.costs_after[i].flops for r in self.sites if i < len(r.costs_after)) for i in range(len(self.cost_multipliers))]
-
-    @property
-    def bytes_before(self) -> list[float]:
-        return [sum(r.costs_before[i].bytes for r in self.sites if i < len(r.costs_before)) for i in range(len(self.cost_multipliers))]
-
-    @property
-    def bytes_after(self) -> list[float]:
-        return [sum(r.costs_after[i].bytes for r in self.sites if i < len(r.costs_after)) for i in range(len(self.cost_multipliers))]
+    # Total attention FLOPs and bytes of the original and the compiled model at each multiplier.
+    flops_before = property(lambda self: self._summed("costs_before", "flops"))
+    flops_after = property(lambda self: self._summed("costs_after", "flops"))
+    bytes_before = property(lambda self: self._summed("costs_before", "bytes"))
+    bytes_after = property(lambda self: self._summed("costs_after", "bytes"))
 
     @property
     def flops_ratio(self) -> list[Optional[float]]:
@@ -269,10 +264,7 @@ class CompileReport:
 
     def to_html(self, path: Union[str, Path, None] = None) -> str:
         """One self-contained page (inline CSS and SVG, nothing fetched); written to `path` if given."""
-        text = render_html(self)
-        if path is not None:
-            Path(path).write_text(text, encoding="utf-8")
-        return text
+        return written_page(render_html(self), path)
 
     def __str__(self) -> str:
         t = self.totals

@@ -53,6 +53,13 @@ def _grid_from_json(grid: dict) -> dict:
     return {p: {int(n): {float(d): v for d, v in row.items()} for n, row in by_len.items()} for p, by_len in grid.items()}
 
 
+def written_page(text: str, path: Union[str, Path, None]) -> str:
+    """A report's HTML page `text`, written to `path` first when one is given (the reports' `to_html`)."""
+    if path is not None:
+        Path(path).write_text(text, encoding="utf-8")
+    return text
+
+
 def mean(values) -> Optional[float]:
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
@@ -146,10 +153,7 @@ class EvalReport:
 
     def to_html(self, path: Union[str, Path, None] = None) -> str:
         """One self-contained page (inline CSS and SVG, nothing fetched); written to `path` if given."""
-        text = page(self)
-        if path is not None:
-            Path(path).write_text(text, encoding="utf-8")
-        return text
+        return written_page(page(self), path)
 
     def summary(self) -> str:
         """A few lines: perplexity, then each probe's accuracy by length, against the reference."""
