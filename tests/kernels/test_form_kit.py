@@ -230,3 +230,36 @@ def test_decode_state_bytes_is_the_own_state_plus_the_exact_prefix_until_min_seq
     assert ssm.decode_state_bytes(site, params, 100, 2) == own
     bidirectional = SimpleNamespace(**{**vars(site), "causal": False})
     assert forms.get("window").decode_state_bytes(bidirectional, forms.get("window").validate({}), 64, 2) == kv(64)
+
+
+# ---------------------------------------------------------------- the "adding a form" page names real pieces
+
+
+def test_the_adding_a_form_page_names_pieces_that_exist_and_families_as_registered():
+    import importlib
+    import re
+    from pathlib import Path
+
+    from attnopt import forms
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "developer" / "adding-a-form.md").read_text()
+    dotted = set(re.findall(r"`(attnopt(?:\.\w+)+)`", page))
+    assert len(dotted) >= 12
+    for name in dotted:
+        parts = name.split(".")
+        for cut in range(len(parts), 0, -1):  # the longest importable module, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            for attr in parts[cut:]:
+                assert hasattr(obj, attr), f"the page names {name}, but {'.'.join(parts[:cut])} has no {attr}"
+                obj = getattr(obj, attr)
+            break
+    rows = re.findall(r"^\| `attnopt\.[\w.]+\.(\w+)` \|.*\| ([\w+, ]+) \|$", page, flags=re.M)
+    assert [family for family, _ in rows] == ["RecurrentForm", "FittedForm", "WindowedForm"]
+    for family, members in rows:
+        module = "attnopt.forms.window.form" if family == "WindowedForm" else "attnopt.forms.common.families"
+        cls = getattr(importlib.import_module(module), family)
+        registered = sorted(f.name for f in forms.registry().values() if isinstance(f, cls))
+        assert registered == sorted(m.strip() for m in members.split(",")), family
