@@ -45,7 +45,7 @@ def calibration_batches(n: int, length: int, seed: int) -> list:
 
     train_text, _ = trl.corpus()
     sampler = trl.Sampler(train_text.encode("utf-8"), seed)
-    return [{"input_ids": sampler.batch(1, length)} for _ in range(n)]
+    return [{"input_ids": sampler.batch(1, length)[0]} for _ in range(n)]  # (ids, induction targets)
 
 
 def headline(audit: dict) -> dict:

@@ -412,7 +412,31 @@ def generic_table(r: dict) -> str:
     return table(["field", "value"], [[k, str(v)] for k, v in scalars]) if scalars else "(no scalar fields)"
 
 
+def capability_table(r: dict) -> str:
+    """Per policy and variant: held-out perplexity (and its ratio to the original's), then each probe's
+    teacher-forced accuracy, exact match of greedy generate() in brackets."""
+    probes = ("passkey", "needle", "multikey", "mqar", "copy")
+    base = next((row["training_free_headline"] for row in r.get("rows", []) if row["policy"] == "original"), None)
+    rows = []
+    for row in r.get("rows", []):
+        for variant in ("training_free", "calibrated"):
+            h = row.get(f"{variant}_headline")
+            if not h:
+                continue
+            ppl = h.get("perplexity")
+            ratio = f" ({ppl / base['perplexity']:.3f}×)" if ppl and base and base.get("perplexity") else ""
+            rows.append([f"`{row['policy']}`", variant.replace("_", "-"),
+                         f"{row['rewritten']}/{row['sites']}" if "sites" in row else "—", f"{fmt(ppl)}{ratio}",
+                         *[f"{h.get(p + '_teacher_forced', 0):.0%} ({h.get(p, 0):.0%})" for p in probes]])
+    note = (f"`{r.get('model', 'recall_lm')}` at {', '.join(map(str, r.get('lengths', [])))} tokens, depths "
+            f"{', '.join(f'{d:g}' for d in r.get('depths', []))}, {r.get('samples_per_cell')} rows per cell; "
+            f"perplexity on {r.get('perplexity_text', 'held-out text')}. Each probe: teacher-forced token accuracy "
+            "(exact match of greedy `generate()` in brackets).")
+    return note + "\n\n" + table(["policy", "variant", "sites", "perplexity", *probes], rows)
+
+
 RENDERERS: dict[str, tuple[str, Callable[[dict], str]]] = {
+    "capability": ("What recall_lm can still retrieve, per policy", capability_table),
     "decode_cpu": ("Per-token decoding, one torch thread", decode_table),
     "decode_cpu_2threads": ("Per-token decoding, two torch threads", decode_table),
     "e2e_cpu": ("End to end: a Llama-style decoder's forward", e2e_table),
@@ -765,6 +789,14 @@ def policy_block() -> str:
     return policy_reference()
 
 
+def capability_block(results: dict) -> str:
+    """The capability audit's table for the evaluation guide, with its provenance."""
+    found = results.get("capability") or {}
+    if not found:
+        return "No current result: run `python benchmarks/capability.py`."
+    return "\n\n".join(f"{provenance(r)}\n\n{capability_table(r)}" for _, r in sorted(found.items()))
+
+
 def blocks() -> dict[Path, dict[str, str]]:
     """{file: {block name: body}} of everything generated."""
     from attnopt import forms
@@ -779,6 +811,7 @@ def blocks() -> dict[Path, dict[str, str]]:
                                           "results": results_block(results)},
         ROOT / "docs" / "compatibility.md": {"compat-matrix": compat_block()},
         ROOT / "docs" / "reference" / "cli.md": {"cli-help": cli_block()},
+        ROOT / "docs" / "guides" / "evaluation.md": {"capability": capability_block(results)},
     }
     for name, form in forms.registry().items():
         out[ROOT / "docs" / "forms" / f"{name.replace('+', '_')}.md"] = {
