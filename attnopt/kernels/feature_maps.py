@@ -300,8 +300,14 @@ def check_weight(name: str, weight: Optional[Tensor], head_dim: int) -> None:
         raise ValueError(f"feature map {name!r} takes no weight, got a tensor of shape {tuple(weight.shape)}")
 
 
-def query_key_features(name: str, q_BHND: Tensor, k_BHkvND: Tensor, scale: float, weight: Optional[Tensor],
-                       key_keep_BN: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+def query_key_features(
+    name: str,
+    q_BHND: Tensor,
+    k_BHkvND: Tensor,
+    scale: float,
+    weight: Optional[Tensor],
+    key_keep_BN: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """φ(q) [B, H, Nq, M], φ(k) [B, Hf, Nk, M] and the keys' log-scale, as linear attention uses them.
 
     Hf = H for per-head maps (hedgehog: keys are repeated to the query heads first), else Hkv.

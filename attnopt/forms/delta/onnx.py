@@ -17,8 +17,16 @@ from __future__ import annotations
 from onnxscript import opset18 as op
 
 from attnopt.forms.gla.onnx import token_scan, zero_state
-from attnopt.kernels.onnx.functions import (MS_DOMAIN, causal_prefill_dims, contrib_node, f32, i64, keep_BN1,
-                                            pack_heads, unpack_heads)
+from attnopt.kernels.onnx.functions import (
+    MS_DOMAIN,
+    causal_prefill_dims,
+    contrib_node,
+    f32,
+    i64,
+    keep_BN1,
+    pack_heads,
+    unpack_heads,
+)
 from attnopt.kernels.onnx.lowering import OpLowering
 from attnopt.kernels.onnx.steps import new_columns_keep
 

@@ -240,8 +240,18 @@ def init_gated_delta_state(B: int, Hkv: int, D: int, Dv: int, *, dtype: torch.dt
     return torch.zeros(B, Hkv, D, Dv, dtype=compute_dtype(dtype), device=device)
 
 
-def gated_delta_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: Optional[float] = None,
-                          key_mask: Optional[Tensor] = None, state: Optional[Tensor] = None, chunk_size: int = 64):
+def gated_delta_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: Optional[float] = None,
+    key_mask: Optional[Tensor] = None,
+    state: Optional[Tensor] = None,
+    chunk_size: int = 64,
+):
     """Causal gated delta rule over q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv] with
     log-gates g <= 0 and write strengths β, both [B, Hkv, Nk].
 
@@ -279,8 +289,17 @@ def gated_delta_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     return _delta_forward(q, k, v, g, beta, key_mask, s, chunk_size, solve_block=solve_block)[0]
 
 
-def gated_delta_attention_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Optional[Tensor], *,
-                               scale: Optional[float] = None, key_mask: Optional[Tensor] = None):
+def gated_delta_attention_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Optional[Tensor],
+    *,
+    scale: Optional[float] = None,
+    key_mask: Optional[Tensor] = None,
+):
     """One decoding step: q [B, H, 1, D], k [B, Hkv, 1, D], v [B, Hkv, 1, Dv], g/β [B, Hkv, 1];
     state None means zeros; key_mask [B, 1] (False: state unchanged). Returns (o [B, H, 1, Dv], S)."""
     who = "gated_delta_attention_step"

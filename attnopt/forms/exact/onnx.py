@@ -23,8 +23,18 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript import opset18 as op
 
-from attnopt.kernels.onnx.functions import (MS_DOMAIN, contrib_node, dim, expand_heads, f32, head_dims, i64, pack_heads,
-                                            static_dim, unpack_heads)
+from attnopt.kernels.onnx.functions import (
+    MS_DOMAIN,
+    contrib_node,
+    dim,
+    expand_heads,
+    f32,
+    head_dims,
+    i64,
+    pack_heads,
+    static_dim,
+    unpack_heads,
+)
 from attnopt.kernels.onnx.lowering import OpLowering
 from attnopt.kernels.onnx.steps import arange, branch, new_columns_keep, split_last
 

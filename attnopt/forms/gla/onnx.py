@@ -20,10 +20,25 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript import opset18 as op
 
-from attnopt.kernels.onnx.functions import (MS_DOMAIN, causal_prefill_dims, contrib_node, f32, features, i64, keep_BN1,
-                                            pack_heads, ratio_of_ones_column, unpack_heads, with_ones_column)
+from attnopt.kernels.onnx.functions import (
+    MS_DOMAIN,
+    causal_prefill_dims,
+    contrib_node,
+    f32,
+    features,
+    i64,
+    keep_BN1,
+    pack_heads,
+    ratio_of_ones_column,
+    unpack_heads,
+    with_ones_column,
+)
 from attnopt.kernels.onnx.lowering import OpLowering
-from attnopt.kernels.onnx.steps import (add_real_tokens, linear_attention, new_columns_keep)
+from attnopt.kernels.onnx.steps import (
+    add_real_tokens,
+    linear_attention,
+    new_columns_keep,
+)
 
 
 class ScanBody:

@@ -377,10 +377,20 @@ def init_gated_linear_state(
     return S, (torch.zeros(B, Hkv, M, dtype=cdt, device=device) if normalize else None)
 
 
-def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, feature_map: str = "identity",
-                           normalize: bool = False, scale: Optional[float] = None, eps: float = 1e-6,
-                           key_mask: Optional[Tensor] = None, state: Optional[GatedLinearState] = None,
-                           chunk_size: int = 64):
+def gated_linear_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    *,
+    feature_map: str = "identity",
+    normalize: bool = False,
+    scale: Optional[float] = None,
+    eps: float = 1e-6,
+    key_mask: Optional[Tensor] = None,
+    state: Optional[GatedLinearState] = None,
+    chunk_size: int = 64,
+):
     """Causal gated linear attention over q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv]
     with log-gates g <= 0 of shape [B, Hkv, Nk, M] (per feature channel) or [B, Hkv, Nk] (per head).
 
@@ -409,9 +419,19 @@ def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, featur
     return out, (S, z)
 
 
-def gated_linear_attention_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, state: Optional[GatedLinearState], *,
-                                feature_map: str = "identity", normalize: bool = False, scale: Optional[float] = None,
-                                eps: float = 1e-6, key_mask: Optional[Tensor] = None):
+def gated_linear_attention_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    state: Optional[GatedLinearState],
+    *,
+    feature_map: str = "identity",
+    normalize: bool = False,
+    scale: Optional[float] = None,
+    eps: float = 1e-6,
+    key_mask: Optional[Tensor] = None,
+):
     """One decoding step: q [B, H, 1, D], k [B, Hkv, 1, D], v [B, Hkv, 1, Dv], g [B, Hkv, 1, M] or
     [B, Hkv, 1]; state None means zeros. key_mask [B, 1] (False: the state is left unchanged).
     Returns (o [B, H, 1, Dv], (S, z-or-None)): the same maths as `gated_linear_attention`."""

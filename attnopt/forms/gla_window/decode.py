@@ -105,10 +105,21 @@ def _step(q, k, v, phi_q, g, keep, state: GlaWindowState, scale: float, beta_H: 
     return out, GlaWindowState(new_cache, S, phi_all[:, :, n_out:])
 
 
-def gla_window_decode(q: Tensor, k: Tensor, v: Tensor, phi_q: Tensor, phi_k: Tensor, g: Tensor,
-                      state: Optional[GlaWindowState], *, window: int, sinks: int = 0, scale: Optional[float] = None,
-                      linear_weight: Union[float, Tensor] = 1.0,
-                      key_mask: Optional[Tensor] = None) -> tuple[Tensor, GlaWindowState]:
+def gla_window_decode(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    phi_q: Tensor,
+    phi_k: Tensor,
+    g: Tensor,
+    state: Optional[GlaWindowState],
+    *,
+    window: int,
+    sinks: int = 0,
+    scale: Optional[float] = None,
+    linear_weight: Union[float, Tensor] = 1.0,
+    key_mask: Optional[Tensor] = None,
+) -> tuple[Tensor, GlaWindowState]:
     """gla+window attention of the new tokens (q [B, H, Nq, D], k/v [B, Hkv, Nq, ·], their φ and
     gates as for `gla_window_attention`) after the state's columns; returns (out [B, H, Nq, Dv], the
     advanced state). `state` None starts a sequence (the prefill may pass only its last queries,

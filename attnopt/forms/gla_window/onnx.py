@@ -29,9 +29,22 @@ from onnxscript import opset18 as op
 from attnopt.forms.gla.onnx import gated_scan, gates_4d, packed_decay
 from attnopt.forms.window.onnx import arange, banded_sums, holds_sink, ones_keep, window_step_sums
 from attnopt.forms.window.reference import default_window_block_size
-from attnopt.kernels.onnx.functions import (MS_DOMAIN, causal_prefill_dims, contrib_node, dim, expand_heads, f32, i64,
-                                            keep_BN1, pack_heads, pad_axis, slice_axis, static_dim, unpack_heads,
-                                            with_ones_column)
+from attnopt.kernels.onnx.functions import (
+    MS_DOMAIN,
+    causal_prefill_dims,
+    contrib_node,
+    dim,
+    expand_heads,
+    f32,
+    i64,
+    keep_BN1,
+    pack_heads,
+    pad_axis,
+    slice_axis,
+    static_dim,
+    unpack_heads,
+    with_ones_column,
+)
 from attnopt.kernels.onnx.lowering import OpLowering
 from attnopt.kernels.onnx.steps import linear_attention, new_columns_keep
 

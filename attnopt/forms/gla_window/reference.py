@@ -221,9 +221,21 @@ def beta_tensor(linear_weight, H: int, like: Tensor) -> Tensor:
     return beta
 
 
-def gla_window_attention(q: Tensor, k: Tensor, v: Tensor, phi_q: Tensor, phi_k: Tensor, g: Tensor, *, window: int,
-                         sinks: int = 0, scale: Optional[float] = None, linear_weight: Union[float, Tensor] = 1.0,
-                         key_mask: Optional[Tensor] = None, chunk_size: int = CHUNK) -> Tensor:
+def gla_window_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    phi_q: Tensor,
+    phi_k: Tensor,
+    g: Tensor,
+    *,
+    window: int,
+    sinks: int = 0,
+    scale: Optional[float] = None,
+    linear_weight: Union[float, Tensor] = 1.0,
+    key_mask: Optional[Tensor] = None,
+    chunk_size: int = CHUNK,
+) -> Tensor:
     """Causal window softmax (+ sinks) plus gated linear attention beyond the window, one normaliser
     (see the module docstring). q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv]; φ(q) [B, H,
     Nq, M], φ(k) [B, Hkv, Nk, M]; log-gates g <= 0 [B, Hkv, Nk, M] or [B, Hkv, Nk]; linear_weight β

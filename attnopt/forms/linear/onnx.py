@@ -17,10 +17,24 @@ from __future__ import annotations
 import numpy as np
 from onnxscript import opset18 as op
 
-from attnopt.kernels.onnx.functions import (CHUNK, MS_DOMAIN, causal_linear_chunks, check_self_attention, contrib_node,
-                                            expand_heads, f32, feature_count, head_dims, i64, pack_heads,
-                                            query_key_features, ratio_of_ones_column, slice_axis, unpack_heads,
-                                            with_ones_column)
+from attnopt.kernels.onnx.functions import (
+    CHUNK,
+    MS_DOMAIN,
+    causal_linear_chunks,
+    check_self_attention,
+    contrib_node,
+    expand_heads,
+    f32,
+    feature_count,
+    head_dims,
+    i64,
+    pack_heads,
+    query_key_features,
+    ratio_of_ones_column,
+    slice_axis,
+    unpack_heads,
+    with_ones_column,
+)
 from attnopt.kernels.onnx.lowering import OpLowering
 from attnopt.kernels.onnx.steps import add_real_tokens, linear_attention, new_columns_keep
 

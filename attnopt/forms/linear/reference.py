@@ -118,8 +118,17 @@ def _safe_ratio(num: Tensor, den: Tensor, eps: float) -> Tensor:
     return num / torch.where(den == 0, 1.0, den)[..., None]
 
 
-def _linear_core(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool, eps: float, chunk_size: int,
-                 S0: Optional[Tensor] = None, z0: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+def _linear_core(
+    phi_q: Tensor,
+    phi_k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool,
+    eps: float,
+    chunk_size: int,
+    S0: Optional[Tensor] = None,
+    z0: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Grouped linear attention: phi_q [B, Hf, G, Nq, M], phi_k [B, Hf, Nk, M], v [B, Hf, Nk, Dv].
 
     Returns out [B, Hf, G, Nq, Dv] and the final state S [B, Hf, G|1, M, Dv], z [B, Hf, G|1, M]
@@ -161,9 +170,19 @@ def _linear_core(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool, eps: 
     return out, T[..., :Dv], T[..., Dv]
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, feature_map: str, weight: Optional[Tensor], causal: bool, scale: float,
-             eps: float, key_mask: Optional[Tensor], chunk_size: int,
-             state: Optional[State] = None) -> tuple[Tensor, Optional[State]]:
+def _forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    feature_map: str,
+    weight: Optional[Tensor],
+    causal: bool,
+    scale: float,
+    eps: float,
+    key_mask: Optional[Tensor],
+    chunk_size: int,
+    state: Optional[State] = None,
+) -> tuple[Tensor, Optional[State]]:
     """Shared body of the op and the state path; returns out [B, H, Nq, Dv] and the new state (if asked)."""
     _check_inputs(q, k, v, key_mask, scale, eps, chunk_size)
     cls = feature_map_class(feature_map)
@@ -242,10 +261,19 @@ linear_attention_op = prefill_op("attnopt::linear_attention", _forward, differen
 # ---------------------------------------------------------------------------------------------
 
 
-def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, feature_map: Union[str, FeatureMap] = "elu",
-                     causal: bool = False, scale: Optional[float] = None, eps: float = 1e-6,
-                     key_mask: Optional[Tensor] = None, state: Optional[State] = None,
-                     chunk_size: Optional[int] = None) -> Union[Tensor, tuple[Tensor, State]]:
+def linear_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    feature_map: Union[str, FeatureMap] = "elu",
+    causal: bool = False,
+    scale: Optional[float] = None,
+    eps: float = 1e-6,
+    key_mask: Optional[Tensor] = None,
+    state: Optional[State] = None,
+    chunk_size: Optional[int] = None,
+) -> Union[Tensor, tuple[Tensor, State]]:
     """Linear attention in SDPA layout; returns out [B, H, Nq, Dv], or (out, new_state) when `state` is given.
 
     `feature_map`: a name (elu, relu, favor, hedgehog, taylor; built with defaults: favor seed 0,
@@ -304,9 +332,17 @@ def _one_token(q, k, v, feature_map, weight, scale, eps, key_mask, state) -> tup
     return out, (S.reshape(B, H, M, Dv), z.reshape(B, H, M))
 
 
-def linear_attention_reference(q: Tensor, k: Tensor, v: Tensor, *, feature_map: Union[str, FeatureMap] = "elu",
-                               causal: bool = False, scale: Optional[float] = None, eps: float = 1e-6,
-                               key_mask: Optional[Tensor] = None) -> Tensor:
+def linear_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    feature_map: Union[str, FeatureMap] = "elu",
+    causal: bool = False,
+    scale: Optional[float] = None,
+    eps: float = 1e-6,
+    key_mask: Optional[Tensor] = None,
+) -> Tensor:
     """The explicit quadratic formula: A = φ(q)φ(k)ᵀ [B, H, Nq, Nk], causal-masked (bottom-right),
     out = A v / (rowsum(A) + eps). Same φ (and FAVOR+ stabilisers) as `linear_attention`; the
     oracle for tests and verification. Cost O(Nq·Nk·(M + Dv)) time, O(Nq·Nk) memory per (B, H).

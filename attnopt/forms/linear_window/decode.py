@@ -193,10 +193,19 @@ def _advance_state(state: LinearWindowState, cache: WindowCache, step: StepKeys,
     return LinearWindowState(new_cache, S, z)
 
 
-def linear_window_decode(q: Tensor, k: Tensor, v: Tensor, state: Optional[LinearWindowState], *, window: int,
-                         sinks: int = 0, feature_map: Union[str, FeatureMap] = "elu", scale: Optional[float] = None,
-                         linear_weight: Union[float, Tensor] = 1.0,
-                         key_mask: Optional[Tensor] = None) -> tuple[Tensor, LinearWindowState]:
+def linear_window_decode(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    state: Optional[LinearWindowState],
+    *,
+    window: int,
+    sinks: int = 0,
+    feature_map: Union[str, FeatureMap] = "elu",
+    scale: Optional[float] = None,
+    linear_weight: Union[float, Tensor] = 1.0,
+    key_mask: Optional[Tensor] = None,
+) -> tuple[Tensor, LinearWindowState]:
     """Causal linear+window attention of the new tokens (q [B, H, Nq, D], k/v [B, Hkv, Nq, ·]) after
     the state's columns; returns (out [B, H, Nq, Dv], advanced state).
 

@@ -23,9 +23,23 @@ import onnx_ir as ir
 from onnxscript import opset18 as op
 
 from attnopt.forms.window.onnx import arange, banded_sums, holds_sink, ones_keep, window_step_sums
-from attnopt.kernels.onnx.functions import (CHUNK, causal_linear_chunks, causal_prefill_dims, dim, expand_heads, f32,
-                                            favor_exponent, feature_count, features, head_dims, i64, keep_BN1,
-                                            slice_axis, static_dim, with_ones_column)
+from attnopt.kernels.onnx.functions import (
+    CHUNK,
+    causal_linear_chunks,
+    causal_prefill_dims,
+    dim,
+    expand_heads,
+    f32,
+    favor_exponent,
+    feature_count,
+    features,
+    head_dims,
+    i64,
+    keep_BN1,
+    slice_axis,
+    static_dim,
+    with_ones_column,
+)
 from attnopt.kernels.onnx.lowering import OpLowering
 from attnopt.kernels.onnx.steps import branch, one_token
 

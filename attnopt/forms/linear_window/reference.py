@@ -150,9 +150,17 @@ def _step_sink_scores(
     return ss
 
 
-def _window_sums(q_BHND: Tensor, k_BHkvND: Tensor, v_BHkvND: Tensor, key_mask_BN: Optional[Tensor], window: int,
-                 causal: bool, sinks: int, block_size: int,
-                 scores_per_step: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _window_sums(
+    q_BHND: Tensor,
+    k_BHkvND: Tensor,
+    v_BHkvND: Tensor,
+    key_mask_BN: Optional[Tensor],
+    window: int,
+    causal: bool,
+    sinks: int,
+    block_size: int,
+    scores_per_step: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Σ_{W(i)} e^{s·q·k − m} v [B, H, Nq, Dv], Σ_{W(i)} e^{s·q·k − m} [B, H, Nq], m [B, H, Nq]
     (0 where the window is empty) and whether it is non-empty [B, H, Nq]. q is already scaled by s.
 
@@ -331,10 +339,21 @@ def _beta_tensor(linear_weight, H: int, q: Tensor) -> Tensor:
     return torch.full((H,), float(linear_weight), dtype=compute_dtype(q.dtype), device=q.device)
 
 
-def linear_window_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int, sinks: int = 0, causal: bool,
-                            feature_map: Union[str, FeatureMap] = "elu", scale: Optional[float] = None,
-                            linear_weight: Union[float, Tensor] = 1.0, key_mask: Optional[Tensor] = None,
-                            block_size: Optional[int] = None, chunk_size: int = 64) -> Tensor:
+def linear_window_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    window: int,
+    sinks: int = 0,
+    causal: bool,
+    feature_map: Union[str, FeatureMap] = "elu",
+    scale: Optional[float] = None,
+    linear_weight: Union[float, Tensor] = 1.0,
+    key_mask: Optional[Tensor] = None,
+    block_size: Optional[int] = None,
+    chunk_size: int = 64,
+) -> Tensor:
     """Softmax over the window W(i) (+ sinks) and β_h-weighted linear attention over the other allowed
     keys, in one normalisation (formula in the module docstring).
 
@@ -369,10 +388,19 @@ def linear_window_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int, sin
 # ---- oracle ----
 
 
-def linear_window_attention_reference(q: Tensor, k: Tensor, v: Tensor, *, window: int, sinks: int = 0, causal: bool,
-                                      feature_map: Union[str, FeatureMap] = "elu", scale: Optional[float] = None,
-                                      linear_weight: Union[float, Tensor] = 1.0,
-                                      key_mask: Optional[Tensor] = None) -> Tensor:
+def linear_window_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    window: int,
+    sinks: int = 0,
+    causal: bool,
+    feature_map: Union[str, FeatureMap] = "elu",
+    scale: Optional[float] = None,
+    linear_weight: Union[float, Tensor] = 1.0,
+    key_mask: Optional[Tensor] = None,
+) -> Tensor:
     """The formula with dense Nq × Nk window / linear sets and unstabilised φ (FAVOR+ in true units),
     shifted by the window max as the op is. O(Nq·Nk·(D + M + Dv)): tests and verification only."""
     window, sinks, scale = _check_options(q, k, v, key_mask, window, causal, sinks, scale)

@@ -22,9 +22,24 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript import opset18 as op
 
-from attnopt.kernels.onnx.functions import (CHUNK, MS_DOMAIN, causal_prefill_dims, contrib_node, dim, expand_heads, f32,
-                                            features, i64, keep_BN1, pack_heads, pad_axis, ratio_of_ones_column,
-                                            slice_axis, unpack_heads, with_ones_column)
+from attnopt.kernels.onnx.functions import (
+    CHUNK,
+    MS_DOMAIN,
+    causal_prefill_dims,
+    contrib_node,
+    dim,
+    expand_heads,
+    f32,
+    features,
+    i64,
+    keep_BN1,
+    pack_heads,
+    pad_axis,
+    ratio_of_ones_column,
+    slice_axis,
+    unpack_heads,
+    with_ones_column,
+)
 from attnopt.kernels.onnx.lowering import OpLowering
 from attnopt.kernels.onnx.steps import add_real_tokens, arange, linear_attention, new_columns_keep
 

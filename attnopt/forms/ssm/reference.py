@@ -239,18 +239,36 @@ prefill_op("attnopt::decay_attention", _decay_forward, differentiable=(0, 1, 2))
 # ---- public API ----
 
 
-def init_decay_state(B: int, H: int, Dk: int, Dv: int, *, normalize: bool = False, dtype: torch.dtype = torch.float32,
-                     device=None) -> DecayState:
+def init_decay_state(
+    B: int,
+    H: int,
+    Dk: int,
+    Dv: int,
+    *,
+    normalize: bool = False,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+) -> DecayState:
     """Zero state (S [B, H, Dk, Dv], z [B, H, Dk] when normalize else None) = no earlier tokens."""
     S = torch.zeros(B, H, Dk, Dv, dtype=compute_dtype(dtype), device=device)
     z = torch.zeros(B, H, Dk, dtype=compute_dtype(dtype), device=device) if normalize else None
     return S, z
 
 
-def decay_attention(q: Tensor, k: Tensor, v: Tensor, *, decay: Union[None, float, Sequence[float], Tensor] = None,
-                    feature_map: str = "identity", normalize: bool = False, scale: Optional[float] = None,
-                    eps: float = 1e-6, key_mask: Optional[Tensor] = None, state: Optional[DecayState] = None,
-                    chunk_size: int = CHUNK):
+def decay_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    decay: Union[None, float, Sequence[float], Tensor] = None,
+    feature_map: str = "identity",
+    normalize: bool = False,
+    scale: Optional[float] = None,
+    eps: float = 1e-6,
+    key_mask: Optional[Tensor] = None,
+    state: Optional[DecayState] = None,
+    chunk_size: int = CHUNK,
+):
     """Decayed (retention / SSM) attention over q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv].
 
     o_t = s·φ(q_t)ᵀS_t with S_t = γ_h S_{t-1} + φ(k_t)v_tᵀ (normalize=False, s = scale, default
@@ -277,9 +295,18 @@ def decay_attention(q: Tensor, k: Tensor, v: Tensor, *, decay: Union[None, float
     return out, (S, z)
 
 
-def decay_attention_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, state: Optional[DecayState], *,
-                         decay: Union[None, float, Sequence[float], Tensor] = None, feature_map: str = "identity",
-                         normalize: bool = False, scale: Optional[float] = None, eps: float = 1e-6):
+def decay_attention_step(
+    q_t: Tensor,
+    k_t: Tensor,
+    v_t: Tensor,
+    state: Optional[DecayState],
+    *,
+    decay: Union[None, float, Sequence[float], Tensor] = None,
+    feature_map: str = "identity",
+    normalize: bool = False,
+    scale: Optional[float] = None,
+    eps: float = 1e-6,
+):
     """One decoding step with O(1) state: q_t [B, H, 1, D], k_t [B, Hkv, 1, D], v_t [B, Hkv, 1, Dv].
 
     state None means zeros. Returns (o_t [B, H, 1, Dv], (S, z-or-None)). Same maths as
@@ -310,10 +337,18 @@ def decay_attention_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, state: Optional[
     return out.to(q_t.dtype), (S, z)
 
 
-def decay_attention_reference(q: Tensor, k: Tensor, v: Tensor, *,
-                              decay: Union[None, float, Sequence[float], Tensor] = None, feature_map: str = "identity",
-                              normalize: bool = False, scale: Optional[float] = None, eps: float = 1e-6,
-                              key_mask: Optional[Tensor] = None) -> Tensor:
+def decay_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    decay: Union[None, float, Sequence[float], Tensor] = None,
+    feature_map: str = "identity",
+    normalize: bool = False,
+    scale: Optional[float] = None,
+    eps: float = 1e-6,
+    key_mask: Optional[Tensor] = None,
+) -> Tensor:
     """The explicit sum o_t = Σ_{j<=t} γ^(t-j) (φ(q_t)·φ(k_j)) v_j as an N×N matrix (γ^n by pow,
     not the log-space path). O(N²): tests and verification only."""
     _check_inputs(q, k, v, key_mask)

@@ -258,8 +258,17 @@ class RingStep:
         views[1].copy_(v)
 
 
-def window_decode(q: Tensor, k: Tensor, v: Tensor, cache: Optional[WindowCache], *, window: int, sinks: int = 0,
-                  scale: Optional[float] = None, key_mask: Optional[Tensor] = None) -> tuple[Tensor, WindowCache]:
+def window_decode(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cache: Optional[WindowCache],
+    *,
+    window: int,
+    sinks: int = 0,
+    scale: Optional[float] = None,
+    key_mask: Optional[Tensor] = None,
+) -> tuple[Tensor, WindowCache]:
     """Causal window (+ sinks) attention of the new tokens q [B, H, Nq, D], k/v [B, Hkv, Nq, ·] placed
     after the cache's columns; returns (out [B, H, Nq, Dv], advanced cache).
 

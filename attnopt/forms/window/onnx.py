@@ -27,8 +27,21 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript import opset18 as op
 
-from attnopt.kernels.onnx.functions import (MS_DOMAIN, contrib_node, dim, expand_heads, f32, head_dims, i64, pack_heads,
-                                            pad_axis, slice_axis, static_dim, traced_graph, unpack_heads)
+from attnopt.kernels.onnx.functions import (
+    MS_DOMAIN,
+    contrib_node,
+    dim,
+    expand_heads,
+    f32,
+    head_dims,
+    i64,
+    pack_heads,
+    pad_axis,
+    slice_axis,
+    static_dim,
+    traced_graph,
+    unpack_heads,
+)
 from attnopt.kernels.onnx.lowering import OpLowering
 from attnopt.kernels.onnx.steps import add_real_tokens, branch, new_columns_keep, one_token, past_columns, split_last
 

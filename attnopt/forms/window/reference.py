@@ -302,8 +302,14 @@ def _softmax_block(s_B_Hkv_n_Bq_G_L: Tensor, v_band: Tensor, Dv: int) -> Tensor:
     return torch.matmul(p.reshape(B, Hkv, n, Bq * G, L), v_band).reshape(B, Hkv, n, Bq, G, Dv)
 
 
-def _shifted_block(s_B_Hkv_n_Bq_G_L: Tensor, ss_B_Hkv_n_Bq_G_S: Optional[Tensor], v_band: Tensor,
-                   v_sink: Optional[Tensor], Dv: int, cdt) -> Tensor:
+def _shifted_block(
+    s_B_Hkv_n_Bq_G_L: Tensor,
+    ss_B_Hkv_n_Bq_G_S: Optional[Tensor],
+    v_band: Tensor,
+    v_sink: Optional[Tensor],
+    Dv: int,
+    cdt,
+) -> Tensor:
     """Softmax over band (+ sink) columns with an explicit max shift, [B, Hkv, n, Bq, G, Dv]; a row
     that sees nothing gets 0 (softmax would give NaN, and NaN gradients into every key)."""
     B, Hkv, n, Bq, G, L = s_B_Hkv_n_Bq_G_L.shape
@@ -367,9 +373,18 @@ def _window_forward(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
 prefill_op("attnopt::window_attention", _window_forward, differentiable=(0, 1, 2))
 
 
-def window_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: bool, sinks: int = 0,
-                     scale: Optional[float] = None, key_mask: Optional[Tensor] = None,
-                     block_size: Optional[int] = None) -> Tensor:
+def window_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    window: int,
+    causal: bool,
+    sinks: int = 0,
+    scale: Optional[float] = None,
+    key_mask: Optional[Tensor] = None,
+    block_size: Optional[int] = None,
+) -> Tensor:
     """Exact softmax attention restricted to a window of keys (+ `sinks` sinks), O(N·W).
 
     q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv] -> [B, H, Nq, Dv] in q's dtype.
@@ -402,8 +417,16 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: bo
 # ---- oracle ----
 
 
-def window_visibility_mask(Nq: int, Nk: int, *, window: int, causal: bool, sinks: int = 0,
-                           key_mask: Optional[Tensor] = None, device=None) -> Tensor:
+def window_visibility_mask(
+    Nq: int,
+    Nk: int,
+    *,
+    window: int,
+    causal: bool,
+    sinks: int = 0,
+    key_mask: Optional[Tensor] = None,
+    device=None,
+) -> Tensor:
     """Boolean [B|1, 1, Nq, Nk] mask (True = visible) of the window + sinks rule, N×N: for oracles.
 
     Sinks are each row's first `sinks` kept keys, so with a key_mask the result has B rows."""
@@ -421,8 +444,17 @@ def window_visibility_mask(Nq: int, Nk: int, *, window: int, causal: bool, sinks
     return vis
 
 
-def window_attention_reference(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: bool, sinks: int = 0,
-                               scale: Optional[float] = None, key_mask: Optional[Tensor] = None) -> Tensor:
+def window_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    window: int,
+    causal: bool,
+    sinks: int = 0,
+    scale: Optional[float] = None,
+    key_mask: Optional[Tensor] = None,
+) -> Tensor:
     """SDPA with the explicit N×N window + sinks mask (GQA via enable_gqa); rows with no visible
     key are set to 0 to match `window_attention`. O(N²): tests and verification only."""
     _check_inputs(q, k, v, key_mask)
