@@ -37,9 +37,6 @@ from attnopt.hf.routes import is_hf_model
 
 IMPL = "attnopt_graph"
 KEY_MASK_IMPL = "attnopt_keymask"
-# What attnopt gives a model's sliding window when it takes the window over (attnopt.hf.install):
-# anything this wide is no window.
-NO_WINDOW = 2**31 - 1
 # Call options a step op cannot honour: the model's attention then stays as written.
 UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias", "attention_bias")
 
@@ -104,7 +101,7 @@ def _sdpa_like_mask(keep_BN: torch.Tensor, Nq: int, causal: bool, window) -> tor
         q_pos = (Nk - Nq) + torch.arange(Nq, device=keep_BN.device)[:, None]
         k_pos = torch.arange(Nk, device=keep_BN.device)[None, :]
         band = k_pos <= q_pos
-        if isinstance(window, int) and 0 < window < NO_WINDOW:
+        if isinstance(window, int) and window > 0:
             band = band & (k_pos > q_pos - window)
         visible = visible & band
     return visible | ~visible.any(-1, keepdim=True)
@@ -234,7 +231,7 @@ class _Probe:
 
     def attend(self, module, query, key, value, mask, scaling, kwargs):
         window = kwargs.get("sliding_window")
-        window = int(window) if isinstance(window, int) and 0 < window < NO_WINDOW else None
+        window = int(window) if isinstance(window, int) and window > 0 else None
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
         geometry = StepGeometry(query.shape[1], key.shape[1], query.shape[-1], value.shape[-1], scale, query.dtype)
         bad = [k for k in UNSUPPORTED_KWARGS if kwargs.get(k) is not None]
