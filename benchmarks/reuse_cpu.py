@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import statistics
 import sys
@@ -59,6 +60,7 @@ RECALL_LM = HERE / "data" / "recall_lm"
 E2E_POLICY = "reuse+every:3"
 QUALITY_POLICIES = ("reuse", "reuse+every:2", "reuse:8+block:32", "reuse:4+block:32")
 MINILM_POLICIES = ("reuse", "reuse:2+block:32", "reuse:4+block:32+every:2")
+HIDDEN_PROBE_TRIALS = 24  # as train_recall_lm.py's own log measures them
 DECODE_STEPS = 64  # one block of the default rule: each timed round holds one refresh of the selection
 
 
@@ -82,6 +84,20 @@ def key_share(policy: str, n: int, causal: bool) -> float:
     M = rule.blocks(n)
     seen = [m + 1 if causal else M for m in range(M)]
     return sum(min(s, rule.slots) for s in seen) / sum(seen)
+
+
+def hidden_ratio(got: dict, original: dict) -> dict:
+    """The reused model's hidden-probe accuracy over the original's: per format (its distances'
+    mean) and over every cell the original gets above chance (a format it never learned says nothing)."""
+    import train_recall_lm as trl
+
+    chance = 1 / len(trl.PROBE_ALPHABETS["upper"])
+    cells = [(f, d) for f in original for d in original[f] if original[f][d] > 2 * chance]
+    per_format = {f: (statistics.mean(got[f].values()) / statistics.mean(original[f].values())
+                      if statistics.mean(original[f].values()) > 2 * chance else None) for f in original}
+    total = sum(original[f][d] for f, d in cells)
+    return {"per_format": per_format, "cells_above_chance": len(cells),
+            "overall": sum(got[f][d] for f, d in cells) / total if total else None}
 
 
 def _stamp(section: dict) -> dict:
@@ -241,26 +257,38 @@ def quality_section(policies, lengths, samples: int) -> dict:
         return {"skipped": f"{RECALL_LM} is not trained yet (benchmarks/train_recall_lm.py)"}
     import transformers
 
+    import train_recall_lm as trl
+
     from attnopt.evaluation import evaluate
 
     model = transformers.AutoModelForCausalLM.from_pretrained(RECALL_LM).eval()
     heldout = (RECALL_LM / "heldout.txt").read_text(encoding="utf-8")
     enc = torch.tensor([list(heldout.encode("utf-8"))[:8 * 2048]], dtype=torch.long).view(-1, 2048)
-    example = {"input_ids": enc[:1], "use_cache": False}
-    calibration = [{"input_ids": enc[1:2], "use_cache": False}]
+    # compile (the example, and the calibration the measured plan reads) sees recall_lm's training mix
+    # only: everything scored below is held out from it.
+    sampler = trl.Sampler(trl.corpus()[0].encode("utf-8"), seed=1)
+    example = {"input_ids": sampler.batch(1, trl.SEQ_LEN)[0], "use_cache": False}
+    calibration = [{"input_ids": sampler.batch(1, trl.SEQ_LEN)[0], "use_cache": False}]
 
     def scores(m) -> dict:  # the same rows for every model: the audit's plan depends on its seed only
         audit = evaluate(m, texts=heldout, lengths=lengths, samples=samples)
         s = audit.model
-        return {"probes": {p: s.probe_mean(p) for p in audit.probes},
+        hidden = trl.probes(m, heldout.encode("utf-8"), trl.SEQ_LEN, HIDDEN_PROBE_TRIALS)
+        return {"hidden_probes": hidden, "probes": {p: s.probe_mean(p) for p in audit.probes},
                 "probes_by_length": {p: {n: s.probe_mean(p, n) for n in lengths} for p in audit.probes},
                 "teacher_forced": {p: s.probe_mean(p, which="teacher_forced") for p in audit.probes},
                 "perplexity": s.perplexity.to_dict() if s.perplexity else None,
                 "decode_disagreements": s.decode_disagreements, "rows": s.rows}
 
     original = scores(model)
+    log = json.loads((RECALL_LM / "train_log.json").read_text())
     out = {"model": str(RECALL_LM.relative_to(HERE.parent)), "held_out": "heldout.txt (never trained on)",
-           "compile_on": "heldout.txt bytes 0-4095 (example and calibration); scored on all of it",
+           "model_sha256": hashlib.sha256((RECALL_LM / "model.safetensors").read_bytes()).hexdigest()[:16],
+           "model_trained": {k: log.get(k) for k in ("steps", "train_seconds", "held_out_perplexity")},
+           "hidden_probes_are": "train_recall_lm.probes: teacher-forced recall of a key's second copy by distance, "
+                                f"formats never drawn in training, {HIDDEN_PROBE_TRIALS} trials per cell",
+           "compile_on": "two rows of recall_lm's training mix (train_recall_lm.Sampler, seed 1); every score is on "
+                         "heldout.txt",
            "lengths": lengths, "samples": samples, "original": original, "policies": {}}
     for policy in policies:
         with warnings.catch_warnings():
@@ -279,11 +307,12 @@ def quality_section(policies, lengths, samples: int) -> dict:
             "perplexity_ratio": ppl["reused"] / ppl["original"] if ppl["reused"] and ppl["original"] else None,
             "probe_ratio": {p: (v / original["probes"][p] if original["probes"][p] else None)
                             for p, v in got["probes"].items()},
+            "hidden_probe_ratio": hidden_ratio(got["hidden_probes"], original["hidden_probes"]),
             "probe_mean_ratio": (statistics.mean(got["probes"].values()) / statistics.mean(original["probes"].values())
                                  if statistics.mean(original["probes"].values()) else None),
             "decode_vs_forward": decode_equals_forward(opt, model, enc[2:3, :1500], 64),
         }
-        print(f"quality {policy}: ppl {ppl}, probes {json.dumps(got['probes'])} (original "
+        print(f"quality {policy}: hidden {out['policies'][policy]['hidden_probe_ratio']}, ppl {ppl}, probes {json.dumps(got['probes'])} (original "
               f"{json.dumps(original['probes'])})", flush=True)
     return out
 

@@ -5,7 +5,8 @@ its attention mass picked (selection.py: sinks, a local window and the top_k blo
 probe queries), O(N·K·b) per layer instead of O(N²). The anchor's selection is the pattern already
 found; the reused layer's own scores on those blocks are the residual. Which layers anchor: given
 (`anchor`), every E layers (`every`), or measured on the example or calibration data (plan.py: the
-overlap of the layers' own top-block sets), first and last layers exact.
+share of a layer's attention rows whose target an earlier layer's blocks hold), first and last
+layers exact.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ REUSE_PARAMS = {
     "anchor": Param((int, type(None)), None, doc="the layer whose selection is read (negative: layers back); "
                                                   "null: every or measured"),
     "every": Param((int, type(None)), None, minimum=1, doc="an anchor every E layers (0, E, 2E, ...); null: measured"),
-    "overlap": Param(float, 0.6, minimum=0.0, maximum=1.0,
-                     doc="measured plan: least overlap of a layer's top blocks with its anchor's"),
+    "overlap": Param(float, 0.95, minimum=0.0, maximum=1.0,
+                     doc="measured plan: least share of a layer's attention rows (its worst head) where no block "
+                         "the anchor leaves out holds 30% of the row's mass"),
 }
 
 

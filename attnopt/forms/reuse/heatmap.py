@@ -1,5 +1,5 @@
-"""The seed's observation as a picture: the overlap of the layers' own top-block sets, one cell per
-(layer, earlier layer), the anchors in use framed -- for the compile report (what the measured plan
+"""The seed's observation as a picture: how well each earlier layer's block selection serves a
+layer's attention (plan.py's overlap), one cell per (layer, earlier layer), the anchors in use framed -- for the compile report (what the measured plan
 saw, `counts["verify"]["plans"]["reuse"]`) and the calibration report (`calibration["reuse"]`)."""
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ def overlap_heatmap_html(data: Optional[dict], caption: str) -> str:
     what = ", ".join(f"{k} {v}" for k, v in rule.items() if v is not None)
     note = f" Threshold {threshold:g}." if isinstance(threshold, (int, float)) else ""
     return (f'<figure><svg width="{70 + n * CELL}" height="{30 + n * CELL}" role="img">{labels}{"".join(cells)}</svg>'
-            f"<figcaption>{escape(caption)}: share of a layer's own top blocks (row) that an earlier layer "
-            f"(column) also chooses ({escape(what)}); orange frame = the anchor in use.{note}</figcaption></figure>")
+            f"<figcaption>{escape(caption)}: share of a layer's attention rows (row; its worst head) whose "
+            f"target the blocks an earlier layer (column) selects hold: no block left out carries 30% of the "
+            f"row's mass ({escape(what)}); orange frame = the anchor in use.{note}</figcaption></figure>")
 
 
 def reuse_heatmaps_html(report: Any) -> str:
