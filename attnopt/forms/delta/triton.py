@@ -20,7 +20,6 @@ path runs instead).
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -30,16 +29,10 @@ from torch import Tensor
 from torch.library import triton_op
 
 from attnopt.forms.gla.triton import check_gate
-from attnopt.kernels.layout import check_sdpa_inputs
-from attnopt.kernels.triton.chunk_scan import dot
-from attnopt.kernels.triton.runtime import (
-    call_unsupported,
-    interpreting,
-    launcher,
-    low_precision,
-    pow2,
-    require_runtime,
-)
+from attnopt.kernels.triton.chunk_scan import chunk_rows, gate_chunk
+from attnopt.kernels.triton.runtime import checked_call, dims, keep_arg, launch, launcher, low_precision, pow2
+from attnopt.kernels.triton.runtime import row_strides, scale_or_default, shared_checks
+from attnopt.kernels.triton.tiles import dot, kept, load_tile, program_head, span, store_tile
 
 __all__ = ["gated_delta_attention", "unsupported", "gated_delta_unsupported", "MAX_HEAD_DIM"]
 
@@ -53,40 +46,21 @@ def _delta_fwd_kernel(
     Hkv, Nq, Nk, D, Dv, GROUP, scale,
     HAS_KEEP: tl.constexpr, LOWP: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    b = pid_bh // Hkv
-    hk = pid_bh % Hkv
+    _, b, hk = program_head(Hkv)
     DT = Q.dtype.element_ty
+    rd, d_ok = span(0, D, BD)
+    rv, v_ok = span(tl.program_id(1) * BV, Dv, BV)
     rc = tl.arange(0, BC)
-    rd = tl.arange(0, BD)
-    rv = pid_v * BV + tl.arange(0, BV)
-    d_ok = rd < D
-    v_ok = rv < Dv
-    off = Nk - Nq
-    k_base = K + b * s_kb + hk * s_kh
-    v_base = V + b * s_vb + hk * s_vh
-    g_base = GATE + b * s_gb + hk * s_gh
-    be_base = BETA + b * s_gb + hk * s_gh  # β shares g's layout [B, Hkv, N]
-    incl = rc[:, None] >= rc[None, :]
     strict = rc[:, None] > rc[None, :]
     eye = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
     S = tl.zeros([BD, BV], dtype=tl.float32)
     for c0 in range(0, Nk, BC):
-        pos = c0 + rc
-        kept = pos < Nk
-        if HAS_KEEP:
-            keep = tl.load(KEEP + b * Nk + pos, mask=kept, other=0)
-            kept = kept & (keep != 0)
-        kx = tl.load(k_base + pos[:, None] * s_kn + rd[None, :], mask=kept[:, None] & d_ok[None, :], other=0.0)
-        kx = kx.to(tl.float32)
-        vx = tl.load(v_base + pos[:, None] * s_vn + rv[None, :], mask=kept[:, None] & v_ok[None, :], other=0.0)
-        vx = vx.to(tl.float32)
-        gx = tl.load(g_base + pos * s_gn, mask=kept, other=0.0).to(tl.float32)
-        bx = tl.load(be_base + pos * s_gn, mask=kept, other=0.0).to(tl.float32)
-        bc = tl.cumsum(gx, axis=0)
-        b_last = tl.sum(gx, axis=0)
-        gam = tl.exp(tl.where(incl, bc[:, None] - bc[None, :], float("-inf")))  # Γ, 0 above the diagonal
+        pos, k_in, qi, q_in = chunk_rows(c0, Nq, Nk, BC)
+        ok = kept(KEEP + b * Nk, pos, k_in, HAS_KEEP)  # a masked key: g = 0, β = 0, k = 0
+        kx = load_tile(K + b * s_kb + hk * s_kh, pos, s_kn, rd, ok, d_ok).to(tl.float32)
+        vx = load_tile(V + b * s_vb + hk * s_vh, pos, s_vn, rv, ok, v_ok).to(tl.float32)
+        bc, b_last, gam = gate_chunk(GATE + b * s_gb + hk * s_gh, pos, s_gn, ok, BC)  # gam: Γ, 0 above the diagonal
+        bx = tl.load(BETA + b * s_gb + hk * s_gh + pos * s_gn, mask=ok, other=0.0).to(tl.float32)  # β: g's layout
         Lm = tl.where(strict, dot(kx, tl.trans(kx), LOWP, DT) * gam * bx[:, None], 0.0)
         # T = (I + L)⁻¹, row by row: T_i = e_i − Σ_{j<i} L_ij T_j (rows >= i are still e_j, and L_ij = 0 there)
         T = eye
@@ -98,16 +72,12 @@ def _delta_fwd_kernel(
         U = tl.dot(T, vx * bx[:, None], input_precision="ieee")
         W = tl.dot(T, kx * (bx * tl.exp(bc))[:, None], input_precision="ieee")
         delta = U - tl.dot(W, S, input_precision="ieee")  # [BC, BV]
-        qi = pos - off
-        q_in = (qi >= 0) & (pos < Nk)
-        qm = q_in[:, None] & d_ok[None, :]
-        for gi in range(0, GROUP):
+        for gi in range(0, GROUP):  # the query heads that read this kv head
             h = hk * GROUP + gi
-            qx = tl.load(Q + b * s_qb + h * s_qh + qi[:, None] * s_qn + rd[None, :], mask=qm, other=0.0).to(tl.float32)
+            qx = load_tile(Q + b * s_qb + h * s_qh, qi, s_qn, rd, q_in, d_ok).to(tl.float32)
             A = dot(qx, tl.trans(kx), LOWP, DT) * gam
             out = scale * (tl.dot(A, delta, input_precision="ieee") + dot(qx * tl.exp(bc)[:, None], S, LOWP, DT))
-            tl.store(O + b * s_ob + h * s_oh + qi[:, None] * s_on + rv[None, :], out.to(O.dtype.element_ty),
-                     mask=q_in[:, None] & v_ok[None, :])
+            store_tile(O + b * s_ob + h * s_oh, qi, s_on, rv, q_in, v_ok, out)
         k_out = kx * tl.exp(b_last - bc)[:, None]
         S = tl.exp(b_last) * S + tl.dot(tl.trans(k_out), delta, input_precision="ieee")
 
@@ -115,19 +85,13 @@ def _delta_fwd_kernel(
 def _launch(q, k, v, g, beta, keep, scale: float, wrap: bool) -> Tensor:
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g, beta = g.contiguous(), beta.contiguous().to(g.dtype)  # one layout for both
-    B, H, Nq, D = q.shape
-    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    BD, BV = pow2(D), min(64, pow2(Dv))
+    B, H, Hkv, Nq, Nk, D, Dv = dims(q, k, v)
+    BV = min(64, pow2(Dv))
     out = torch.zeros(B, H, Nq, Dv, device=q.device, dtype=q.dtype)
-    keep_t = q if keep is None else keep.to(torch.int8).contiguous()
-    grid = (B * Hkv, triton.cdiv(Dv, BV))
-    launcher(_delta_fwd_kernel, wrap)[grid](
-        q, k, v, g, beta, keep_t, out,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), g.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        Hkv, Nq, Nk, D, Dv, H // Hkv, scale,
-        HAS_KEEP=keep is not None, LOWP=low_precision(q.dtype), BC=16, BD=BD, BV=BV, num_warps=4,
+    keep_t, has_keep = keep_arg(keep, q)
+    launcher(_delta_fwd_kernel, wrap)[(B * Hkv, triton.cdiv(Dv, BV))](
+        q, k, v, g, beta, keep_t, out, *row_strides(q, k, v, g, out), Hkv, Nq, Nk, D, Dv, H // Hkv, scale,
+        HAS_KEEP=has_keep, LOWP=low_precision(q.dtype), BC=16, BD=pow2(D), BV=BV, num_warps=4,
     )
     return out
 
@@ -135,12 +99,6 @@ def _launch(q, k, v, g, beta, keep, scale: float, wrap: bool) -> Tensor:
 @triton_op("attnopt_triton::gated_delta", mutates_args={})
 def _gated_delta_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, keep: Optional[Tensor], scale: float) -> Tensor:
     return _launch(q, k, v, g, beta, keep, scale, wrap=True)
-
-
-def unsupported(q: Tensor, **kwargs) -> Optional[str]:
-    """None if this kernel can run the reference op's call (its keywords, plus k= to check the key
-    length), else a one-line reason; the reference op's CUDA dispatch asks it before handing over."""
-    return call_unsupported(q, kwargs.get("k")) or gated_delta_unsupported(q, **kwargs)
 
 
 def gated_delta_unsupported(q: Tensor, state=None, k=None, v=None, g=None, beta=None, **_) -> Optional[str]:
@@ -155,32 +113,17 @@ def gated_delta_unsupported(q: Tensor, state=None, k=None, v=None, g=None, beta=
     return None
 
 
-def gated_delta_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    *,
-    scale: Optional[float] = None,
-    key_mask: Optional[Tensor] = None,
-    chunk_size: int = 64,
-) -> Tensor:
+unsupported = shared_checks(gated_delta_unsupported)
+
+
+def gated_delta_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: Optional[float] = None,
+                          key_mask: Optional[Tensor] = None, chunk_size: int = 64) -> Tensor:
     """`attnopt.forms.delta.reference.gated_delta_attention` (stateless, forward) on the Triton kernel;
     same arguments and result. `chunk_size` is accepted for compatibility: the kernel uses 16."""
     who = "gated_delta_attention"
-    check_sdpa_inputs(who, q, k, v, key_mask)
-    if q.shape[2] > k.shape[2]:
-        raise ValueError(f"{who}: {q.shape[2]} queries but {k.shape[2]} keys; causal gated attention needs Nq <= Nk")
+    checked_call(who, q, k, v, key_mask, lambda: unsupported(q, k=k, v=v, g=g, beta=beta),
+                 causal="gated delta attention")
     check_gate(who, g, k, per_channel_ok=False)
     if not isinstance(beta, Tensor) or not beta.is_floating_point() or tuple(beta.shape) != tuple(g.shape):
         raise ValueError(f"{who}: beta must be a float tensor of shape [B, Hkv, N] = {list(g.shape)}")
-    require_runtime(who, q)
-    reason = unsupported(q, k=k, v=v, g=g, beta=beta)
-    if reason:
-        raise ValueError(reason)
-    s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    args = (q, k, v, g, beta, key_mask, s)
-    if interpreting():
-        return _launch(*args, wrap=False)
-    return torch.ops.attnopt_triton.gated_delta(*args)
+    return launch("gated_delta", _launch, q, k, v, g, beta, key_mask, scale_or_default(q, scale))

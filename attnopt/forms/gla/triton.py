@@ -26,7 +26,6 @@ dim, BC chunk, BM / BV / BMS block widths.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -36,22 +35,32 @@ from torch import Tensor
 from torch.library import triton_op
 
 from attnopt.forms.ssm.schedule import DECAY_FEATURE_MAPS
-from attnopt.kernels.layout import check_sdpa_inputs
-from attnopt.kernels.triton.chunk_scan import dot, phi
-from attnopt.kernels.triton.runtime import (
-    FMAP_CODES,
-    call_unsupported,
-    concrete,
-    interpreting,
-    launcher,
-    low_precision,
-    pow2,
-    require_runtime,
-)
+from attnopt.kernels.triton.chunk_scan import carry, carry_sum, chunk_out, chunk_rows, gate_chunk, key_features
+from attnopt.kernels.triton.runtime import FMAP_CODES, checked_call, concrete, dims, interpreting, keep_arg, launch
+from attnopt.kernels.triton.runtime import launcher, low_precision, pow2, row_strides, scale_or_default, shared_checks
+from attnopt.kernels.triton.tiles import dot, kept, load_phi, load_tile, program_head, span, store_tile
 
 __all__ = ["gated_linear_attention", "unsupported", "gated_linear_unsupported", "check_gate", "MAX_FEATURES"]
 
 MAX_FEATURES = 128  # a [128, 64] fp32 state plus the chunk tiles per program
+
+
+@triton.jit
+def _channel_scores(q_base, s_qn, qi, q_in, k_base, s_kn, g_base, s_gn, pos, ok, M, FMAP: tl.constexpr,
+                    BC: tl.constexpr, BM: tl.constexpr, BMS: tl.constexpr):
+    """A_ij = Σ_m φq_im φk_jm exp(b_im − b_jm) (j <= i) of a chunk, per-channel gates: the exact
+    [C, C, M] block in M-slices of BMS (no exp(b)·exp(−b) factorisation: it overflows for strong gates)."""
+    rc = tl.arange(0, BC)
+    tri = rc[:, None] >= rc[None, :]
+    A = tl.zeros([BC, BC], dtype=tl.float32)
+    for m0 in tl.static_range(0, BM, BMS):
+        rs, sm = span(m0, M, BMS)
+        qs = load_phi(q_base, qi, s_qn, rs, q_in, sm, FMAP)
+        ks = load_phi(k_base, pos, s_kn, rs, ok, sm, FMAP)
+        bs = tl.cumsum(load_tile(g_base, pos, s_gn, rs, ok, sm).to(tl.float32), axis=0)
+        expo = tl.where(tri[:, :, None], bs[:, None, :] - bs[None, :, :], float("-inf"))
+        A += tl.sum(qs[:, None, :] * ks[None, :, :] * tl.exp(expo), axis=2)
+    return A
 
 
 @triton.jit
@@ -62,89 +71,43 @@ def _gla_fwd_kernel(
     FMAP: tl.constexpr, HAS_KEEP: tl.constexpr, PER_CHANNEL: tl.constexpr, NORMALIZE: tl.constexpr,
     LOWP: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr, BMS: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    b = pid_bh // Hkv
-    hk = pid_bh % Hkv
+    _, b, hk = program_head(Hkv)
     DT = Q.dtype.element_ty
-    rc = tl.arange(0, BC)
-    rm = tl.arange(0, BM)
-    rv = pid_v * BV + tl.arange(0, BV)
-    m_ok = rm < M
-    v_ok = rv < Dv
-    off = Nk - Nq
+    rm, m_ok = span(0, M, BM)
+    rv, v_ok = span(tl.program_id(1) * BV, Dv, BV)
     k_base = K + b * s_kb + hk * s_kh
-    v_base = V + b * s_vb + hk * s_vh
     g_base = GATE + b * s_gb + hk * s_gh
-    tri = rc[:, None] >= rc[None, :]
     S = tl.zeros([BM, BV], dtype=tl.float32)
     z = tl.zeros([BM], dtype=tl.float32)
     for c0 in range(0, Nk, BC):
-        pos = c0 + rc
-        kept = pos < Nk
-        if HAS_KEEP:
-            keep = tl.load(KEEP + b * Nk + pos, mask=kept, other=0)
-            kept = kept & (keep != 0)
-        km = kept[:, None] & m_ok[None, :]
-        kx = tl.load(k_base + pos[:, None] * s_kn + rm[None, :], mask=km, other=0.0)
-        fk = tl.where(km, phi(kx.to(tl.float32), FMAP), 0.0)
-        vx = tl.load(v_base + pos[:, None] * s_vn + rv[None, :], mask=kept[:, None] & v_ok[None, :], other=0.0)
-        vx = vx.to(tl.float32)
+        pos, k_in, qi, q_in = chunk_rows(c0, Nq, Nk, BC)
+        ok = kept(KEEP + b * Nk, pos, k_in, HAS_KEEP)  # a masked key: φk = 0 and g = 0
+        fk, vx = key_features(k_base, s_kn, V + b * s_vb + hk * s_vh, s_vn, pos, ok, rm, m_ok, rv, v_ok, FMAP)
         if PER_CHANNEL:
-            gx = tl.load(g_base + pos[:, None] * s_gn + rm[None, :], mask=km, other=0.0).to(tl.float32)
+            gx = load_tile(g_base, pos, s_gn, rm, ok, m_ok).to(tl.float32)
             bc = tl.cumsum(gx, axis=0)  # [BC, BM]
-            b_last = tl.sum(gx, axis=0)  # [BM]
+            b_last = tl.sum(gx, axis=0)
             q_dec = tl.exp(bc)
             k_dec = tl.exp(b_last[None, :] - bc)
-            S_dec = tl.exp(b_last)
+            S_step = tl.exp(b_last)[:, None]
         else:
-            gx = tl.load(g_base + pos * s_gn, mask=kept, other=0.0).to(tl.float32)
-            bc = tl.cumsum(gx, axis=0)  # [BC]
-            b_last = tl.sum(gx, axis=0)
-            w_cc = tl.exp(tl.where(tri, bc[:, None] - bc[None, :], float("-inf")))
+            bc, b_last, w_cc = gate_chunk(g_base, pos, s_gn, ok, BC)
             q_dec = tl.exp(bc)[:, None]
             k_dec = tl.exp(b_last - bc)[:, None]
-            S_dec = tl.exp(b_last)
-        qi = pos - off
-        q_in = (qi >= 0) & (pos < Nk)
-        qm = q_in[:, None] & m_ok[None, :]
-        for gi in range(0, GROUP):
+            S_step = tl.exp(b_last)
+        for gi in range(0, GROUP):  # the query heads that read this kv head
             h = hk * GROUP + gi
-            q_base = Q + b * s_qb + h * s_qh
-            qx = tl.load(q_base + qi[:, None] * s_qn + rm[None, :], mask=qm, other=0.0)
-            fq = tl.where(qm, phi(qx.to(tl.float32), FMAP), 0.0)
+            fq = load_phi(Q + b * s_qb + h * s_qh, qi, s_qn, rm, q_in, m_ok, FMAP)
             if PER_CHANNEL:
-                A = tl.zeros([BC, BC], dtype=tl.float32)
-                for m0 in tl.static_range(0, BM, BMS):
-                    rs = m0 + tl.arange(0, BMS)
-                    sm = rs < M
-                    qs = tl.load(q_base + qi[:, None] * s_qn + rs[None, :], mask=q_in[:, None] & sm[None, :], other=0.0)
-                    qs = tl.where(q_in[:, None] & sm[None, :], phi(qs.to(tl.float32), FMAP), 0.0)
-                    ks_m = kept[:, None] & sm[None, :]
-                    ks = tl.load(k_base + pos[:, None] * s_kn + rs[None, :], mask=ks_m, other=0.0)
-                    ks = tl.where(ks_m, phi(ks.to(tl.float32), FMAP), 0.0)
-                    gs = tl.load(g_base + pos[:, None] * s_gn + rs[None, :], mask=ks_m, other=0.0).to(tl.float32)
-                    bs = tl.cumsum(gs, axis=0)
-                    expo = tl.where(tri[:, :, None], bs[:, None, :] - bs[None, :, :], float("-inf"))
-                    A += tl.sum(qs[:, None, :] * ks[None, :, :] * tl.exp(expo), axis=2)
+                A = _channel_scores(Q + b * s_qb + h * s_qh, s_qn, qi, q_in, k_base, s_kn, g_base, s_gn, pos, ok, M,
+                                    FMAP, BC, BM, BMS)
             else:
                 A = dot(fq, tl.trans(fk), LOWP, DT) * w_cc
-            fq_in = fq * q_dec
-            num = dot(A, vx, LOWP, DT) + dot(fq_in, S, LOWP, DT)
-            if NORMALIZE:
-                den = tl.sum(A, axis=1) + tl.sum(fq_in * z[None, :], axis=1) + eps
-                out = num / tl.where(den == 0.0, 1.0, den)[:, None]
-            else:
-                out = num * scale
-            o_base = O + b * s_ob + h * s_oh
-            tl.store(o_base + qi[:, None] * s_on + rv[None, :], out.to(O.dtype.element_ty), mask=q_in[:, None] & v_ok[None, :])
+            out, _den = chunk_out(A, fq * q_dec, vx, S, z, scale, eps, NORMALIZE, LOWP, DT)
+            store_tile(O + b * s_ob + h * s_oh, qi, s_on, rv, q_in, v_ok, out)
         fk_out = fk * k_dec
-        if PER_CHANNEL:
-            S = S_dec[:, None] * S + dot(tl.trans(fk_out), vx, LOWP, DT)
-            z = S_dec * z + tl.sum(fk_out, axis=0)
-        else:
-            S = S_dec * S + dot(tl.trans(fk_out), vx, LOWP, DT)
-            z = S_dec * z + tl.sum(fk_out, axis=0)
+        S = carry(S, fk_out, vx, S_step, True, LOWP, DT)
+        z = carry_sum(z, fk_out, tl.exp(b_last), True)
 
 
 def _config(M: int, Dv: int, per_channel: bool) -> tuple[int, int, int, int, int]:
@@ -160,20 +123,14 @@ def _config(M: int, Dv: int, per_channel: bool) -> tuple[int, int, int, int, int
 
 def _launch(q, k, v, g, keep, fmap: int, normalize: bool, scale: float, eps: float, wrap: bool) -> Tensor:
     q, k, v, g = q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous()
-    B, H, Nq, M = q.shape
-    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    B, H, Hkv, Nq, Nk, M, Dv = dims(q, k, v)
     per_channel = g.dim() == 4
     BC, BM, BV, BMS, nw = _config(M, Dv, per_channel)
     out = torch.zeros(B, H, Nq, Dv, device=q.device, dtype=q.dtype)
-    keep_t = q if keep is None else keep.to(torch.int8).contiguous()
-    grid = (B * Hkv, triton.cdiv(Dv, BV))
-    launcher(_gla_fwd_kernel, wrap)[grid](
-        q, k, v, g, keep_t, out,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), g.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        Hkv, Nq, Nk, M, Dv, H // Hkv, scale, eps,
-        FMAP=fmap, HAS_KEEP=keep is not None, PER_CHANNEL=per_channel, NORMALIZE=normalize,
+    keep_t, has_keep = keep_arg(keep, q)
+    launcher(_gla_fwd_kernel, wrap)[(B * Hkv, triton.cdiv(Dv, BV))](
+        q, k, v, g, keep_t, out, *row_strides(q, k, v, g, out), Hkv, Nq, Nk, M, Dv, H // Hkv, scale, eps,
+        FMAP=fmap, HAS_KEEP=has_keep, PER_CHANNEL=per_channel, NORMALIZE=normalize,
         LOWP=low_precision(q.dtype), BC=BC, BM=BM, BV=BV, BMS=BMS, num_warps=nw,
     )
     return out
@@ -184,12 +141,6 @@ def _gated_linear_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, keep: Optional[Tensor], fmap: int, normalize: bool, scale: float, eps: float
 ) -> Tensor:
     return _launch(q, k, v, g, keep, fmap, normalize, scale, eps, wrap=True)
-
-
-def unsupported(q: Tensor, **kwargs) -> Optional[str]:
-    """None if this kernel can run the reference op's call (its keywords, plus k= to check the key
-    length), else a one-line reason; the reference op's CUDA dispatch asks it before handing over."""
-    return call_unsupported(q, kwargs.get("k")) or gated_linear_unsupported(q, **kwargs)
 
 
 def gated_linear_unsupported(q: Tensor, feature_map="identity", state=None, k=None, v=None, g=None, **_) -> Optional[str]:
@@ -206,6 +157,9 @@ def gated_linear_unsupported(q: Tensor, feature_map="identity", state=None, k=No
     return None
 
 
+unsupported = shared_checks(gated_linear_unsupported)
+
+
 def check_gate(who: str, g, k: Tensor, per_channel_ok: bool) -> None:
     """The kernels' own check of the log-gates (the reference ops run their fuller checks before they
     dispatch here; the kernels do not import the reference ops, which reach them by dispatch)."""
@@ -218,34 +172,16 @@ def check_gate(who: str, g, k: Tensor, per_channel_ok: bool) -> None:
         raise ValueError(f"{who}: g holds log-gates and must be finite and <= 0")
 
 
-def gated_linear_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    *,
-    feature_map: str = "identity",
-    normalize: bool = False,
-    scale: Optional[float] = None,
-    eps: float = 1e-6,
-    key_mask: Optional[Tensor] = None,
-    chunk_size: int = 64,
-) -> Tensor:
+def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, feature_map: str = "identity",
+                           normalize: bool = False, scale: Optional[float] = None, eps: float = 1e-6,
+                           key_mask: Optional[Tensor] = None, chunk_size: int = 64) -> Tensor:
     """`attnopt.forms.gla.reference.gated_linear_attention` (stateless, forward) on the Triton kernel;
     same arguments and result. `chunk_size` is accepted for compatibility: the kernel picks its own."""
     who = "gated_linear_attention"
-    check_sdpa_inputs(who, q, k, v, key_mask)
-    if q.shape[2] > k.shape[2]:
-        raise ValueError(f"{who}: {q.shape[2]} queries but {k.shape[2]} keys; causal gated attention needs Nq <= Nk")
+    checked_call(who, q, k, v, key_mask, lambda: unsupported(q, feature_map=feature_map, k=k, v=v, g=g),
+                 causal="gated linear attention")
     check_gate(who, g, k, per_channel_ok=True)
-    require_runtime(who, q)
-    reason = unsupported(q, feature_map=feature_map, k=k, v=v, g=g)
     if not isinstance(normalize, bool):
-        reason = f"{who}: normalize must be a bool, got {normalize!r}"
-    if reason:
-        raise ValueError(reason)
-    s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    args = (q, k, v, g, key_mask, FMAP_CODES[feature_map], bool(normalize), s, float(eps))
-    if interpreting():
-        return _launch(*args, wrap=False)
-    return torch.ops.attnopt_triton.gated_linear(*args)
+        raise ValueError(f"{who}: normalize must be a bool, got {normalize!r}")
+    args = (q, k, v, g, key_mask, FMAP_CODES[feature_map], normalize, scale_or_default(q, scale), float(eps))
+    return launch("gated_linear", _launch, *args)

@@ -16,7 +16,6 @@ Nq/Nk lengths, D head dim, M feature width, Dv value dim.
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Union
 
 import torch
@@ -25,23 +24,13 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op
 
-from attnopt.kernels.feature_maps import (
-    FeatureMap,
-    make_feature_map,
-    query_key_features,
-)
-from attnopt.kernels.layout import check_sdpa_inputs
-from attnopt.kernels.triton.chunk_scan import chunk_backward, chunk_forward, dot, phi
-from attnopt.kernels.triton.runtime import (
-    FMAP_CODES,
-    call_unsupported,
-    interpreting,
-    launcher,
-    low_precision,
-    pow2,
-    require_runtime,
-)
+from attnopt.kernels.feature_maps import FeatureMap, make_feature_map, query_key_features
+from attnopt.kernels.triton.chunk_scan import carry, chunk_backward, chunk_forward, key_features
+from attnopt.kernels.triton.differentiable import differentiable
+from attnopt.kernels.triton.runtime import FMAP_CODES, checked_call, interpreting, keep_arg, launcher, low_precision
+from attnopt.kernels.triton.runtime import pow2, row_strides, scale_or_default, shared_checks
 from attnopt.kernels.triton.state_step import check_one_token, state_step
+from attnopt.kernels.triton.tiles import dot, kept, load_phi, load_tile, program_head, span, store_tile
 
 FUSED_MAPS = ("elu", "relu")
 PROJECTED_MAPS = ("favor", "hedgehog", "taylor")
@@ -57,33 +46,19 @@ def _kv_state_kernel(
     BC: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
 ):
     """S [B, Hk, M, Dv] = Σ_j φ(k_j) v_jᵀ and Z [B, Hk, M] = Σ_j φ(k_j), fp32; v head = k head // RKV."""
-    pid_bh = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    b = pid_bh // Hk
-    hk = pid_bh % Hk
-    DT = K.dtype.element_ty
-    rc = tl.arange(0, BC)
-    rm = tl.arange(0, BM)
-    rv = pid_v * BV + tl.arange(0, BV)
-    m_ok = rm < M
-    v_ok = rv < Dv
-    k_base = K + b * s_kb + hk * s_kh
-    v_base = V + b * s_vb + (hk // RKV) * s_vh
+    pid_bh, b, hk = program_head(Hk)
+    rm, m_ok = span(0, M, BM)
+    rv, v_ok = span(tl.program_id(1) * BV, Dv, BV)
     acc = tl.zeros([BM, BV], dtype=tl.float32)
     z = tl.zeros([BM], dtype=tl.float32)
     for c0 in range(0, Nk, BC):
-        pos = c0 + rc
-        k_in = pos < Nk
-        kx = tl.load(k_base + pos[:, None] * s_kn + rm[None, :], mask=k_in[:, None] & m_ok[None, :], other=0.0)
-        fk = tl.where(k_in[:, None] & m_ok[None, :], phi(kx.to(tl.float32), FMAP), 0.0)
-        if HAS_KEEP:
-            keep = tl.load(KEEP + b * Nk + pos, mask=k_in, other=0)
-            fk = tl.where(keep[:, None] != 0, fk, 0.0)
-        vx = tl.load(v_base + pos[:, None] * s_vn + rv[None, :], mask=k_in[:, None] & v_ok[None, :], other=0.0)
-        acc += dot(tl.trans(fk), vx.to(tl.float32), LOWP, DT)
+        pos, k_in = span(c0, Nk, BC)
+        fk, vx = key_features(K + b * s_kb + hk * s_kh, s_kn, V + b * s_vb + (hk // RKV) * s_vh, s_vn, pos,
+                              kept(KEEP + b * Nk, pos, k_in, HAS_KEEP), rm, m_ok, rv, v_ok, FMAP)
+        acc = carry(acc, fk, vx, 1.0, False, LOWP, K.dtype.element_ty)
         z += tl.sum(fk, axis=0)
-    tl.store(S + (pid_bh * M + rm)[:, None] * Dv + rv[None, :], acc, mask=m_ok[:, None] & v_ok[None, :])
-    if pid_v == 0:
+    store_tile(S + pid_bh * M * Dv, rm, Dv, rv, m_ok, v_ok, acc)
+    if tl.program_id(1) == 0:
         tl.store(Z + pid_bh * M + rm, z, mask=m_ok)
 
 
@@ -95,29 +70,16 @@ def _query_state_kernel(
     FMAP: tl.constexpr, LOWP: tl.constexpr, BQ: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
 ):
     """O = φ(Q)S / (φ(Q)z + eps) for one query block; DEN [B, H, Nq] gets the denominator."""
-    pid_bh = tl.program_id(0)
-    pid_q = tl.program_id(1)
-    pid_v = tl.program_id(2)
-    b = pid_bh // H
-    h = pid_bh % H
-    DT = Q.dtype.element_ty
-    rq = pid_q * BQ + tl.arange(0, BQ)
-    rm = tl.arange(0, BM)
-    rv = pid_v * BV + tl.arange(0, BV)
-    q_ok = rq < Nq
-    m_ok = rm < M
-    v_ok = rv < Dv
-    qx = tl.load(Q + b * s_qb + h * s_qh + rq[:, None] * s_qn + rm[None, :], mask=q_ok[:, None] & m_ok[None, :], other=0.0)
-    fq = tl.where(q_ok[:, None] & m_ok[None, :], phi(qx.to(tl.float32), FMAP), 0.0)
+    pid_bh, b, h = program_head(H)
+    rq, q_ok = span(tl.program_id(1) * BQ, Nq, BQ)
+    rm, m_ok = span(0, M, BM)
+    rv, v_ok = span(tl.program_id(2) * BV, Dv, BV)
+    fq = load_phi(Q + b * s_qb + h * s_qh, rq, s_qn, rm, q_ok, m_ok, FMAP)
     sh = b * Hk + h // GK
-    st = tl.load(S + (sh * M + rm)[:, None] * Dv + rv[None, :], mask=m_ok[:, None] & v_ok[None, :], other=0.0)
-    z = tl.load(Z + sh * M + rm, mask=m_ok, other=0.0)
-    num = dot(fq, st, LOWP, DT)
-    den = tl.sum(fq * z[None, :], axis=1) + eps
-    out = num / tl.where(den == 0.0, 1.0, den)[:, None]
-    tl.store(O + b * s_ob + h * s_oh + rq[:, None] * s_on + rv[None, :], out.to(O.dtype.element_ty),
-             mask=q_ok[:, None] & v_ok[None, :])
-    if pid_v == 0:
+    num = dot(fq, load_tile(S + sh * M * Dv, rm, Dv, rv, m_ok, v_ok), LOWP, Q.dtype.element_ty)
+    den = tl.sum(fq * tl.load(Z + sh * M + rm, mask=m_ok, other=0.0)[None, :], axis=1) + eps
+    store_tile(O + b * s_ob + h * s_oh, rq, s_on, rv, q_ok, v_ok, num / tl.where(den == 0.0, 1.0, den)[:, None])
+    if tl.program_id(2) == 0:
         tl.store(DEN + pid_bh * Nq + rq, den, mask=q_ok)
 
 
@@ -131,18 +93,18 @@ def noncausal_forward(q, k, v, keep, fmap: int, eps: float, wrap: bool):
     BV = min(64, pow2(Dv))
     S = torch.empty(B, Hk, M, Dv, device=q.device, dtype=torch.float32)
     Z = torch.empty(B, Hk, M, device=q.device, dtype=torch.float32)
-    keep_t = q if keep is None else keep.to(torch.int8).contiguous()
+    keep_t, has_keep = keep_arg(keep, q)
     lowp = low_precision(q.dtype)
     launcher(_kv_state_kernel, wrap)[(B * Hk, triton.cdiv(Dv, BV))](
-        k, v, keep_t, S, Z, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        Hk, Nk, M, Dv, Hk // Hv, FMAP=fmap, HAS_KEEP=keep is not None, LOWP=lowp, BC=BC, BM=pow2(M), BV=BV,
+        k, v, keep_t, S, Z, *row_strides(k, v), Hk, Nk, M, Dv, Hk // Hv,
+        FMAP=fmap, HAS_KEEP=has_keep, LOWP=lowp, BC=BC, BM=pow2(M), BV=BV,
     )
     out = torch.empty(B, H, Nq, Dv, device=q.device, dtype=q.dtype)
     den = torch.empty(B, H, Nq, device=q.device, dtype=torch.float32)
     BQ = 16 if interpreting() else 64
     launcher(_query_state_kernel, wrap)[(B * H, triton.cdiv(Nq, BQ), triton.cdiv(Dv, BV))](
-        q, S, Z, out, den, q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        H, Hk, Nq, M, Dv, H // Hk, eps, FMAP=fmap, LOWP=lowp, BQ=BQ, BM=pow2(M), BV=BV,
+        q, S, Z, out, den, *row_strides(q, out), H, Hk, Nq, M, Dv, H // Hk, eps,
+        FMAP=fmap, LOWP=lowp, BQ=BQ, BM=pow2(M), BV=BV,
     )
     return out
 
@@ -197,34 +159,31 @@ def noncausal_backward(g, q, k, v, keep, fmap: int, eps: float):
 # triton_op registrations (GPU path) and the interpreter's autograd.Function
 # ---------------------------------------------------------------------------------------------
 
+def _causal_forward(q, k, v, keep, fmap: int, eps: float, wrap: bool):
+    return chunk_forward(q, k, v, keep, None, fmap, True, 1.0, eps, wrap=wrap)
+
+
+def _causal_backward(g, q, k, v, keep, out, den, fmap: int, wrap: bool):
+    return chunk_backward(g, q, k, v, keep, None, out, den, fmap, True, 1.0, wrap=wrap)
+
+
 @triton_op("attnopt_triton::linear_causal", mutates_args={})
 def _linear_causal_op(
     q: Tensor, k: Tensor, v: Tensor, keep: Optional[Tensor], fmap: int, eps: float
 ) -> tuple[Tensor, Tensor]:
-    return chunk_forward(q, k, v, keep, None, fmap, True, 1.0, eps, wrap=True)
+    return _causal_forward(q, k, v, keep, fmap, eps, wrap=True)
 
 
 @triton_op("attnopt_triton::linear_causal_backward", mutates_args={})
 def _linear_causal_backward_op(
     g: Tensor, q: Tensor, k: Tensor, v: Tensor, keep: Optional[Tensor], out: Tensor, den: Tensor, fmap: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return chunk_backward(g, q, k, v, keep, None, out, den, fmap, True, 1.0, wrap=True)
+    return _causal_backward(g, q, k, v, keep, out, den, fmap, wrap=True)
 
 
-def _causal_setup(ctx, inputs, output):
-    q, k, v, keep, fmap, eps = inputs
-    out, den = output
-    ctx.save_for_backward(q, k, v, keep, out, den)
-    ctx.fmap = fmap
-
-
-def _causal_backward(ctx, g, _g_den):
-    q, k, v, keep, out, den = ctx.saved_tensors
-    dq, dk, dv = torch.ops.attnopt_triton.linear_causal_backward(g.contiguous(), q, k, v, keep, out, den, ctx.fmap)
-    return dq, dk, dv, None, None, None
-
-
-_linear_causal_op.register_autograd(_causal_backward, setup_context=_causal_setup)
+# the backward reads q, k, v, keep, (out, den) and the feature map
+_linear_causal = differentiable(_linear_causal_op, _linear_causal_backward_op, _causal_forward, _causal_backward,
+                                saved=4, opts=(4,))
 
 
 @triton_op("attnopt_triton::linear_noncausal", mutates_args={})
@@ -246,34 +205,21 @@ def _noncausal_backward(ctx, g):
 _linear_noncausal_op.register_autograd(_noncausal_backward, setup_context=_noncausal_setup)
 
 
-class _CausalInterpreted(torch.autograd.Function):
-    """The same forward/backward as the triton_op, launching the raw kernels (TRITON_INTERPRET=1)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, keep, fmap, eps):
-        out, den = chunk_forward(q, k, v, keep, None, fmap, True, 1.0, eps, wrap=False)
-        ctx.save_for_backward(q, k, v, keep, out, den)
-        ctx.fmap = fmap
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        q, k, v, keep, out, den = ctx.saved_tensors
-        dq, dk, dv = chunk_backward(g.contiguous(), q, k, v, keep, None, out, den, ctx.fmap, True, 1.0, wrap=False)
-        return dq, dk, dv, None, None, None
-
-
 class _NoncausalInterpreted(torch.autograd.Function):
+    """The non-causal op's forward kernels launched raw (TRITON_INTERPRET=1), with its PyTorch backward."""
+
     @staticmethod
     def forward(ctx, q, k, v, keep, fmap, eps):
-        ctx.save_for_backward(q, k, v, keep)
-        ctx.fmap, ctx.eps = fmap, eps
+        _noncausal_setup(ctx, (q, k, v, keep, fmap, eps), None)
         return noncausal_forward(q, k, v, keep, fmap, eps, wrap=False)
 
     @staticmethod
     def backward(ctx, g):
-        q, k, v, keep = ctx.saved_tensors
-        return (*noncausal_backward(g, q, k, v, keep, ctx.fmap, ctx.eps), None, None, None)
+        return _noncausal_backward(ctx, g)
+
+
+def _linear_noncausal(*args) -> Tensor:
+    return _NoncausalInterpreted.apply(*args) if interpreting() else _linear_noncausal_op(*args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,12 +229,6 @@ class _NoncausalInterpreted(torch.autograd.Function):
 
 def _map_name(feature_map: Union[str, FeatureMap]) -> str:
     return feature_map.name if isinstance(feature_map, FeatureMap) else feature_map
-
-
-def unsupported(q: Tensor, **kwargs) -> Optional[str]:
-    """None if these kernels can run the reference op's call (its keywords, plus k= to check the key
-    length), else a one-line reason; the reference op's CUDA dispatch asks it before handing over."""
-    return call_unsupported(q, kwargs.get("k")) or linear_unsupported(q, **kwargs)
 
 
 def linear_unsupported(q: Tensor, feature_map="elu", state=None, **_) -> Optional[str]:
@@ -310,27 +250,16 @@ def linear_unsupported(q: Tensor, feature_map="elu", state=None, **_) -> Optiona
     return None
 
 
-def linear_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    feature_map: Union[str, FeatureMap] = "elu",
-    causal: bool = False,
-    scale: Optional[float] = None,
-    eps: float = 1e-6,
-    key_mask: Optional[Tensor] = None,
-    chunk_size: int = 64,
-) -> Tensor:
+unsupported = shared_checks(linear_unsupported)
+
+
+def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, feature_map: Union[str, FeatureMap] = "elu",
+                     causal: bool = False, scale: Optional[float] = None, eps: float = 1e-6,
+                     key_mask: Optional[Tensor] = None, chunk_size: int = 64) -> Tensor:
     """`attnopt.forms.linear.reference.linear_attention` (stateless) on the Triton kernels; same arguments
     and result. `chunk_size` is accepted for signature compatibility: the kernels pick their own."""
-    check_sdpa_inputs("linear_attention", q, k, v, key_mask)
-    require_runtime("linear_attention", q)
-    reason = linear_unsupported(q, feature_map)
-    if reason:
-        raise ValueError(reason)
+    checked_call("linear_attention", q, k, v, key_mask, lambda: linear_unsupported(q, feature_map))
     name = _map_name(feature_map)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     keep = key_mask
     if name in FUSED_MAPS:
         fmap = FMAP_CODES[name]
@@ -340,15 +269,10 @@ def linear_attention(
         module = feature_map if isinstance(feature_map, FeatureMap) else make_feature_map(name, q.shape[-1], q.shape[1])
         weight = module.op_weight()
         weight = None if weight is None else weight.to(device=q.device, dtype=torch.float32)
-        fq, fk, _ = query_key_features(name, q.float(), k.float(), scale, weight, key_mask)
+        fq, fk, _ = query_key_features(name, q.float(), k.float(), scale_or_default(q, scale), weight, key_mask)
         # φ(k) of dropped keys is already 0; bf16/fp16 inputs keep their dtype into the kernel's dots
         fq, fk, keep = fq.to(q.dtype), fk.to(q.dtype), None
-    if interpreting():
-        fn = _CausalInterpreted if causal else _NoncausalInterpreted
-        return fn.apply(fq, fk, v, keep, fmap, float(eps))
-    if causal:
-        return torch.ops.attnopt_triton.linear_causal(fq, fk, v, keep, fmap, float(eps))[0]
-    return torch.ops.attnopt_triton.linear_noncausal(fq, fk, v, keep, fmap, float(eps))
+    return (_linear_causal if causal else _linear_noncausal)(fq, fk, v, keep, fmap, float(eps))
 
 
 def linear_decode_step(

@@ -9,7 +9,6 @@ Forward and backward are the Triton kernels of `chunk_scan` with HAS_DECAY; γ e
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence, Union
 
 import torch
@@ -17,15 +16,9 @@ from torch import Tensor
 from torch.library import triton_op
 
 from attnopt.forms.ssm.schedule import DECAY_FEATURE_MAPS, retnet_decay
-from attnopt.kernels.layout import check_sdpa_inputs
 from attnopt.kernels.triton.chunk_scan import chunk_backward, chunk_forward
-from attnopt.kernels.triton.runtime import (
-    FMAP_CODES,
-    call_unsupported,
-    concrete,
-    interpreting,
-    require_runtime,
-)
+from attnopt.kernels.triton.differentiable import differentiable
+from attnopt.kernels.triton.runtime import FMAP_CODES, checked_call, concrete, scale_or_default, shared_checks
 from attnopt.kernels.triton.state_step import check_one_token, state_step
 
 
@@ -69,40 +62,8 @@ def _decay_backward_op(
     return chunk_backward(g, q, k, v, keep, log2g, out, den, fmap, normalize, scale, wrap=True)
 
 
-def _setup(ctx, inputs, output):
-    q, k, v, keep, log2g, fmap, normalize, scale, eps = inputs
-    ctx.save_for_backward(q, k, v, keep, log2g, *output)
-    ctx.opts = (fmap, normalize, scale)
-
-
-def _backward(ctx, g, _g_den):
-    q, k, v, keep, log2g, out, den = ctx.saved_tensors
-    grads = torch.ops.attnopt_triton.decay_backward(g.contiguous(), q, k, v, keep, log2g, out, den, *ctx.opts)
-    return (*grads, None, None, None, None, None, None)
-
-
-_decay_op.register_autograd(_backward, setup_context=_setup)
-
-
-class _DecayInterpreted(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, keep, log2g, fmap, normalize, scale, eps):
-        out, den = chunk_forward(q, k, v, keep, log2g, fmap, normalize, scale, eps, wrap=False)
-        ctx.save_for_backward(q, k, v, keep, log2g, out, den)
-        ctx.opts = (fmap, normalize, scale)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        q, k, v, keep, log2g, out, den = ctx.saved_tensors
-        grads = chunk_backward(g.contiguous(), q, k, v, keep, log2g, out, den, *ctx.opts, wrap=False)
-        return (*grads, None, None, None, None, None, None)
-
-
-def unsupported(q: Tensor, **kwargs) -> Optional[str]:
-    """None if these kernels can run the reference op's call (its keywords, plus k= to check the key
-    length), else a one-line reason; the reference op's CUDA dispatch asks it before handing over."""
-    return call_unsupported(q, kwargs.get("k")) or decay_unsupported(q, **kwargs)
+# the backward reads q, k, v, keep, log2g, (out, den) and the options fmap, normalize, scale
+_decay = differentiable(_decay_op, _decay_backward_op, chunk_forward, chunk_backward, saved=5, opts=(5, 6, 7))
 
 
 def decay_unsupported(q: Tensor, feature_map="identity", state=None, **_) -> Optional[str]:
@@ -113,49 +74,23 @@ def decay_unsupported(q: Tensor, feature_map="identity", state=None, **_) -> Opt
     return None
 
 
-def decay_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    decay: Union[None, float, Sequence[float], Tensor] = None,
-    feature_map: str = "identity",
-    normalize: bool = False,
-    scale: Optional[float] = None,
-    eps: float = 1e-6,
-    key_mask: Optional[Tensor] = None,
-    chunk_size: int = 64,
-) -> Tensor:
+unsupported = shared_checks(decay_unsupported)
+
+
+def decay_attention(q: Tensor, k: Tensor, v: Tensor, *, decay: Union[None, float, Sequence[float], Tensor] = None,
+                    feature_map: str = "identity", normalize: bool = False, scale: Optional[float] = None,
+                    eps: float = 1e-6, key_mask: Optional[Tensor] = None, chunk_size: int = 64) -> Tensor:
     """`attnopt.forms.ssm.reference.decay_attention` (stateless) on the Triton kernels; same arguments and
     result. `chunk_size` is accepted for compatibility: the kernels pick their own."""
-    check_sdpa_inputs("decay_attention", q, k, v, key_mask)
-    require_runtime("decay_attention", q)
-    reason = decay_unsupported(q, feature_map)
-    if reason:
-        raise ValueError(reason)
-    if q.shape[2] > k.shape[2]:
-        raise ValueError(f"decay_attention: {q.shape[2]} queries but {k.shape[2]} keys; causal decay needs Nq <= Nk")
-    H = q.shape[1]
-    log2g = torch.log2(_gamma(decay, H)).to(device=q.device, dtype=torch.float32)
-    s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    args = (q, k, v, key_mask, log2g, FMAP_CODES[feature_map], bool(normalize), s, float(eps))
-    if interpreting():
-        return _DecayInterpreted.apply(*args)
-    return torch.ops.attnopt_triton.decay(*args)[0]
+    checked_call("decay_attention", q, k, v, key_mask, lambda: decay_unsupported(q, feature_map), causal="decay")
+    log2g = torch.log2(_gamma(decay, q.shape[1])).to(device=q.device, dtype=torch.float32)
+    return _decay(q, k, v, key_mask, log2g, FMAP_CODES[feature_map], bool(normalize), scale_or_default(q, scale),
+                  float(eps))
 
 
-def decay_decode_step(
-    q_t: Tensor,
-    k_t: Tensor,
-    v_t: Tensor,
-    state: Optional[tuple],
-    *,
-    decay: Union[None, float, Sequence[float], Tensor] = None,
-    feature_map: str = "identity",
-    normalize: bool = False,
-    scale: Optional[float] = None,
-    eps: float = 1e-6,
-):
+def decay_decode_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, state: Optional[tuple], *,
+                      decay: Union[None, float, Sequence[float], Tensor] = None, feature_map: str = "identity",
+                      normalize: bool = False, scale: Optional[float] = None, eps: float = 1e-6):
     """`attnopt.forms.ssm.reference.decay_attention_step` on a Triton kernel; same arguments and result."""
     who = "decay_decode_step"
     check_one_token(who, q_t, k_t, v_t)
@@ -168,7 +103,6 @@ def decay_decode_step(
     if normalize and z is None:
         raise ValueError(f"{who}: normalize=True needs the state's z [B, H, D]")
     log2g = torch.log2(_gamma(decay, H)).to(device=q_t.device, dtype=torch.float32)
-    s = 1.0 / math.sqrt(D) if scale is None else float(scale)
     out, S, z = state_step(q_t, k_t, v_t, S, z if normalize else None, log2g, FMAP_CODES[feature_map],
-                            bool(normalize), s, float(eps))
+                            bool(normalize), scale_or_default(q_t, scale), float(eps))
     return out, (S, z)

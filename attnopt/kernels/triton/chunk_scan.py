@@ -1,4 +1,5 @@
-"""Chunked causal scans for linear attention and its decayed form (retention / diagonal SSM).
+"""Chunked causal scans for linear attention and its decayed form (retention / diagonal SSM), and the
+chunk pieces the gated scans (gla, delta) share with them.
 
 One program owns one query head and walks the key positions chunk by chunk (C = BC positions),
 carrying the running state S = Σ_j w_j φ(k_j) v_jᵀ [M, Dv] (and z = Σ_j w_j φ(k_j) [M]) in
@@ -21,11 +22,18 @@ for decay).
 
 Backward (dn = ∂L/∂n, dd = ∂L/∂den from the host, n the numerator, den the denominator):
   dφq_i = Σ_{j<=i} w_ij (dn_i·v_j + dd_i) φk_j      forward scan, state (S, z)      -> `_dq_kernel`
-  dφk_j = Σ_{i>=j} w_ij (dn_i·v_j + dd_i) φq_i      reverse scan, state (R, r)      -> `_dk_kernel`
-  dv_j  = Σ_{i>=j} w_ij (φq_i·φk_j) dn_i            reverse scan, state R           -> `_dv_kernel`
-with R = Σ_i w φq_i dn_iᵀ [M, Dv], r = Σ_i w φq_i dd_i [M]. The dq/dk kernels split the feature
-dim M over programs, the forward and dv kernels split Dv; each program keeps a [BM, BV] state.
+  dφk_j = Σ_{i>=j} w_ij (dn_i·v_j + dd_i) φq_i      reverse scan, state (R, r)      -> `_dkv_kernel` FOR_K
+  dv_j  = Σ_{i>=j} w_ij (φq_i·φk_j) dn_i            reverse scan, state R           -> `_dkv_kernel`
+with R = Σ_i w φq_i dn_iᵀ [M, Dv], r = Σ_i w φq_i dd_i [M]. The forward and dq kernels are one scan
+(`_forward_scan`: the same state, read out two ways). The dq/dk programs split the feature dim M,
+the forward and dv programs split Dv (`split_tiles`); each program keeps a [BM, BV] state.
 dk/dv are written per query head (fp32) and summed over the GQA group on the host.
+
+The pieces of a chunk step are `@triton.jit` helpers the gated scans (gla, delta) and the
+linear+window prefix states reuse: `chunk_rows` (positions and their queries), `key_features`
+(φ(k) and v of the kept keys), `chunk_decay` / `causal_weights` / `decayed` (the in-chunk decay),
+`gate_chunk` (the same from per-head log-gates), `chunk_out` (a chunk's output rows) and
+`carry` / `carry_sum` (the state after the chunk).
 
 Letters: B batch, H query heads, Hk heads of k (Hkv, or H for per-head maps), Hv heads of v,
 Nq/Nk lengths, M feature width (= D for fused maps), Dv value dim, C = BC chunk length.
@@ -33,47 +41,166 @@ Nq/Nk lengths, M feature width (= D for fused maps), Dv value dim, C = BC chunk 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
-from torch import Tensor
 
-from attnopt.kernels.triton.runtime import interpreting, launcher, low_precision, pow2
+from attnopt.kernels.triton.runtime import interpreting, keep_arg, launcher, low_precision, pow2, row_strides
+from attnopt.kernels.triton.tiles import dot, dphi, kept, load_phi, load_tile, program_head, span, store_tile
+from attnopt.kernels.triton.tiles import phi  # noqa: F401  (window, linear+window and reuse import dot, phi from here)
 
 
 @triton.jit
-def phi(x, FMAP: tl.constexpr):
-    if FMAP == 1:
-        return tl.where(x > 0, x + 1.0, tl.exp(tl.minimum(x, 0.0)))
-    elif FMAP == 2:
-        return tl.maximum(x, 0.0)
+def chunk_decay(LOG2G, h, BC: tl.constexpr, HAS_DECAY: tl.constexpr):
+    """The decay inside a chunk of BC positions, γ = 2^LOG2G[h]: (w_cc [BC, BC] = γ^(i−j) for j <= i
+    and 0 above, q_dec = γ^(i+1) from the previous chunk's end, k_dec = γ^(C−1−j) to this chunk's end,
+    step = γ^C). Without decay: the causal mask (bool) and 1s, which `causal_weights` / `decayed` /
+    `carry` do not multiply by."""
+    rc = tl.arange(0, BC)
+    tri = rc[:, None] >= rc[None, :]
+    if HAS_DECAY:
+        lg = tl.load(LOG2G + h)
+        w_cc = tl.exp2(tl.where(tri, (rc[:, None] - rc[None, :]).to(tl.float32) * lg, float("-inf")))
+        return w_cc, tl.exp2((rc + 1).to(tl.float32) * lg), tl.exp2((BC - 1 - rc).to(tl.float32) * lg), tl.exp2(BC * lg)
+    else:
+        return tri, 1.0, 1.0, 1.0
+
+
+@triton.jit
+def causal_weights(A, w_cc, HAS_DECAY: tl.constexpr):
+    """A [C, C] times the in-chunk weights of `chunk_decay` (0 above the diagonal)."""
+    if HAS_DECAY:
+        return A * w_cc
+    else:
+        return tl.where(w_cc, A, 0.0)
+
+
+@triton.jit
+def decayed(x, dec, HAS_DECAY: tl.constexpr):
+    """x [C, ·] with row i times dec_i (`chunk_decay`'s q_dec or k_dec); x itself without decay."""
+    if HAS_DECAY:
+        return x * dec[:, None]
     else:
         return x
 
 
 @triton.jit
-def _dphi(x, FMAP: tl.constexpr):
-    """dφ/dx at x (1 for identity)."""
-    if FMAP == 1:
-        return tl.where(x > 0, 1.0, tl.exp(tl.minimum(x, 0.0)))
-    elif FMAP == 2:
-        return tl.where(x > 0, 1.0, 0.0)
+def carry(S, a, x, step, HAS_DECAY: tl.constexpr, LOWP: tl.constexpr, DT: tl.constexpr):
+    """A state [·, BV] after a chunk: γ^C·S + aᵀx, a [C, ·] already decayed to the chunk's end."""
+    if HAS_DECAY:
+        return S * step + dot(tl.trans(a), x, LOWP, DT)
     else:
-        return tl.full(x.shape, 1.0, tl.float32)
+        return S + dot(tl.trans(a), x, LOWP, DT)
 
 
 @triton.jit
-def dot(a, b, LOWP: tl.constexpr, DT: tl.constexpr):
-    # LOWP (runtime.low_precision): bf16/fp16 inputs: operands in the input dtype (tensor cores), fp32 accumulation;
-    # fp32 inputs: IEEE fp32 (tf32 would cost ~3 decimal digits the fp32 oracle tests check).
-    if LOWP == 1:
-        return tl.dot(a.to(DT), b.to(DT))
-    elif LOWP == 2:
-        return tl.dot(a.to(DT).to(tl.float32), b.to(DT).to(tl.float32), input_precision="ieee")
+def carry_sum(z, a, step, HAS_DECAY: tl.constexpr):
+    """A sum state [·] after a chunk: γ^C·z + Σ_rows a."""
+    if HAS_DECAY:
+        return z * step + tl.sum(a, axis=0)
     else:
-        return tl.dot(a, b, input_precision="ieee")
+        return z + tl.sum(a, axis=0)
+
+
+@triton.jit
+def chunk_rows(c0, Nq, Nk, BC: tl.constexpr):
+    """The key positions c0 + [0, C) and the queries at them (bottom-right: query i sits at position
+    Nk − Nq + i; one before key 0 sees nothing): (pos, k_in, qi, q_in)."""
+    pos, k_in = span(c0, Nk, BC)
+    qi = pos - (Nk - Nq)
+    return pos, k_in, qi, (qi >= 0) & k_in
+
+
+@triton.jit
+def key_features(k_base, s_kn, v_base, s_vn, pos, ok, rm, m_ok, rv, v_ok, FMAP: tl.constexpr):
+    """(φ(k) [C, BM], v [C, BV]) in fp32 at the key positions pos; 0 where not ok (past Nk or dropped)."""
+    return load_phi(k_base, pos, s_kn, rm, ok, m_ok, FMAP), load_tile(v_base, pos, s_vn, rv, ok, v_ok).to(tl.float32)
+
+
+@triton.jit
+def gate_chunk(g_base, pos, s_gn, ok, BC: tl.constexpr):
+    """The per-head log-gates g <= 0 of a chunk (0 where not ok, so the state passes unchanged): (b, the
+    in-chunk inclusive cumsum; b_last = Σ g; Γ [C, C] = exp(b_i − b_j) for j <= i, 0 above -- masked
+    to −inf before exp, so every factor is exp(<= 0))."""
+    gx = tl.load(g_base + pos * s_gn, mask=ok, other=0.0).to(tl.float32)
+    bc = tl.cumsum(gx, axis=0)
+    rc = tl.arange(0, BC)
+    gam = tl.exp(tl.where(rc[:, None] >= rc[None, :], bc[:, None] - bc[None, :], float("-inf")))
+    return bc, tl.sum(gx, axis=0), gam
+
+
+@triton.jit
+def chunk_out(A, fq_in, vx, S, z, scale, eps, NORMALIZE: tl.constexpr, LOWP: tl.constexpr, DT: tl.constexpr):
+    """A chunk's output rows (out, den): the in-chunk A·v plus the carried φq_in·S, divided by
+    A·1 + φq_in·z + eps (0 where that is 0) when NORMALIZE, else times scale (den is then 0)."""
+    num = dot(A, vx, LOWP, DT) + dot(fq_in, S, LOWP, DT)
+    if NORMALIZE:
+        den = tl.sum(A, axis=1) + tl.sum(fq_in * z[None, :], axis=1) + eps
+        return num / tl.where(den == 0.0, 1.0, den)[:, None], den
+    else:
+        return num * scale, 0.0
+
+
+@triton.jit
+def split_tiles(pid_x, M, Dv, BM: tl.constexpr, BV: tl.constexpr, SPLIT_M: tl.constexpr):
+    """(rm, m_ok, rv, v_ok) of a program that owns block pid_x of the features (SPLIT_M) or of the
+    values, and the whole other dimension (padded to BM / BV)."""
+    if SPLIT_M:
+        rm, m_ok = span(pid_x * BM, M, BM)
+        rv, v_ok = span(0, Dv, BV)
+    else:
+        rm, m_ok = span(0, M, BM)
+        rv, v_ok = span(pid_x * BV, Dv, BV)
+    return rm, m_ok, rv, v_ok
+
+
+@triton.jit
+def _forward_scan(
+    Q, K, V, KEEP, LOG2G, O, DEN, DN, DD, DQ,
+    s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ob, s_oh, s_on,
+    H, Nq, Nk, M, Dv, GK, GV, scale, eps,
+    FMAP: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_DECAY: tl.constexpr, NORMALIZE: tl.constexpr,
+    GRAD: tl.constexpr, LOWP: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
+):
+    """The scan in key order with the state (S, z) of the keys so far, for one query head. GRAD False:
+    the outputs of one block of BV values (NORMALIZE: divided by the normaliser, written to DEN).
+    GRAD True: dq of one block of BM features from the same state read the other way round,
+    dφq_i = Σ_{j<=i} w_ij (dn_i·v_j + dd_i) φk_j (NORMALIZE: the normaliser's gradient dd enters)."""
+    pid_bh, b, h = program_head(H)
+    DT = Q.dtype.element_ty
+    rm, m_ok, rv, v_ok = split_tiles(tl.program_id(1), M, Dv, BM, BV, GRAD)  # dq splits the features
+    q_base = Q + b * s_qb + h * s_qh
+    w_cc, q_dec, k_dec, step = chunk_decay(LOG2G, h, BC, HAS_DECAY)
+    S = tl.zeros([BM, BV], dtype=tl.float32)
+    z = tl.zeros([BM], dtype=tl.float32)
+    for c0 in range(0, Nk, BC):
+        pos, k_in, qi, q_in = chunk_rows(c0, Nq, Nk, BC)
+        fk, vx = key_features(K + b * s_kb + (h // GK) * s_kh, s_kn, V + b * s_vb + (h // GV) * s_vh, s_vn, pos,
+                              kept(KEEP + b * Nk, pos, k_in, HAS_KEEP), rm, m_ok, rv, v_ok, FMAP)
+        if GRAD:
+            dn = load_tile(DN + pid_bh * Nq * Dv, qi, Dv, rv, q_in, v_ok)
+            P = dot(dn, tl.trans(vx), LOWP, DT)
+            if NORMALIZE:
+                dd = tl.load(DD + pid_bh * Nq + qi, mask=q_in, other=0.0)
+                P = P + dd[:, None]
+            dfq = dot(causal_weights(P, w_cc, HAS_DECAY), fk, LOWP, DT)
+            inter = dot(dn, tl.trans(S), LOWP, DT)
+            if NORMALIZE:
+                inter = inter + dd[:, None] * z[None, :]
+            dfq = dfq + decayed(inter, q_dec, HAS_DECAY)
+            qx = load_tile(q_base, qi, s_qn, rm, q_in, m_ok)
+            store_tile(DQ + pid_bh * Nq * M, qi, M, rm, q_in, m_ok, dfq * dphi(qx.to(tl.float32), FMAP))
+        else:
+            fq = load_phi(q_base, qi, s_qn, rm, q_in, m_ok, FMAP)
+            A = causal_weights(dot(fq, tl.trans(fk), LOWP, DT), w_cc, HAS_DECAY)
+            out, den = chunk_out(A, decayed(fq, q_dec, HAS_DECAY), vx, S, z, scale, eps, NORMALIZE, LOWP, DT)
+            if NORMALIZE:
+                if tl.program_id(1) == 0:
+                    tl.store(DEN + pid_bh * Nq + qi, den, mask=q_in)
+            store_tile(O + b * s_ob + h * s_oh, qi, s_on, rv, q_in, v_ok, out)
+        fk_out = decayed(fk, k_dec, HAS_DECAY)
+        S = carry(S, fk_out, vx, step, HAS_DECAY, LOWP, DT)
+        z = carry_sum(z, fk_out, step, HAS_DECAY)
 
 
 @triton.jit
@@ -84,69 +211,10 @@ def _chunk_fwd_kernel(
     FMAP: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_DECAY: tl.constexpr, NORMALIZE: tl.constexpr,
     LOWP: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    DT = Q.dtype.element_ty
-    rc = tl.arange(0, BC)
-    rm = tl.arange(0, BM)
-    rv = pid_v * BV + tl.arange(0, BV)
-    m_ok = rm < M
-    v_ok = rv < Dv
-    off = Nk - Nq
-    q_base = Q + b * s_qb + h * s_qh
-    k_base = K + b * s_kb + (h // GK) * s_kh
-    v_base = V + b * s_vb + (h // GV) * s_vh
-    o_base = O + b * s_ob + h * s_oh
-    tri = rc[:, None] >= rc[None, :]
-    if HAS_DECAY:
-        lg = tl.load(LOG2G + h)
-        w_cc = tl.exp2(tl.where(tri, (rc[:, None] - rc[None, :]).to(tl.float32) * lg, float("-inf")))
-        q_dec = tl.exp2((rc + 1).to(tl.float32) * lg)  # from the previous chunk's end
-        k_dec = tl.exp2((BC - 1 - rc).to(tl.float32) * lg)  # to this chunk's end
-        step = tl.exp2(BC * lg)
-    S = tl.zeros([BM, BV], dtype=tl.float32)
-    z = tl.zeros([BM], dtype=tl.float32)
-    for c0 in range(0, Nk, BC):
-        pos = c0 + rc
-        k_in = pos < Nk
-        qi = pos - off
-        q_in = (qi >= 0) & k_in
-        kx = tl.load(k_base + pos[:, None] * s_kn + rm[None, :], mask=k_in[:, None] & m_ok[None, :], other=0.0)
-        fk = tl.where(k_in[:, None] & m_ok[None, :], phi(kx.to(tl.float32), FMAP), 0.0)
-        if HAS_KEEP:
-            keep = tl.load(KEEP + b * Nk + pos, mask=k_in, other=0)
-            fk = tl.where(keep[:, None] != 0, fk, 0.0)
-        vx = tl.load(v_base + pos[:, None] * s_vn + rv[None, :], mask=k_in[:, None] & v_ok[None, :], other=0.0)
-        vx = vx.to(tl.float32)
-        qx = tl.load(q_base + qi[:, None] * s_qn + rm[None, :], mask=q_in[:, None] & m_ok[None, :], other=0.0)
-        fq = tl.where(q_in[:, None] & m_ok[None, :], phi(qx.to(tl.float32), FMAP), 0.0)
-        A = dot(fq, tl.trans(fk), LOWP, DT)
-        if HAS_DECAY:
-            A = A * w_cc
-            fq_in = fq * q_dec[:, None]
-            fk_out = fk * k_dec[:, None]
-        else:
-            A = tl.where(tri, A, 0.0)
-            fq_in = fq
-            fk_out = fk
-        num = dot(A, vx, LOWP, DT) + dot(fq_in, S, LOWP, DT)
-        if NORMALIZE:
-            den = tl.sum(A, axis=1) + tl.sum(fq_in * z[None, :], axis=1) + eps
-            out = num / tl.where(den == 0.0, 1.0, den)[:, None]
-            if pid_v == 0:
-                tl.store(DEN + pid_bh * Nq + qi, den, mask=q_in)
-        else:
-            out = num * scale
-        tl.store(o_base + qi[:, None] * s_on + rv[None, :], out.to(O.dtype.element_ty),
-                 mask=q_in[:, None] & v_ok[None, :])
-        if HAS_DECAY:
-            S = S * step + dot(tl.trans(fk_out), vx, LOWP, DT)
-            z = z * step + tl.sum(fk_out, axis=0)
-        else:
-            S = S + dot(tl.trans(fk_out), vx, LOWP, DT)
-            z = z + tl.sum(fk_out, axis=0)
+    """Outputs O [B, H, Nq, Dv] (and DEN [B, H, Nq] fp32 when NORMALIZE) of one query head and BV values."""
+    _forward_scan(Q, K, V, KEEP, LOG2G, O, DEN, O, O, O,  # (DN, DD, DQ): unused by the forward
+                  s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ob, s_oh, s_on,
+                  H, Nq, Nk, M, Dv, GK, GV, scale, eps, FMAP, HAS_KEEP, HAS_DECAY, NORMALIZE, False, LOWP, BC, BM, BV)
 
 
 @triton.jit
@@ -159,69 +227,9 @@ def _dq_kernel(
 ):
     """dq (through φ') for one query head and one block of BM features. DN [B, H, Nq, Dv] fp32,
     DD [B, H, Nq] fp32, DQ [B, H, Nq, M] fp32 (contiguous, like q's)."""
-    pid_bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    DT = Q.dtype.element_ty
-    rc = tl.arange(0, BC)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rv = tl.arange(0, BV)
-    m_ok = rm < M
-    v_ok = rv < Dv
-    off = Nk - Nq
-    q_base = Q + b * s_qb + h * s_qh
-    k_base = K + b * s_kb + (h // GK) * s_kh
-    v_base = V + b * s_vb + (h // GV) * s_vh
-    tri = rc[:, None] >= rc[None, :]
-    if HAS_DECAY:
-        lg = tl.load(LOG2G + h)
-        w_cc = tl.exp2(tl.where(tri, (rc[:, None] - rc[None, :]).to(tl.float32) * lg, float("-inf")))
-        q_dec = tl.exp2((rc + 1).to(tl.float32) * lg)
-        k_dec = tl.exp2((BC - 1 - rc).to(tl.float32) * lg)
-        step = tl.exp2(BC * lg)
-    S = tl.zeros([BM, BV], dtype=tl.float32)
-    z = tl.zeros([BM], dtype=tl.float32)
-    for c0 in range(0, Nk, BC):
-        pos = c0 + rc
-        k_in = pos < Nk
-        qi = pos - off
-        q_in = (qi >= 0) & k_in
-        kx = tl.load(k_base + pos[:, None] * s_kn + rm[None, :], mask=k_in[:, None] & m_ok[None, :], other=0.0)
-        fk = tl.where(k_in[:, None] & m_ok[None, :], phi(kx.to(tl.float32), FMAP), 0.0)
-        if HAS_KEEP:
-            keep = tl.load(KEEP + b * Nk + pos, mask=k_in, other=0)
-            fk = tl.where(keep[:, None] != 0, fk, 0.0)
-        vx = tl.load(v_base + pos[:, None] * s_vn + rv[None, :], mask=k_in[:, None] & v_ok[None, :], other=0.0)
-        vx = vx.to(tl.float32)
-        row = pid_bh * Nq + qi
-        dn = tl.load(DN + row[:, None] * Dv + rv[None, :], mask=q_in[:, None] & v_ok[None, :], other=0.0)
-        P = dot(dn, tl.trans(vx), LOWP, DT)
-        if HAS_DD:
-            dd = tl.load(DD + row, mask=q_in, other=0.0)
-            P = P + dd[:, None]
-        if HAS_DECAY:
-            P = P * w_cc
-        else:
-            P = tl.where(tri, P, 0.0)
-        dfq = dot(P, fk, LOWP, DT)
-        inter = dot(dn, tl.trans(S), LOWP, DT)
-        if HAS_DD:
-            inter = inter + dd[:, None] * z[None, :]
-        if HAS_DECAY:
-            dfq = dfq + q_dec[:, None] * inter
-        else:
-            dfq = dfq + inter
-        qx = tl.load(q_base + qi[:, None] * s_qn + rm[None, :], mask=q_in[:, None] & m_ok[None, :], other=0.0)
-        dq = dfq * _dphi(qx.to(tl.float32), FMAP)
-        tl.store(DQ + row[:, None] * M + rm[None, :], dq, mask=q_in[:, None] & m_ok[None, :])
-        if HAS_DECAY:
-            fk = fk * k_dec[:, None]
-            S = S * step + dot(tl.trans(fk), vx, LOWP, DT)
-            z = z * step + tl.sum(fk, axis=0)
-        else:
-            S = S + dot(tl.trans(fk), vx, LOWP, DT)
-            z = z + tl.sum(fk, axis=0)
+    _forward_scan(Q, K, V, KEEP, LOG2G, DQ, DD, DN, DD, DQ,  # (O, DEN): unused by the dq scan
+                  s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, 0, 0, 0,
+                  H, Nq, Nk, M, Dv, GK, GV, 1.0, 0.0, FMAP, HAS_KEEP, HAS_DECAY, HAS_DD, True, LOWP, BC, BM, BV)
 
 
 @triton.jit
@@ -236,94 +244,41 @@ def _dkv_kernel(
     head, into DK [B, H, Nk, M] fp32; else dv for value block pid·BV into DV [B, H, Nk, Dv] fp32.
     The dimension that is not split (BV for dk, BM for dv) is the full padded width: the C×C
     products dn·vᵀ (dk) and φ(q)φ(k)ᵀ (dv) need all of it."""
-    pid_bh = tl.program_id(0)
-    pid_x = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    pid_bh, b, h = program_head(H)
     DT = Q.dtype.element_ty
-    rc = tl.arange(0, BC)
-    if FOR_K:
-        rm = pid_x * BM + tl.arange(0, BM)
-        rv = tl.arange(0, BV)
-    else:
-        rm = tl.arange(0, BM)
-        rv = pid_x * BV + tl.arange(0, BV)
-    m_ok = rm < M
-    v_ok = rv < Dv
-    off = Nk - Nq
-    q_base = Q + b * s_qb + h * s_qh
+    rm, m_ok, rv, v_ok = split_tiles(tl.program_id(1), M, Dv, BM, BV, FOR_K)
     k_base = K + b * s_kb + (h // GK) * s_kh
-    v_base = V + b * s_vb + (h // GV) * s_vh
-    tri = rc[:, None] >= rc[None, :]
-    if HAS_DECAY:
-        lg = tl.load(LOG2G + h)
-        w_cc = tl.exp2(tl.where(tri, (rc[:, None] - rc[None, :]).to(tl.float32) * lg, float("-inf")))
-        q_dec = tl.exp2((rc + 1).to(tl.float32) * lg)
-        k_dec = tl.exp2((BC - 1 - rc).to(tl.float32) * lg)
-        step = tl.exp2(BC * lg)
+    w_cc, q_dec, k_dec, step = chunk_decay(LOG2G, h, BC, HAS_DECAY)
     R = tl.zeros([BM, BV], dtype=tl.float32)
     r = tl.zeros([BM], dtype=tl.float32)
     n_chunks = tl.cdiv(Nk, BC)
     for t in range(0, n_chunks):
-        c0 = (n_chunks - 1 - t) * BC
-        pos = c0 + rc
-        k_in = pos < Nk
-        qi = pos - off
-        q_in = (qi >= 0) & k_in
-        row = pid_bh * Nq + qi
-        keep_ok = k_in
-        if HAS_KEEP:
-            keep = tl.load(KEEP + b * Nk + pos, mask=k_in, other=0)
-            keep_ok = keep_ok & (keep != 0)
+        pos, k_in, qi, q_in = chunk_rows((n_chunks - 1 - t) * BC, Nq, Nk, BC)
+        keep_ok = kept(KEEP + b * Nk, pos, k_in, HAS_KEEP)
         # the query side: φ(q) on this program's features, dn on its values
-        qx = tl.load(q_base + qi[:, None] * s_qn + rm[None, :], mask=q_in[:, None] & m_ok[None, :], other=0.0)
-        fq = tl.where(q_in[:, None] & m_ok[None, :], phi(qx.to(tl.float32), FMAP), 0.0)
-        dn = tl.load(DN + row[:, None] * Dv + rv[None, :], mask=q_in[:, None] & v_ok[None, :], other=0.0)
+        fq = load_phi(Q + b * s_qb + h * s_qh, qi, s_qn, rm, q_in, m_ok, FMAP)
+        dn = load_tile(DN + pid_bh * Nq * Dv, qi, Dv, rv, q_in, v_ok)
         if HAS_DD:
-            dd = tl.load(DD + row, mask=q_in, other=0.0)
+            dd = tl.load(DD + pid_bh * Nq + qi, mask=q_in, other=0.0)
         if FOR_K:
-            vx = tl.load(v_base + pos[:, None] * s_vn + rv[None, :], mask=k_in[:, None] & v_ok[None, :], other=0.0)
-            vx = vx.to(tl.float32)
+            vx = load_tile(V + b * s_vb + (h // GV) * s_vh, pos, s_vn, rv, k_in, v_ok).to(tl.float32)
             P = dot(dn, tl.trans(vx), LOWP, DT)  # [C_i, C_j]
             if HAS_DD:
                 P = P + dd[:, None]
-            if HAS_DECAY:
-                P = P * w_cc
-            else:
-                P = tl.where(tri, P, 0.0)
-            dfk = dot(tl.trans(P), fq, LOWP, DT)
-            inter = dot(vx, tl.trans(R), LOWP, DT) + r[None, :]
-            if HAS_DECAY:
-                dfk = dfk + k_dec[:, None] * inter
-            else:
-                dfk = dfk + inter
-            kx = tl.load(k_base + pos[:, None] * s_kn + rm[None, :], mask=k_in[:, None] & m_ok[None, :], other=0.0)
-            dk = dfk * _dphi(kx.to(tl.float32), FMAP)
-            dk = tl.where(keep_ok[:, None], dk, 0.0)
-            tl.store(DK + (pid_bh * Nk + pos)[:, None] * M + rm[None, :], dk, mask=k_in[:, None] & m_ok[None, :])
+            dfk = dot(tl.trans(causal_weights(P, w_cc, HAS_DECAY)), fq, LOWP, DT)
+            dfk += decayed(dot(vx, tl.trans(R), LOWP, DT) + r[None, :], k_dec, HAS_DECAY)
+            kx = load_tile(k_base, pos, s_kn, rm, k_in, m_ok)
+            dk = tl.where(keep_ok[:, None], dfk * dphi(kx.to(tl.float32), FMAP), 0.0)
+            store_tile(DK + pid_bh * Nk * M, pos, M, rm, k_in, m_ok, dk)
         else:
-            kx = tl.load(k_base + pos[:, None] * s_kn + rm[None, :], mask=k_in[:, None] & m_ok[None, :], other=0.0)
-            fk = tl.where(keep_ok[:, None] & m_ok[None, :], phi(kx.to(tl.float32), FMAP), 0.0)
-            A = dot(fq, tl.trans(fk), LOWP, DT)
-            if HAS_DECAY:
-                A = A * w_cc
-            else:
-                A = tl.where(tri, A, 0.0)
-            dv = dot(tl.trans(A), dn, LOWP, DT)
-            if HAS_DECAY:
-                dv = dv + k_dec[:, None] * dot(fk, R, LOWP, DT)
-            else:
-                dv = dv + dot(fk, R, LOWP, DT)
-            tl.store(DV + (pid_bh * Nk + pos)[:, None] * Dv + rv[None, :], dv, mask=k_in[:, None] & v_ok[None, :])
-        if HAS_DECAY:
-            fq = fq * q_dec[:, None]
-            R = R * step + dot(tl.trans(fq), dn, LOWP, DT)
-            if HAS_DD:
-                r = r * step + tl.sum(fq * dd[:, None], axis=0)
-        else:
-            R = R + dot(tl.trans(fq), dn, LOWP, DT)
-            if HAS_DD:
-                r = r + tl.sum(fq * dd[:, None], axis=0)
+            fk = load_phi(k_base, pos, s_kn, rm, keep_ok, m_ok, FMAP)
+            A = causal_weights(dot(fq, tl.trans(fk), LOWP, DT), w_cc, HAS_DECAY)
+            dv = dot(tl.trans(A), dn, LOWP, DT) + decayed(dot(fk, R, LOWP, DT), k_dec, HAS_DECAY)
+            store_tile(DV + pid_bh * Nk * Dv, pos, Dv, rv, k_in, v_ok, dv)
+        fq_out = decayed(fq, q_dec, HAS_DECAY)
+        R = carry(R, fq_out, dn, step, HAS_DECAY, LOWP, DT)
+        if HAS_DD:
+            r = carry_sum(r, fq_out * dd[:, None], step, HAS_DECAY)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,12 +299,6 @@ def _blocks(M: int, Dv: int, BH: int) -> tuple[int, int, int, int]:
     return 64, min(split, pow2(M)), min(split, pow2(Dv)), 8 if max(M, Dv) >= 128 else 4
 
 
-def _keep_arg(keep: Optional[Tensor], like: Tensor) -> tuple[Tensor, bool]:
-    if keep is None:
-        return like, False
-    return keep.to(torch.int8).contiguous(), True
-
-
 def chunk_forward(q, k, v, keep, log2g, fmap: int, normalize: bool, scale: float, eps: float, wrap: bool):
     """q [B, H, Nq, M], k [B, Hk, Nk, M], v [B, Hv, Nk, Dv] -> (out [B, H, Nq, Dv] in q's dtype,
     den [B, H, Nq] fp32, the normaliser incl. eps; zeros when not normalize)."""
@@ -359,13 +308,9 @@ def chunk_forward(q, k, v, keep, log2g, fmap: int, normalize: bool, scale: float
     BC, _, BV, nw = _blocks(M, Dv, B * H)
     out = torch.zeros(B, H, Nq, Dv, device=q.device, dtype=q.dtype)
     den = torch.zeros(B, H, Nq, device=q.device, dtype=torch.float32)
-    keep_t, has_keep = _keep_arg(keep, q)
-    lg = q if log2g is None else log2g
-    grid = (B * H, triton.cdiv(Dv, BV))
-    launcher(_chunk_fwd_kernel, wrap)[grid](
-        q, k, v, keep_t, lg, out, den,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+    keep_t, has_keep = keep_arg(keep, q)
+    launcher(_chunk_fwd_kernel, wrap)[(B * H, triton.cdiv(Dv, BV))](
+        q, k, v, keep_t, q if log2g is None else log2g, out, den, *row_strides(q, k, v, out),
         H, Nq, Nk, M, Dv, H // k.shape[1], H // v.shape[1], scale, eps,
         FMAP=fmap, HAS_KEEP=has_keep, HAS_DECAY=log2g is not None, NORMALIZE=normalize,
         LOWP=low_precision(q.dtype), BC=BC, BM=pow2(M), BV=BV, num_warps=nw,
@@ -389,14 +334,12 @@ def chunk_backward(g, q, k, v, keep, log2g, out, den, fmap: int, normalize: bool
     else:
         dn = (g * scale).contiguous()
         dd = dn  # unused (HAS_DD=False)
-    keep_t, has_keep = _keep_arg(keep, q)
+    keep_t, has_keep = keep_arg(keep, q)
     lg = q if log2g is None else log2g
     dq = torch.zeros(B, H, Nq, M, device=q.device, dtype=torch.float32)
     dk = torch.zeros(B, H, Nk, M, device=q.device, dtype=torch.float32)
     dv = torch.zeros(B, H, Nk, Dv, device=q.device, dtype=torch.float32)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2))
-    shape = (H, Nq, Nk, M, Dv, H // Hk, H // Hv)
+    strides, shape = row_strides(q, k, v), (H, Nq, Nk, M, Dv, H // Hk, H // Hv)
     flags = dict(FMAP=fmap, HAS_KEEP=has_keep, HAS_DECAY=log2g is not None, HAS_DD=normalize,
                  LOWP=low_precision(q.dtype), BC=BC, num_warps=nw)
     launcher(_dq_kernel, wrap)[(B * H, triton.cdiv(M, BMs))](

@@ -9,16 +9,22 @@ Two launch paths, chosen per call:
 
 Nothing here touches a driver at import time, so importing a form's `triton` module works on a CPU-only
 machine; a call without either path raises one clear line (`require_runtime`).
+
+Besides the paths: the checks every form's entry point makes (`checked_call`, `shared_checks`), the
+default scale, and the host side of a launch (`dims`, `row_strides`, `keep_arg`, `launch`).
 """
 
 from __future__ import annotations
 
+import math
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
 from torch import Tensor
+
+from attnopt.kernels.layout import check_sdpa_inputs
 
 FMAP_CODES = {"identity": 0, "elu": 1, "relu": 2}  # the maps fused into the kernels' loads
 
@@ -38,6 +44,72 @@ def require_runtime(who: str, q: Tensor) -> None:
             f"{who}: the Triton kernels need CUDA tensors (got {q.device}); set TRITON_INTERPRET=1 "
             "before importing triton to run them on the CPU interpreter"
         )
+
+
+def checked_call(who: str, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
+                 reason: Callable[[], Optional[str]], causal: Optional[str] = None) -> None:
+    """What every entry point checks before it launches, in this order: the SDPA layout (and Nq <= Nk
+    for a causal op, `causal` naming what it computes), a launch path, then the kernels' own limits
+    (`reason()`, asked only once the layout holds). Each failure raises one line."""
+    check_sdpa_inputs(who, q, k, v, key_mask)
+    if causal is not None and q.shape[2] > k.shape[2]:
+        raise ValueError(f"{who}: {q.shape[2]} queries but only {k.shape[2]} keys; {causal} is causal and needs "
+                         "Nq <= Nk (queries are the last Nq positions)")
+    require_runtime(who, q)
+    why = reason()
+    if why:
+        raise ValueError(why)
+
+
+def shared_checks(own: Callable[..., Optional[str]]) -> Callable[..., Optional[str]]:
+    """A form's `unsupported(q, **kwargs)`: the checks every form's kernels share (`call_unsupported`),
+    then the form's own limits `own(q, **kwargs)`; None when the kernels can run the call."""
+
+    def unsupported(q: Tensor, **kwargs) -> Optional[str]:
+        return call_unsupported(q, kwargs.get("k")) or own(q, **kwargs)
+
+    unsupported.__doc__ = (f"None if these kernels can run the reference op's call (its keywords, plus k= to "
+                           f"check the key length), else a one-line reason: `call_unsupported`, then `{own.__name__}`.")
+    return unsupported
+
+
+def int_at_least(who: str, name: str, value, minimum: int) -> int:
+    """`value` when it is an int (not a bool) >= minimum; else one line naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{who}: {name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def scale_or_default(q: Tensor, scale: Optional[float]) -> float:
+    """The score scale: 1/sqrt(D) unless given."""
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def dims(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int, int, int, int, int]:
+    """(B, H, Hkv, Nq, Nk, D, Dv) of SDPA-layout inputs (Hkv: k's heads; D: q's and k's last dim)."""
+    B, H, Nq, D = q.shape
+    return B, H, k.shape[1], Nq, k.shape[2], D, v.shape[3]
+
+
+def row_strides(*tensors: Tensor) -> tuple[int, ...]:
+    """Each [B, heads, N, dim] tensor's batch, head and row strides, in order: the kernels' s_xb, s_xh,
+    s_xn arguments (the last dim is contiguous)."""
+    return tuple(s for t in tensors for s in t.stride()[:3])
+
+
+def keep_arg(key_mask: Optional[Tensor], like: Tensor) -> tuple[Tensor, bool]:
+    """(KEEP, HAS_KEEP): the key mask as int8 [B, Nk], or without one `like`, which the kernels never read."""
+    if key_mask is None:
+        return like, False
+    return key_mask.to(torch.int8).contiguous(), True
+
+
+def launch(op: str, forward: Callable, *args):
+    """The result of the op `attnopt_triton::<op>` on the path this call takes: under the interpreter
+    `forward(*args, wrap=False)` launches the raw kernels, on CUDA the registered triton_op runs."""
+    if interpreting():
+        return forward(*args, wrap=False)
+    return getattr(torch.ops.attnopt_triton, op)(*args)
 
 
 def launcher(kernel, wrap: bool):

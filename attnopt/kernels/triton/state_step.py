@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from attnopt.kernels.triton.chunk_scan import phi
 from attnopt.kernels.triton.runtime import pow2, require_runtime
+from attnopt.kernels.triton.tiles import phi
 
 
 @triton.jit
