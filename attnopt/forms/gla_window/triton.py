@@ -22,28 +22,13 @@ from torch import Tensor
 
 from attnopt.forms.gla.triton import MAX_FEATURES
 from attnopt.forms.gla.triton import gated_linear_attention as gla_kernel
-from attnopt.forms.gla_window.reference import (
-    beta_tensor,
-    check_inputs,
-    combine,
-    window_gate_sums,
-)
+from attnopt.forms.gla_window.reference import beta_tensor, check_inputs, combine, window_gate_sums
 from attnopt.forms.window.reference import sink_key_mask
 from attnopt.forms.window.triton import window_forward, window_unsupported
-from attnopt.kernels.triton.band import sink_range
-from attnopt.kernels.triton.runtime import (
-    call_unsupported,
-    interpreting,
-    require_runtime,
-)
+from attnopt.kernels.triton.band import clamp_window, sink_range
+from attnopt.kernels.triton.runtime import launch, require_runtime, scale_or_default, shared_checks
 
 __all__ = ["gla_window_attention", "unsupported", "gla_window_unsupported"]
-
-
-def unsupported(q: Tensor, **kwargs) -> Optional[str]:
-    """None if these kernels can run the reference op's call (its keywords, plus k= to check the key
-    length), else a one-line reason; the reference op's CUDA dispatch asks it before handing over."""
-    return call_unsupported(q, kwargs.get("k")) or gla_window_unsupported(q, **kwargs)
 
 
 def gla_window_unsupported(q: Tensor, phi_q=None, phi_k=None, g=None, k=None, v=None, linear_weight=None,
@@ -61,6 +46,9 @@ def gla_window_unsupported(q: Tensor, phi_q=None, phi_k=None, g=None, k=None, v=
     return None
 
 
+unsupported = shared_checks(gla_window_unsupported)
+
+
 def window_seen(keep_BN: Tensor, Nq: int, window: int, sinks: int) -> Tensor:
     """Bool [B, Nq]: the query's window holds a kept key (its band, or a sink before it)."""
     Nk = keep_BN.shape[1]
@@ -73,21 +61,9 @@ def window_seen(keep_BN: Tensor, Nq: int, window: int, sinks: int) -> Tensor:
     return seen
 
 
-def gla_window_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    phi_q: Tensor,
-    phi_k: Tensor,
-    g: Tensor,
-    *,
-    window: int,
-    sinks: int = 0,
-    scale: Optional[float] = None,
-    linear_weight: Union[float, Tensor] = 1.0,
-    key_mask: Optional[Tensor] = None,
-    chunk_size: int = 64,
-) -> Tensor:
+def gla_window_attention(q: Tensor, k: Tensor, v: Tensor, phi_q: Tensor, phi_k: Tensor, g: Tensor, *, window: int,
+                         sinks: int = 0, scale: Optional[float] = None, linear_weight: Union[float, Tensor] = 1.0,
+                         key_mask: Optional[Tensor] = None, chunk_size: int = 64) -> Tensor:
     """`attnopt.forms.gla_window.reference.gla_window_attention` (forward) on the window and GLA
     Triton kernels; same arguments and result. `chunk_size` is accepted for compatibility."""
     who = "gla_window_attention"
@@ -97,14 +73,11 @@ def gla_window_attention(
     reason = unsupported(q, k=k, v=v, phi_q=phi_q, phi_k=phi_k, g=g, linear_weight=beta)
     if reason:
         raise ValueError(reason)
-    B, H, Nq, D = q.shape
-    Nk = k.shape[2]
-    s = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    B, Nq, Nk = q.shape[0], q.shape[2], k.shape[2]
     keep = torch.ones(B, Nk, dtype=torch.bool, device=q.device) if key_mask is None else key_mask
-    w = min(window, Nk + Nq + 1)  # a wider window sees nothing more (keeps int32)
     sinkr = sink_range(key_mask, B, Nk, sinks, q.device)
-    args = (q, k, v, key_mask, sinkr, w, True, s)
-    o_w, lse2 = window_forward(*args, wrap=False) if interpreting() else torch.ops.attnopt_triton.window(*args)
+    o_w, lse2 = launch("window", window_forward, q, k, v, key_mask, sinkr, clamp_window(window, Nq, Nk), True,
+                       scale_or_default(q, scale))
     lse = torch.where(window_seen(keep, Nq, window, sinks)[:, None, :], lse2.float() * math.log(2.0), float("-inf"))
 
     g4 = (g if g.dim() == 4 else g[..., None]).float() * keep[:, None, :, None]

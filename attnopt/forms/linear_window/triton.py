@@ -26,7 +26,6 @@ PyTorch reference for now.
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Union
 
 import torch
@@ -36,21 +35,21 @@ from torch import Tensor
 from torch.library import triton_op
 
 from attnopt.kernels.feature_maps import FeatureMap, make_feature_map
-from attnopt.kernels.layout import check_sdpa_inputs
-from attnopt.kernels.triton.band import LOG2E, key_range, sink_range, visible
-from attnopt.kernels.triton.chunk_scan import dot, phi
-from attnopt.kernels.triton.runtime import (
-    FMAP_CODES,
-    call_unsupported,
-    concrete,
-    interpreting,
-    launcher,
-    low_precision,
-    pow2,
-    require_runtime,
-)
+from attnopt.kernels.triton.band import LOG2E, band_keys, band_part, band_queries, clamp_window, sink_range, sinks_of
+from attnopt.kernels.triton.chunk_scan import carry, key_features
+from attnopt.kernels.triton.runtime import FMAP_CODES, checked_call, concrete, dims, int_at_least, interpreting
+from attnopt.kernels.triton.runtime import keep_arg, launcher, low_precision, pow2, row_strides, scale_or_default
+from attnopt.kernels.triton.runtime import shared_checks
+from attnopt.kernels.triton.softmax import attend, softmax_init
+from attnopt.kernels.triton.tiles import dot, kept, load_phi, load_tile, program_head, span, store_tile
 
 MAX_FEATURES = 128
+
+
+@triton.jit
+def _boundary_state(SP, ZP, row, M, Dv, rm, m_ok, rv, v_ok):
+    """(S [BM, BV], z [BM]) of one block boundary: row (b·Hf + hf)·(NC + 1) + c of SP / ZP."""
+    return load_tile(SP + row * M * Dv, rm, Dv, rv, m_ok, v_ok), tl.load(ZP + row * M + rm, mask=m_ok, other=0.0)
 
 
 @triton.jit
@@ -61,40 +60,23 @@ def _prefix_state_kernel(
     FMAP: tl.constexpr, HAS_KEEP: tl.constexpr, LOWP: tl.constexpr,
     BK: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    b = pid_bh // Hf
-    hf = pid_bh % Hf
-    DT = FK.dtype.element_ty
-    rk = tl.arange(0, BK)
-    rm = tl.arange(0, BM)
-    rv = pid_v * BV + tl.arange(0, BV)
-    m_ok = rm < M
-    v_ok = rv < Dv
-    s0 = tl.load(SINK + 2 * b)
-    s1 = tl.load(SINK + 2 * b + 1)
-    k_base = FK + b * s_kb + hf * s_kh
-    v_base = V + b * s_vb + (hf // RKV) * s_vh
+    pid_bh, b, hf = program_head(Hf)
+    rm, m_ok = span(0, M, BM)
+    rv, v_ok = span(tl.program_id(1) * BV, Dv, BV)
+    s0, s1 = sinks_of(SINK, b)
     S = tl.zeros([BM, BV], dtype=tl.float32)
     z = tl.zeros([BM], dtype=tl.float32)
-    for c in range(0, NC):
-        base = pid_bh * (NC + 1) + c
-        tl.store(SP + (base * M + rm)[:, None] * Dv + rv[None, :], S, mask=m_ok[:, None] & v_ok[None, :])
-        if pid_v == 0:
-            tl.store(ZP + base * M + rm, z, mask=m_ok)
-        j = c * BK + rk
-        ok = (j < Nk) & ~((j >= s0) & (j < s1))
-        if HAS_KEEP:
-            ok = ok & (tl.load(KEEP + b * Nk + j, mask=j < Nk, other=0) != 0)
-        kx = tl.load(k_base + j[:, None] * s_kn + rm[None, :], mask=(j < Nk)[:, None] & m_ok[None, :], other=0.0)
-        fk = tl.where(ok[:, None] & m_ok[None, :], phi(kx.to(tl.float32), FMAP), 0.0)
-        vx = tl.load(v_base + j[:, None] * s_vn + rv[None, :], mask=(j < Nk)[:, None] & v_ok[None, :], other=0.0)
-        S += dot(tl.trans(fk), vx.to(tl.float32), LOWP, DT)
+    for c in range(0, NC + 1):
+        row = pid_bh * (NC + 1) + c
+        store_tile(SP + row * M * Dv, rm, Dv, rv, m_ok, v_ok, S)
+        if tl.program_id(1) == 0:
+            tl.store(ZP + row * M + rm, z, mask=m_ok)
+        j, j_in = span(c * BK, Nk, BK)
+        ok = kept(KEEP + b * Nk, j, j_in & ~((j >= s0) & (j < s1)), HAS_KEEP)  # sinks are always window keys
+        fk, vx = key_features(FK + b * s_kb + hf * s_kh, s_kn, V + b * s_vb + (hf // RKV) * s_vh, s_vn, j, ok,
+                              rm, m_ok, rv, v_ok, FMAP)
+        S = carry(S, fk, vx, 1.0, False, LOWP, FK.dtype.element_ty)
         z += tl.sum(fk, axis=0)
-    base = pid_bh * (NC + 1) + NC
-    tl.store(SP + (base * M + rm)[:, None] * Dv + rv[None, :], S, mask=m_ok[:, None] & v_ok[None, :])
-    if pid_v == 0:
-        tl.store(ZP + base * M + rm, z, mask=m_ok)
 
 
 @triton.jit
@@ -106,90 +88,42 @@ def _hybrid_fwd_kernel(
     CAUSAL: tl.constexpr, FMAP: tl.constexpr, HAS_KEEP: tl.constexpr, LOWP: tl.constexpr,
     BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    pid_q = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    _, b, h = program_head(H)
     DT = Q.dtype.element_ty
-    off = Nk - Nq
-    rq = pid_q * BQ + tl.arange(0, BQ)
-    rk = tl.arange(0, BK)
-    rd = tl.arange(0, BD)
-    rm = tl.arange(0, BM)
-    rv = tl.arange(0, BV)
-    q_ok = rq < Nq
-    d_ok = rd < D
-    m_ok = rm < M
-    v_ok = rv < Dv
-    p = off + rq
-    s0 = tl.load(SINK + 2 * b)
-    s1 = tl.load(SINK + 2 * b + 1)
-    beta = tl.load(BETA + h)
-    k_base = K + b * s_kb + (h // G) * s_kh
-    v_base = V + b * s_vb + (h // G) * s_vh
-    fk_base = FK + b * s_fkb + (h // GF) * s_fkh
-    qx = tl.load(Q + b * s_qb + h * s_qh + rq[:, None] * s_qn + rd[None, :], mask=q_ok[:, None] & d_ok[None, :], other=0.0)
-    if not LOWP:
-        qx = qx.to(tl.float32)
-    fqx = tl.load(FQ + b * s_fqb + h * s_fqh + rq[:, None] * s_fqn + rm[None, :], mask=q_ok[:, None] & m_ok[None, :], other=0.0)
-    fq = tl.where(q_ok[:, None] & m_ok[None, :], phi(fqx.to(tl.float32), FMAP), 0.0)
-    m = tl.full([BQ], -1.0e30, dtype=tl.float32)
-    l = tl.zeros([BQ], dtype=tl.float32)
-    acc = tl.zeros([BQ, BV], dtype=tl.float32)
-    p_lo = off + pid_q * BQ
-    p_hi = off + tl.minimum(pid_q * BQ + BQ, Nq) - 1
-    band_lo, band_hi = key_range(p_lo, p_hi, Nk, W, BK, CAUSAL)
+    rq, q_ok, p, band_lo, band_hi, s0, s1 = band_queries(SINK, b, tl.program_id(1), Nq, Nk, W, BQ, BK, CAUSAL)
     band_end = tl.maximum(tl.cdiv(band_hi, BK), band_lo // BK)  # blocks the band loop covers: [band_lo/BK, band_end)
+    rd, d_ok = span(0, D, BD)
+    rm, m_ok = span(0, M, BM)
+    rv, v_ok = span(0, Dv, BV)
+    qx = load_tile(Q + b * s_qb + h * s_qh, rq, s_qn, rd, q_ok, d_ok)
+    fq = load_phi(FQ + b * s_fqb + h * s_fqh, rq, s_fqn, rm, q_ok, m_ok, FMAP)
     # linear part from the block-boundary states: keys left of the band (and right of it, bidirectional)
-    st_base = (b * Hf + h // GF) * (NC + 1)
-    mv = m_ok[:, None] & v_ok[None, :]
-    S_l = tl.load(SP + ((st_base + band_lo // BK) * M + rm)[:, None] * Dv + rv[None, :], mask=mv, other=0.0)
-    z_l = tl.load(ZP + (st_base + band_lo // BK) * M + rm, mask=m_ok, other=0.0)
+    st_row = (b * Hf + h // GF) * (NC + 1)
+    S_l, z_l = _boundary_state(SP, ZP, st_row + band_lo // BK, M, Dv, rm, m_ok, rv, v_ok)
     if not CAUSAL:
-        S_l += tl.load(SP + ((st_base + NC) * M + rm)[:, None] * Dv + rv[None, :], mask=mv, other=0.0)
-        S_l -= tl.load(SP + ((st_base + band_end) * M + rm)[:, None] * Dv + rv[None, :], mask=mv, other=0.0)
-        z_l += tl.load(ZP + (st_base + NC) * M + rm, mask=m_ok, other=0.0)
-        z_l -= tl.load(ZP + (st_base + band_end) * M + rm, mask=m_ok, other=0.0)
+        S_all, z_all = _boundary_state(SP, ZP, st_row + NC, M, Dv, rm, m_ok, rv, v_ok)
+        S_end, z_end = _boundary_state(SP, ZP, st_row + band_end, M, Dv, rm, m_ok, rv, v_ok)
+        S_l = S_l + S_all - S_end
+        z_l = z_l + z_all - z_end
     lin_num = dot(fq, S_l, LOWP, DT)
     lin_den = tl.sum(fq * z_l[None, :], axis=1)
-    sink_hi = tl.minimum(s1, band_lo)
+    m, l, acc = softmax_init(BQ, BV)
     for part in range(0, 2):
-        if part == 0:
-            j_start = (s0 // BK) * BK
-            j_end = sink_hi
-        else:
-            j_start = band_lo
-            j_end = band_end * BK
+        j_start, j_end = band_part(part, s0, s1, band_lo, band_end * BK, BK)
         for j0 in range(j_start, j_end, BK):
-            j = j0 + rk
-            j_in = j < Nk
-            if HAS_KEEP:
-                keep_j = tl.load(KEEP + b * Nk + j, mask=j_in, other=0) != 0
-            else:
-                keep_j = j_in
-            kx = tl.load(k_base + j[:, None] * s_kn + rd[None, :], mask=j_in[:, None] & d_ok[None, :], other=0.0)
-            vx = tl.load(v_base + j[:, None] * s_vn + rv[None, :], mask=j_in[:, None] & v_ok[None, :], other=0.0)
-            s = dot(qx, tl.trans(kx), LOWP, DT) * scale2
-            vis = visible(p, j, keep_j, s0, s1, Nk, W, CAUSAL)
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            pr = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m - m_new)
-            l = l * alpha + tl.sum(pr, axis=1)
-            acc = acc * alpha[:, None] + dot(pr, vx, LOWP, DT)
-            m = m_new
+            j, kx, vx, keep_j, vis = band_keys(K, V, KEEP, b, h // G, j0, p, s0, s1, s_kb, s_kh, s_kn, s_vb, s_vh,
+                                               s_vn, Nk, D, Dv, W, CAUSAL, HAS_KEEP, BK, BD, BV)
+            m, l, acc = attend(qx, kx, vx, vis, m, l, acc, scale2, LOWP, DT)
             if part == 1:  # allowed, kept keys of the band blocks outside the window: linear part
+                lin = keep_j[None, :] & ~vis
                 if CAUSAL:
-                    lin = (p[:, None] >= j[None, :]) & (keep_j & j_in)[None, :] & ~vis
-                else:
-                    lin = (keep_j & j_in)[None, :] & ~vis
-                fkx = tl.load(fk_base + j[:, None] * s_fkn + rm[None, :], mask=j_in[:, None] & m_ok[None, :], other=0.0)
-                fk = tl.where(j_in[:, None] & m_ok[None, :], phi(fkx.to(tl.float32), FMAP), 0.0)
+                    lin = lin & (p[:, None] >= j[None, :])
+                fk = load_phi(FK + b * s_fkb + (h // GF) * s_fkh, j, s_fkn, rm, j < Nk, m_ok, FMAP)
                 a = tl.where(lin, dot(fq, tl.trans(fk), LOWP, DT), 0.0)
                 lin_num += dot(a, vx, LOWP, DT)
                 lin_den += tl.sum(a, axis=1)
     # one normaliser: shift both parts by c = max(m, log2(β·den_L)) so every weight is <= 1
-    lw = beta * lin_den
+    lw = tl.load(BETA + h) * lin_den
     has_lin = lw > 0.0
     lg_lw = tl.where(has_lin, tl.log2(tl.where(has_lin, lw, 1.0)), -1.0e30)
     c = tl.maximum(m, lg_lw)
@@ -199,8 +133,7 @@ def _hybrid_fwd_kernel(
     num = acc * a_w[:, None] + lin_avg * r[:, None]
     den = l * a_w + r
     out = tl.where((den > 0.0)[:, None], num / tl.where(den > 0.0, den, 1.0)[:, None], 0.0)
-    tl.store(O + b * s_ob + h * s_oh + rq[:, None] * s_on + rv[None, :], out.to(O.dtype.element_ty),
-             mask=q_ok[:, None] & v_ok[None, :])
+    store_tile(O + b * s_ob + h * s_oh, rq, s_on, rv, q_ok, v_ok, out)
 
 
 def _blocks(D: int, M: int, Dv: int) -> tuple[int, int, int]:
@@ -211,28 +144,24 @@ def _blocks(D: int, M: int, Dv: int) -> tuple[int, int, int]:
 
 def hybrid_forward(q, k, v, fq, fk, keep, sinkr, beta, window: int, causal: bool, fmap: int, scale: float, wrap: bool):
     q, k, v, fq, fk = (t.contiguous() for t in (q, k, v, fq, fk))
-    B, H, Nq, D = q.shape
-    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    B, H, Hkv, Nq, Nk, D, Dv = dims(q, k, v)
     Hf, M = fk.shape[1], fk.shape[3]
     BQ, BK, nw = _blocks(D, M, Dv)
     NC = triton.cdiv(Nk, BK)
     BV = min(64, pow2(Dv))
-    keep_t = q if keep is None else keep.to(torch.int8).contiguous()
+    keep_t, has_keep = keep_arg(keep, q)
     lowp = low_precision(q.dtype)
     SP = torch.empty(B, Hf, NC + 1, M, Dv, device=q.device, dtype=torch.float32)
     ZP = torch.empty(B, Hf, NC + 1, M, device=q.device, dtype=torch.float32)
     launcher(_prefix_state_kernel, wrap)[(B * Hf, triton.cdiv(Dv, BV))](
-        fk, v, keep_t, sinkr, SP, ZP, fk.stride(0), fk.stride(1), fk.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        Hf, Nk, M, Dv, Hf // Hkv, NC, FMAP=fmap, HAS_KEEP=keep is not None, LOWP=lowp, BK=BK, BM=pow2(M), BV=BV,
+        fk, v, keep_t, sinkr, SP, ZP, *row_strides(fk, v), Hf, Nk, M, Dv, Hf // Hkv, NC,
+        FMAP=fmap, HAS_KEEP=has_keep, LOWP=lowp, BK=BK, BM=pow2(M), BV=BV,
     )
     out = torch.empty(B, H, Nq, Dv, device=q.device, dtype=q.dtype)
     launcher(_hybrid_fwd_kernel, wrap)[(B * H, triton.cdiv(Nq, BQ))](
-        q, k, v, fq, fk, keep_t, sinkr, SP, ZP, beta, out,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        fq.stride(0), fq.stride(1), fq.stride(2), fk.stride(0), fk.stride(1), fk.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
+        q, k, v, fq, fk, keep_t, sinkr, SP, ZP, beta, out, *row_strides(q, k, v, fq, fk, out),
         H, Hf, Nq, Nk, D, M, Dv, H // Hkv, H // Hf, window, scale * LOG2E, NC,
-        CAUSAL=causal, FMAP=fmap, HAS_KEEP=keep is not None, LOWP=lowp,
+        CAUSAL=causal, FMAP=fmap, HAS_KEEP=has_keep, LOWP=lowp,
         BQ=BQ, BK=BK, BD=pow2(D), BM=pow2(M), BV=pow2(Dv), num_warps=nw,
     )
     return out
@@ -266,10 +195,8 @@ class _HybridInterpreted(torch.autograd.Function):
         _no_backward(ctx, g)
 
 
-def unsupported(q: Tensor, **kwargs) -> Optional[str]:
-    """None if these kernels can run the reference op's call (its keywords, plus k= to check the key
-    length), else a one-line reason; the reference op's CUDA dispatch asks it before handing over."""
-    return call_unsupported(q, kwargs.get("k")) or linear_window_unsupported(q, **kwargs)
+def _linear_window(*args) -> Tensor:
+    return _HybridInterpreted.apply(*args) if interpreting() else _linear_window_op(*args)
 
 
 def linear_window_unsupported(q: Tensor, feature_map="elu", **_) -> Optional[str]:
@@ -287,37 +214,24 @@ def linear_window_unsupported(q: Tensor, feature_map="elu", **_) -> Optional[str
     return None
 
 
-def linear_window_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    window: int,
-    sinks: int = 0,
-    causal: bool,
-    feature_map: Union[str, FeatureMap] = "elu",
-    scale: Optional[float] = None,
-    linear_weight: Union[float, Tensor] = 1.0,
-    key_mask: Optional[Tensor] = None,
-) -> Tensor:
+unsupported = shared_checks(linear_window_unsupported)
+
+
+def linear_window_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int, sinks: int = 0, causal: bool,
+                            feature_map: Union[str, FeatureMap] = "elu", scale: Optional[float] = None,
+                            linear_weight: Union[float, Tensor] = 1.0, key_mask: Optional[Tensor] = None) -> Tensor:
     """Forward of the linear + window hybrid on the Triton kernels (see the module docstring)."""
-    check_sdpa_inputs("linear_window_attention", q, k, v, key_mask)
-    require_runtime("linear_window_attention", q)
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"linear_window_attention: window must be an int >= 1, got {window!r}")
-    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-        raise ValueError(f"linear_window_attention: sinks must be an int >= 0, got {sinks!r}")
+    who = "linear_window_attention"
+    checked_call(who, q, k, v, key_mask, lambda: linear_window_unsupported(q.detach(), feature_map))
+    window, sinks = int_at_least(who, "window", window, 1), int_at_least(who, "sinks", sinks, 0)
     name = feature_map.name if isinstance(feature_map, FeatureMap) else feature_map
-    reason = linear_window_unsupported(q.detach(), feature_map)
-    if reason:
-        raise ValueError(reason)
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    s = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    s = scale_or_default(q, scale)
     beta = torch.as_tensor(linear_weight, dtype=torch.float32, device=q.device).reshape(-1)
     beta = (beta.expand(H) if beta.numel() == 1 else beta).contiguous()
     if tuple(beta.shape) != (H,) or (concrete(beta) and bool((beta < 0).any())):
-        raise ValueError(f"linear_window_attention: linear_weight must be a float or [H] = [{H}] values >= 0")
+        raise ValueError(f"{who}: linear_weight must be a float or [H] = [{H}] values >= 0")
     if name in ("elu", "relu"):
         fmap, fq, fk = FMAP_CODES[name], q, k
     else:
@@ -330,9 +244,5 @@ def linear_window_attention(
         fq = module.features(q.float(), s, weight).to(q.dtype)
         kr = k if not module.per_head else k.repeat_interleave(H // k.shape[1], dim=1)
         fk = module.features(kr.float(), s, weight).to(q.dtype)
-    window = min(window, Nk + abs(Nk - Nq) + Nq + 1)
     sinkr = sink_range(key_mask, B, Nk, sinks, q.device)
-    args = (q, k, v, fq, fk, key_mask, sinkr, beta, window, bool(causal), fmap, s)
-    if interpreting():
-        return _HybridInterpreted.apply(*args)
-    return torch.ops.attnopt_triton.linear_window(*args)
+    return _linear_window(q, k, v, fq, fk, key_mask, sinkr, beta, clamp_window(window, Nq, Nk), bool(causal), fmap, s)

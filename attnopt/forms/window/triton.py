@@ -26,7 +26,6 @@ dim, W window, BQ/BK query/key block.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -35,18 +34,14 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op
 
-from attnopt.kernels.layout import check_sdpa_inputs
-from attnopt.kernels.triton.band import LOG2E, key_range, sink_range, visible
-from attnopt.kernels.triton.chunk_scan import dot
-from attnopt.kernels.triton.runtime import (
-    call_unsupported,
-    interpreting,
-    launcher,
-    low_precision,
-    pow2,
-    require_runtime,
-)
+from attnopt.kernels.triton.band import LOG2E, band_keys, band_part, band_queries, clamp_window, sink_range, sinks_of
+from attnopt.kernels.triton.band import visible
+from attnopt.kernels.triton.differentiable import differentiable
+from attnopt.kernels.triton.runtime import checked_call, dims, int_at_least, interpreting, keep_arg, launcher
+from attnopt.kernels.triton.runtime import low_precision, pow2, row_strides, scale_or_default, shared_checks
+from attnopt.kernels.triton.softmax import attend, key_tile, softmax_init, softmax_out
 from attnopt.kernels.triton.state_step import check_one_token
+from attnopt.kernels.triton.tiles import dot, load_tile, program_head, span, store_tile
 
 
 @triton.jit
@@ -57,64 +52,38 @@ def _window_fwd_kernel(
     CAUSAL: tl.constexpr, HAS_KEEP: tl.constexpr, LOWP: tl.constexpr,
     BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    pid_q = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    DT = Q.dtype.element_ty
-    off = Nk - Nq
-    rq = pid_q * BQ + tl.arange(0, BQ)
-    rk = tl.arange(0, BK)
-    rd = tl.arange(0, BD)
-    rv = tl.arange(0, BV)
-    q_ok = rq < Nq
-    d_ok = rd < D
-    v_ok = rv < Dv
-    p = off + rq
-    s0 = tl.load(SINK + 2 * b)
-    s1 = tl.load(SINK + 2 * b + 1)
-    k_base = K + b * s_kb + (h // G) * s_kh
-    v_base = V + b * s_vb + (h // G) * s_vh
-    qx = tl.load(Q + b * s_qb + h * s_qh + rq[:, None] * s_qn + rd[None, :], mask=q_ok[:, None] & d_ok[None, :], other=0.0)
-    if not LOWP:
-        qx = qx.to(tl.float32)
-    m = tl.full([BQ], -1.0e30, dtype=tl.float32)
-    l = tl.zeros([BQ], dtype=tl.float32)
-    acc = tl.zeros([BQ, BV], dtype=tl.float32)
-    p_lo = off + pid_q * BQ
-    p_hi = off + tl.minimum(pid_q * BQ + BQ, Nq) - 1
-    band_lo, band_hi = key_range(p_lo, p_hi, Nk, W, BK, CAUSAL)
-    sink_hi = tl.minimum(s1, band_lo)  # sink blocks wholly before the band; the band loop sees the rest
+    pid_bh, b, h = program_head(H)
+    rq, q_ok, p, band_lo, band_hi, s0, s1 = band_queries(SINK, b, tl.program_id(1), Nq, Nk, W, BQ, BK, CAUSAL)
+    rd, d_ok = span(0, D, BD)
+    qx = load_tile(Q + b * s_qb + h * s_qh, rq, s_qn, rd, q_ok, d_ok)
+    m, l, acc = softmax_init(BQ, BV)
     for part in range(0, 2):
-        if part == 0:
-            j_start = (s0 // BK) * BK
-            j_end = sink_hi
-        else:
-            j_start = band_lo
-            j_end = band_hi
+        j_start, j_end = band_part(part, s0, s1, band_lo, band_hi, BK)
         for j0 in range(j_start, j_end, BK):
-            j = j0 + rk
-            j_in = j < Nk
-            if HAS_KEEP:
-                keep_j = tl.load(KEEP + b * Nk + j, mask=j_in, other=0) != 0
-            else:
-                keep_j = j_in
-            kx = tl.load(k_base + j[:, None] * s_kn + rd[None, :], mask=j_in[:, None] & d_ok[None, :], other=0.0)
-            vx = tl.load(v_base + j[:, None] * s_vn + rv[None, :], mask=j_in[:, None] & v_ok[None, :], other=0.0)
-            s = dot(qx, tl.trans(kx), LOWP, DT) * scale2
-            vis = visible(p, j, keep_j, s0, s1, Nk, W, CAUSAL)
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            pr = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m - m_new)
-            l = l * alpha + tl.sum(pr, axis=1)
-            acc = acc * alpha[:, None] + dot(pr, vx, LOWP, DT)
-            m = m_new
-    seen = l > 0.0
-    out = acc / tl.where(seen, l, 1.0)[:, None]
-    tl.store(O + b * s_ob + h * s_oh + rq[:, None] * s_on + rv[None, :], out.to(O.dtype.element_ty),
-             mask=q_ok[:, None] & v_ok[None, :])
-    tl.store(LSE + pid_bh * Nq + rq, tl.where(seen, m + tl.log2(tl.where(seen, l, 1.0)), 0.0), mask=q_ok)
+            _j, kx, vx, _keep, vis = band_keys(K, V, KEEP, b, h // G, j0, p, s0, s1, s_kb, s_kh, s_kn, s_vb, s_vh,
+                                               s_vn, Nk, D, Dv, W, CAUSAL, HAS_KEEP, BK, BD, BV)
+            m, l, acc = attend(qx, kx, vx, vis, m, l, acc, scale2, LOWP, Q.dtype.element_ty)
+    out, lse = softmax_out(m, l, acc)
+    rv, v_ok = span(0, Dv, BV)
+    store_tile(O + b * s_ob + h * s_oh, rq, s_on, rv, q_ok, v_ok, out)
+    tl.store(LSE + pid_bh * Nq + rq, lse, mask=q_ok)
+
+
+@triton.jit
+def _query_side(q_base, s_qn, DO, LSE, DELTA, bh, ri, i_ok, Nq, D, Dv, BD: tl.constexpr, BV: tl.constexpr):
+    """What the backward reads of the query rows ri of query head bh (pid b·H + h): (q, dO, lse, delta)."""
+    rd, d_ok = span(0, D, BD)
+    rv, v_ok = span(0, Dv, BV)
+    row = bh * Nq
+    return (load_tile(q_base, ri, s_qn, rd, i_ok, d_ok), load_tile(DO + row * Dv, ri, Dv, rv, i_ok, v_ok),
+            tl.load(LSE + row + ri, mask=i_ok, other=0.0), tl.load(DELTA + row + ri, mask=i_ok, other=0.0))
+
+
+@triton.jit
+def _score_grads(qx, kx, vx, do, lse, delta, vis, scale2, LOWP: tl.constexpr, DT: tl.constexpr):
+    """(P, dS) of one [queries, keys] tile: P = 2^(s − lse) where visible, dS = P ⊙ (dO·vᵀ − delta)."""
+    pr = tl.where(vis, tl.exp2(dot(qx, tl.trans(kx), LOWP, DT) * scale2 - lse[:, None]), 0.0)
+    return pr, pr * (dot(do, tl.trans(vx), LOWP, DT) - delta[:, None])
 
 
 @triton.jit
@@ -126,59 +95,20 @@ def _window_dq_kernel(
     BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
 ):
     """DO [B, H, Nq, Dv] (contiguous), LSE/DELTA [B, H, Nq] fp32 -> DQ [B, H, Nq, D] fp32."""
-    pid_bh = tl.program_id(0)
-    pid_q = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    pid_bh, b, h = program_head(H)
     DT = Q.dtype.element_ty
-    off = Nk - Nq
-    rq = pid_q * BQ + tl.arange(0, BQ)
-    rk = tl.arange(0, BK)
-    rd = tl.arange(0, BD)
-    rv = tl.arange(0, BV)
-    q_ok = rq < Nq
-    d_ok = rd < D
-    v_ok = rv < Dv
-    p = off + rq
-    s0 = tl.load(SINK + 2 * b)
-    s1 = tl.load(SINK + 2 * b + 1)
-    k_base = K + b * s_kb + (h // G) * s_kh
-    v_base = V + b * s_vb + (h // G) * s_vh
-    qx = tl.load(Q + b * s_qb + h * s_qh + rq[:, None] * s_qn + rd[None, :], mask=q_ok[:, None] & d_ok[None, :], other=0.0)
-    do = tl.load(DO + (pid_bh * Nq + rq)[:, None] * Dv + rv[None, :], mask=q_ok[:, None] & v_ok[None, :], other=0.0)
-    if not LOWP:
-        qx = qx.to(tl.float32)
-        do = do.to(tl.float32)
-    lse = tl.load(LSE + pid_bh * Nq + rq, mask=q_ok, other=0.0)
-    delta = tl.load(DELTA + pid_bh * Nq + rq, mask=q_ok, other=0.0)
+    rq, q_ok, p, band_lo, band_hi, s0, s1 = band_queries(SINK, b, tl.program_id(1), Nq, Nk, W, BQ, BK, CAUSAL)
+    qx, do, lse, delta = _query_side(Q + b * s_qb + h * s_qh, s_qn, DO, LSE, DELTA, pid_bh, rq, q_ok, Nq, D, Dv, BD, BV)
     dq = tl.zeros([BQ, BD], dtype=tl.float32)
-    p_lo = off + pid_q * BQ
-    p_hi = off + tl.minimum(pid_q * BQ + BQ, Nq) - 1
-    band_lo, band_hi = key_range(p_lo, p_hi, Nk, W, BK, CAUSAL)
-    sink_hi = tl.minimum(s1, band_lo)
     for part in range(0, 2):
-        if part == 0:
-            j_start = (s0 // BK) * BK
-            j_end = sink_hi
-        else:
-            j_start = band_lo
-            j_end = band_hi
+        j_start, j_end = band_part(part, s0, s1, band_lo, band_hi, BK)
         for j0 in range(j_start, j_end, BK):
-            j = j0 + rk
-            j_in = j < Nk
-            if HAS_KEEP:
-                keep_j = tl.load(KEEP + b * Nk + j, mask=j_in, other=0) != 0
-            else:
-                keep_j = j_in
-            kx = tl.load(k_base + j[:, None] * s_kn + rd[None, :], mask=j_in[:, None] & d_ok[None, :], other=0.0)
-            vx = tl.load(v_base + j[:, None] * s_vn + rv[None, :], mask=j_in[:, None] & v_ok[None, :], other=0.0)
-            s = dot(qx, tl.trans(kx), LOWP, DT) * scale2
-            vis = visible(p, j, keep_j, s0, s1, Nk, W, CAUSAL)
-            pr = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-            dp = dot(do, tl.trans(vx), LOWP, DT)
-            ds = pr * (dp - delta[:, None])
+            _j, kx, vx, _keep, vis = band_keys(K, V, KEEP, b, h // G, j0, p, s0, s1, s_kb, s_kh, s_kn, s_vb, s_vh,
+                                               s_vn, Nk, D, Dv, W, CAUSAL, HAS_KEEP, BK, BD, BV)
+            _pr, ds = _score_grads(qx, kx, vx, do, lse, delta, vis, scale2, LOWP, DT)
             dq += dot(ds, kx, LOWP, DT)
-    tl.store(DQ + (pid_bh * Nq + rq)[:, None] * D + rd[None, :], dq * scale, mask=q_ok[:, None] & d_ok[None, :])
+    rd, d_ok = span(0, D, BD)
+    store_tile(DQ + pid_bh * Nq * D, rq, D, rd, q_ok, d_ok, dq * scale)
 
 
 @triton.jit
@@ -190,51 +120,17 @@ def _dkv_over_queries(
     """Add to (dk, dv) of the key tile j the terms of the query blocks qb_start, +qb_step, .. < qb_end
     of every query head of kv head hk."""
     DT = Q.dtype.element_ty
-    off = Nk - Nq
-    rq = tl.arange(0, BQ)
-    rd = tl.arange(0, BD)
-    rv = tl.arange(0, BV)
-    d_ok = rd < D
-    v_ok = rv < Dv
     for g in range(0, G):
-        bh = b * Hkv * G + hk * G + g
-        q_base = Q + b * s_qb + (hk * G + g) * s_qh
+        h = hk * G + g
         for qb in range(qb_start, qb_end, qb_step):
-            ri = qb * BQ + rq
-            i_ok = ri < Nq
-            qx = tl.load(q_base + ri[:, None] * s_qn + rd[None, :], mask=i_ok[:, None] & d_ok[None, :], other=0.0)
-            do = tl.load(DO + (bh * Nq + ri)[:, None] * Dv + rv[None, :], mask=i_ok[:, None] & v_ok[None, :], other=0.0)
-            if not LOWP:
-                qx = qx.to(tl.float32)
-                do = do.to(tl.float32)
-            lse = tl.load(LSE + bh * Nq + ri, mask=i_ok, other=0.0)
-            delta = tl.load(DELTA + bh * Nq + ri, mask=i_ok, other=0.0)
-            s = dot(qx, tl.trans(kx), LOWP, DT) * scale2
-            vis = visible(off + ri, j, keep_j, s0, s1, Nk, W, CAUSAL) & i_ok[:, None]
-            pr = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+            ri, i_ok = span(qb * BQ, Nq, BQ)
+            qx, do, lse, delta = _query_side(Q + b * s_qb + h * s_qh, s_qn, DO, LSE, DELTA, b * Hkv * G + h, ri, i_ok,
+                                             Nq, D, Dv, BD, BV)
+            vis = visible(Nk - Nq + ri, j, keep_j, s0, s1, Nk, W, CAUSAL) & i_ok[:, None]
+            pr, ds = _score_grads(qx, kx, vx, do, lse, delta, vis, scale2, LOWP, DT)
             dv += dot(tl.trans(pr), do, LOWP, DT)
-            dp = dot(do, tl.trans(vx), LOWP, DT)
-            ds = pr * (dp - delta[:, None])
             dk += dot(tl.trans(ds), qx, LOWP, DT)
     return dk, dv
-
-
-@triton.jit
-def _load_key_tile(K, V, KEEP, b, hk, j, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, Nk, D, Dv,
-                   HAS_KEEP: tl.constexpr, LOWP: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr):
-    rd = tl.arange(0, BD)
-    rv = tl.arange(0, BV)
-    j_in = j < Nk
-    if HAS_KEEP:
-        keep_j = tl.load(KEEP + b * Nk + j, mask=j_in, other=0) != 0
-    else:
-        keep_j = j_in
-    kx = tl.load(K + b * s_kb + hk * s_kh + j[:, None] * s_kn + rd[None, :], mask=j_in[:, None] & (rd < D)[None, :], other=0.0)
-    vx = tl.load(V + b * s_vb + hk * s_vh + j[:, None] * s_vn + rv[None, :], mask=j_in[:, None] & (rv < Dv)[None, :], other=0.0)
-    if not LOWP:
-        kx = kx.to(tl.float32)
-        vx = vx.to(tl.float32)
-    return kx, vx, keep_j
 
 
 @triton.jit
@@ -252,6 +148,19 @@ def _band_query_blocks(j0, Nq, Nk, W, BQ: tl.constexpr, BK: tl.constexpr, CAUSAL
 
 
 @triton.jit
+def _store_dkv(DK, DV, row, j, j_in, dk, dv, D, Dv, ATOMIC: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr):
+    """Write (ATOMIC: add) the rows j of DK/DV [B, Hkv, Nk, ·] fp32 from row (b·Hkv + hk)·Nk on."""
+    rd, d_ok = span(0, D, BD)
+    rv, v_ok = span(0, Dv, BV)
+    if ATOMIC:
+        tl.atomic_add(DK + (row + j)[:, None] * D + rd[None, :], dk, mask=j_in[:, None] & d_ok[None, :])
+        tl.atomic_add(DV + (row + j)[:, None] * Dv + rv[None, :], dv, mask=j_in[:, None] & v_ok[None, :])
+    else:
+        store_tile(DK + row * D, j, D, rd, j_in, d_ok, dk)
+        store_tile(DV + row * Dv, j, Dv, rv, j_in, v_ok, dv)
+
+
+@triton.jit
 def _window_dkv_kernel(
     Q, K, V, KEEP, SINK, DO, LSE, DELTA, DK, DV,
     s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
@@ -261,27 +170,17 @@ def _window_dkv_kernel(
 ):
     """One key block of one kv head: dk/dv over its G query heads and the query blocks of its band
     -> DK/DV [B, Hkv, Nk, ·] fp32. Sink keys seen from beyond the band: `_window_sink_dkv_kernel`."""
-    pid_bh = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    b = pid_bh // Hkv
-    hk = pid_bh % Hkv
-    j0 = pid_k * BK
-    j = j0 + tl.arange(0, BK)
-    rd = tl.arange(0, BD)
-    rv = tl.arange(0, BV)
-    j_in = j < Nk
-    s0 = tl.load(SINK + 2 * b)
-    s1 = tl.load(SINK + 2 * b + 1)
-    kx, vx, keep_j = _load_key_tile(K, V, KEEP, b, hk, j, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, Nk, D, Dv,
-                                    HAS_KEEP, LOWP, BD, BV)
-    dk = tl.zeros([BK, BD], dtype=tl.float32)
-    dv = tl.zeros([BK, BV], dtype=tl.float32)
+    pid_bh, b, hk = program_head(Hkv)
+    s0, s1 = sinks_of(SINK, b)
+    j0 = tl.program_id(1) * BK
+    j, j_in = span(j0, Nk, BK)
+    kx, vx, keep_j = key_tile(K, V, KEEP, b, hk, j, j_in, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, Nk, D, Dv,
+                              HAS_KEEP, BD, BV)
     qb_lo, qb_hi = _band_query_blocks(j0, Nq, Nk, W, BQ, BK, CAUSAL)
-    dk, dv = _dkv_over_queries(Q, DO, LSE, DELTA, kx, vx, dk, dv, j, keep_j, s0, s1, b, hk, qb_lo, qb_hi, 1,
+    dk, dv = _dkv_over_queries(Q, DO, LSE, DELTA, kx, vx, tl.zeros([BK, BD], dtype=tl.float32),
+                               tl.zeros([BK, BV], dtype=tl.float32), j, keep_j, s0, s1, b, hk, qb_lo, qb_hi, 1,
                                s_qb, s_qh, s_qn, Hkv, Nq, Nk, D, Dv, G, W, scale2, CAUSAL, LOWP, BQ, BD, BV)
-    base = pid_bh * Nk + j
-    tl.store(DK + base[:, None] * D + rd[None, :], dk * scale, mask=j_in[:, None] & (rd < D)[None, :])
-    tl.store(DV + base[:, None] * Dv + rv[None, :], dv, mask=j_in[:, None] & (rv < Dv)[None, :])
+    _store_dkv(DK, DV, pid_bh * Nk, j, j_in, dk * scale, dv, D, Dv, False, BD, BV)
 
 
 @triton.jit
@@ -296,39 +195,34 @@ def _window_sink_dkv_kernel(
     a sink, so one program per sink block would walk all N queries while the band programs walk
     ~W. Program (b·Hkv, z) takes every NSPLIT-th such query block, for each key block of the sink
     range [s0, s1), and atomically adds into DK/DV (the band kernel stored first)."""
-    pid_bh = tl.program_id(0)
+    pid_bh, b, hk = program_head(Hkv)
     pid_z = tl.program_id(1)
-    b = pid_bh // Hkv
-    hk = pid_bh % Hkv
-    off = Nk - Nq
-    rd = tl.arange(0, BD)
-    rv = tl.arange(0, BV)
-    s0 = tl.load(SINK + 2 * b)
-    s1 = tl.load(SINK + 2 * b + 1)
+    s0, s1 = sinks_of(SINK, b)
     n_qb = tl.cdiv(Nq, BQ)
     for kb in range(s0 // BK, tl.cdiv(s1, BK)):
         j0 = kb * BK
-        j = j0 + tl.arange(0, BK)
-        j_in = j < Nk
-        kx, vx, keep_j = _load_key_tile(K, V, KEEP, b, hk, j, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, Nk, D, Dv,
-                                        HAS_KEEP, LOWP, BD, BV)
+        j, j_in = span(j0, Nk, BK)
+        kx, vx, keep_j = key_tile(K, V, KEEP, b, hk, j, j_in, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, Nk, D, Dv,
+                                  HAS_KEEP, BD, BV)
         qb_lo, qb_hi = _band_query_blocks(j0, Nq, Nk, W, BQ, BK, CAUSAL)
         if CAUSAL:
-            first = tl.maximum(j0 - off, 0) // BQ
+            first = tl.maximum(j0 - (Nk - Nq), 0) // BQ
         else:
             first = 0
         dk = tl.zeros([BK, BD], dtype=tl.float32)
         dv = tl.zeros([BK, BV], dtype=tl.float32)
         # query blocks before the band (bidirectional) and after it
-        dk, dv = _dkv_over_queries(Q, DO, LSE, DELTA, kx, vx, dk, dv, j, keep_j, s0, s1, b, hk,
-                                   first + pid_z, tl.minimum(qb_lo, n_qb), NSPLIT,
-                                   s_qb, s_qh, s_qn, Hkv, Nq, Nk, D, Dv, G, W, scale2, CAUSAL, LOWP, BQ, BD, BV)
-        dk, dv = _dkv_over_queries(Q, DO, LSE, DELTA, kx, vx, dk, dv, j, keep_j, s0, s1, b, hk,
-                                   tl.maximum(qb_hi, first) + pid_z, n_qb, NSPLIT,
-                                   s_qb, s_qh, s_qn, Hkv, Nq, Nk, D, Dv, G, W, scale2, CAUSAL, LOWP, BQ, BD, BV)
-        base = pid_bh * Nk + j
-        tl.atomic_add(DK + base[:, None] * D + rd[None, :], dk * scale, mask=j_in[:, None] & (rd < D)[None, :])
-        tl.atomic_add(DV + base[:, None] * Dv + rv[None, :], dv, mask=j_in[:, None] & (rv < Dv)[None, :])
+        for before in range(0, 2):
+            if before == 0:
+                qb_start = first + pid_z
+                qb_end = tl.minimum(qb_lo, n_qb)
+            else:
+                qb_start = tl.maximum(qb_hi, first) + pid_z
+                qb_end = n_qb
+            dk, dv = _dkv_over_queries(Q, DO, LSE, DELTA, kx, vx, dk, dv, j, keep_j, s0, s1, b, hk, qb_start, qb_end,
+                                       NSPLIT, s_qb, s_qh, s_qn, Hkv, Nq, Nk, D, Dv, G, W, scale2, CAUSAL, LOWP, BQ,
+                                       BD, BV)
+        _store_dkv(DK, DV, pid_bh * Nk, j, j_in, dk * scale, dv, D, Dv, True, BD, BV)
 
 
 def _blocks(D: int, Dv: int) -> tuple[int, int, int]:
@@ -340,52 +234,43 @@ def _blocks(D: int, Dv: int) -> tuple[int, int, int]:
 
 def window_forward(q, k, v, keep, sinkr, window: int, causal: bool, scale: float, wrap: bool):
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    B, H, Nq, D = q.shape
-    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    B, H, Hkv, Nq, Nk, D, Dv = dims(q, k, v)
     BQ, BK, nw = _blocks(D, Dv)
     out = torch.empty(B, H, Nq, Dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, H, Nq, device=q.device, dtype=torch.float32)
-    keep_t = q if keep is None else keep.to(torch.int8).contiguous()
+    keep_t, has_keep = keep_arg(keep, q)
     launcher(_window_fwd_kernel, wrap)[(B * H, triton.cdiv(Nq, BQ))](
-        q, k, v, keep_t, sinkr, out, lse,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        H, Nq, Nk, D, Dv, H // Hkv, window, scale * LOG2E,
-        CAUSAL=causal, HAS_KEEP=keep is not None, LOWP=low_precision(q.dtype),
-        BQ=BQ, BK=BK, BD=pow2(D), BV=pow2(Dv), num_warps=nw,
+        q, k, v, keep_t, sinkr, out, lse, *row_strides(q, k, v, out), H, Nq, Nk, D, Dv, H // Hkv, window, scale * LOG2E,
+        CAUSAL=causal, HAS_KEEP=has_keep, LOWP=low_precision(q.dtype), BQ=BQ, BK=BK, BD=pow2(D), BV=pow2(Dv),
+        num_warps=nw,
     )
     return out, lse
 
 
 def window_backward(g, q, k, v, keep, sinkr, out, lse, window: int, causal: bool, scale: float, wrap: bool):
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    B, H, Nq, D = q.shape
-    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    B, H, Hkv, Nq, Nk, D, Dv = dims(q, k, v)
     BQ, BK, nw = _blocks(D, Dv)
     g = g.to(q.dtype).contiguous()
     delta = (g.to(torch.float32) * out.to(torch.float32)).sum(-1).contiguous()
-    keep_t = q if keep is None else keep.to(torch.int8).contiguous()
+    keep_t, has_keep = keep_arg(keep, q)
     dq = torch.empty(B, H, Nq, D, device=q.device, dtype=torch.float32)
     dk = torch.empty(B, Hkv, Nk, D, device=q.device, dtype=torch.float32)
     dv = torch.empty(B, Hkv, Nk, Dv, device=q.device, dtype=torch.float32)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2))
-    flags = dict(CAUSAL=causal, HAS_KEEP=keep is not None, LOWP=low_precision(q.dtype),
+    strides, shape = row_strides(q, k, v), (Nq, Nk, D, Dv, H // Hkv, window, scale * LOG2E, scale)
+    flags = dict(CAUSAL=causal, HAS_KEEP=has_keep, LOWP=low_precision(q.dtype),
                  BQ=BQ, BK=BK, BD=pow2(D), BV=pow2(Dv), num_warps=nw)
     launcher(_window_dq_kernel, wrap)[(B * H, triton.cdiv(Nq, BQ))](
-        q, k, v, keep_t, sinkr, g, lse, delta, dq, *strides,
-        H, Nq, Nk, D, Dv, H // Hkv, window, scale * LOG2E, scale, **flags)
+        q, k, v, keep_t, sinkr, g, lse, delta, dq, *strides, H, *shape, **flags)
     launcher(_window_dkv_kernel, wrap)[(B * Hkv, triton.cdiv(Nk, BK))](
-        q, k, v, keep_t, sinkr, g, lse, delta, dk, dv, *strides,
-        Hkv, Nq, Nk, D, Dv, H // Hkv, window, scale * LOG2E, scale, **flags)
+        q, k, v, keep_t, sinkr, g, lse, delta, dk, dv, *strides, Hkv, *shape, **flags)
     # The sink pass: each program walks ~`per` query blocks per sink block (the interpreter takes 2,
     # so that small tests cover several programs). Without sinks its key-block loop is empty; it is
     # launched anyway because the sink count lives in `sinkr` on the device, not on the host.
     per = 2 if interpreting() else 16
     nsplit = max(1, triton.cdiv(triton.cdiv(Nq, BQ), per))
     launcher(_window_sink_dkv_kernel, wrap)[(B * Hkv, nsplit)](
-        q, k, v, keep_t, sinkr, g, lse, delta, dk, dv, *strides,
-        Hkv, Nq, Nk, D, Dv, H // Hkv, window, scale * LOG2E, scale, nsplit, **flags)
+        q, k, v, keep_t, sinkr, g, lse, delta, dk, dv, *strides, Hkv, *shape, nsplit, **flags)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -404,40 +289,8 @@ def _window_backward_op(
     return window_backward(g, q, k, v, keep, sinkr, out, lse, window, causal, scale, wrap=True)
 
 
-def _setup(ctx, inputs, output):
-    q, k, v, keep, sinkr, window, causal, scale = inputs
-    ctx.save_for_backward(q, k, v, keep, sinkr, *output)
-    ctx.opts = (window, causal, scale)
-
-
-def _backward(ctx, g, _g_lse):
-    q, k, v, keep, sinkr, out, lse = ctx.saved_tensors
-    grads = torch.ops.attnopt_triton.window_backward(g, q, k, v, keep, sinkr, out, lse, *ctx.opts)
-    return (*grads, None, None, None, None, None)
-
-
-_window_op.register_autograd(_backward, setup_context=_setup)
-
-
-class _WindowInterpreted(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, keep, sinkr, window, causal, scale):
-        out, lse = window_forward(q, k, v, keep, sinkr, window, causal, scale, wrap=False)
-        ctx.save_for_backward(q, k, v, keep, sinkr, out, lse)
-        ctx.opts = (window, causal, scale)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        q, k, v, keep, sinkr, out, lse = ctx.saved_tensors
-        grads = window_backward(g, q, k, v, keep, sinkr, out, lse, *ctx.opts, wrap=False)
-        return (*grads, None, None, None, None, None)
-
-
-def unsupported(q: Tensor, **kwargs) -> Optional[str]:
-    """None if these kernels can run the reference op's call (its keywords, plus k= to check the key
-    length), else a one-line reason; the reference op's CUDA dispatch asks it before handing over."""
-    return call_unsupported(q, kwargs.get("k")) or window_unsupported(q, **kwargs)
+# the backward reads q, k, v, keep, sinkr, (out, lse) and the options window, causal, scale
+_window = differentiable(_window_op, _window_backward_op, window_forward, window_backward, saved=5, opts=(5, 6, 7))
 
 
 def window_unsupported(q: Tensor, window=None, sinks=0, **_) -> Optional[str]:
@@ -446,42 +299,20 @@ def window_unsupported(q: Tensor, window=None, sinks=0, **_) -> Optional[str]:
     return None
 
 
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"window_attention: {name} must be an int >= {minimum}, got {value!r}")
-    return value
+unsupported = shared_checks(window_unsupported)
 
 
-def window_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    window: int,
-    causal: bool,
-    sinks: int = 0,
-    scale: Optional[float] = None,
-    key_mask: Optional[Tensor] = None,
-    block_size: Optional[int] = None,
-) -> Tensor:
+def window_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: bool, sinks: int = 0,
+                     scale: Optional[float] = None, key_mask: Optional[Tensor] = None,
+                     block_size: Optional[int] = None) -> Tensor:
     """`attnopt.forms.window.reference.window_attention` on the Triton kernels (forward and backward).
     `block_size` is accepted for compatibility: the kernels pick their own tiles."""
-    check_sdpa_inputs("window_attention", q, k, v, key_mask)
-    require_runtime("window_attention", q)
-    window = _check_int("window", window, 1)
-    sinks = _check_int("sinks", sinks, 0)
-    reason = window_unsupported(q)
-    if reason:
-        raise ValueError(reason)
-    B, _, Nq, D = q.shape
-    Nk = k.shape[2]
-    window = min(window, Nk + abs(Nk - Nq) + Nq + 1)  # a wider window sees nothing more (keeps int32)
-    s = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    who = "window_attention"
+    checked_call(who, q, k, v, key_mask, lambda: window_unsupported(q))
+    window, sinks = int_at_least(who, "window", window, 1), int_at_least(who, "sinks", sinks, 0)
+    B, Nq, Nk = q.shape[0], q.shape[2], k.shape[2]
     sinkr = sink_range(key_mask, B, Nk, sinks, q.device)
-    args = (q, k, v, key_mask, sinkr, window, bool(causal), s)
-    if interpreting():
-        return _WindowInterpreted.apply(*args)
-    return torch.ops.attnopt_triton.window(*args)[0]
+    return _window(q, k, v, key_mask, sinkr, clamp_window(window, Nq, Nk), bool(causal), scale_or_default(q, scale))
 
 
 @triton.jit
@@ -526,21 +357,12 @@ def _ring_attend_kernel(
 def init_window_cache(B: int, Hkv: int, D: int, Dv: int, *, window: int, sinks: int, dtype, device=None):
     """Empty cache: keys [B, Hkv, S + W, D], values [B, Hkv, S + W, Dv], slot positions [B, S + W] = −1."""
     L = sinks + window
-    return (torch.zeros(B, Hkv, L, D, dtype=dtype, device=device), torch.zeros(B, Hkv, L, Dv, dtype=dtype, device=device),
-            torch.full((B, L), -1, dtype=torch.int32, device=device))
+    return (torch.zeros(B, Hkv, L, D, dtype=dtype, device=device),
+            torch.zeros(B, Hkv, L, Dv, dtype=dtype, device=device), torch.full((B, L), -1, dtype=torch.int32, device=device))
 
 
-def window_decode_step(
-    q_t: Tensor,
-    k_t: Tensor,
-    v_t: Tensor,
-    cache: tuple,
-    position: int,
-    *,
-    window: int,
-    sinks: int = 0,
-    scale: Optional[float] = None,
-):
+def window_decode_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, cache: tuple, position: int, *, window: int,
+                       sinks: int = 0, scale: Optional[float] = None):
     """Token at `position` (0-based, = tokens seen before it): write it into the cache, then attend.
     cache from `init_window_cache` (same window/sinks); returns (o_t [B, H, 1, Dv], cache), the cache
     updated in place (it is a fixed-size buffer, like a KV cache)."""
@@ -556,11 +378,11 @@ def window_decode_step(
     pos[:, slot] = position
     B, H, _, D = q_t.shape
     Dv = v_t.shape[3]
-    s = 1.0 / math.sqrt(D) if scale is None else float(scale)
     out = torch.empty(B, H, 1, Dv, device=q_t.device, dtype=q_t.dtype)
     BL = 16 if interpreting() else 64
     _ring_attend_kernel[(B * H,)](
-        q_t.contiguous(), kc, vc, pos, out, H, L, D, Dv, H // k_t.shape[1], sinks, window, int(position), s * LOG2E,
+        q_t.contiguous(), kc, vc, pos, out, H, L, D, Dv, H // k_t.shape[1], sinks, window, int(position),
+        scale_or_default(q_t, scale) * LOG2E,
         BL=BL, BD=pow2(D), BV=pow2(Dv),
     )
     return out, (kc, vc, pos)

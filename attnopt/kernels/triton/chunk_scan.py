@@ -47,7 +47,6 @@ import triton.language as tl
 
 from attnopt.kernels.triton.runtime import interpreting, keep_arg, launcher, low_precision, pow2, row_strides
 from attnopt.kernels.triton.tiles import dot, dphi, kept, load_phi, load_tile, program_head, span, store_tile
-from attnopt.kernels.triton.tiles import phi  # noqa: F401  (window, linear+window and reuse import dot, phi from here)
 
 
 @triton.jit
