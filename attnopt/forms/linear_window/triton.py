@@ -35,11 +35,11 @@ from torch import Tensor
 from torch.library import triton_op
 
 from attnopt.kernels.feature_maps import FeatureMap, make_feature_map
+from attnopt.kernels.layout import check_int
 from attnopt.kernels.triton.band import LOG2E, band_keys, band_part, band_queries, clamp_window, sink_range, sinks_of
 from attnopt.kernels.triton.chunk_scan import carry, key_features
-from attnopt.kernels.triton.runtime import FMAP_CODES, checked_call, concrete, dims, int_at_least, interpreting
-from attnopt.kernels.triton.runtime import keep_arg, launcher, low_precision, pow2, row_strides, scale_or_default
-from attnopt.kernels.triton.runtime import shared_checks
+from attnopt.kernels.triton.runtime import FMAP_CODES, checked_call, concrete, dims, interpreting, keep_arg, launcher
+from attnopt.kernels.triton.runtime import low_precision, pow2, row_strides, scale_or_default, shared_checks
 from attnopt.kernels.triton.softmax import attend, softmax_init
 from attnopt.kernels.triton.tiles import dot, kept, load_phi, load_tile, program_head, span, store_tile
 
@@ -223,7 +223,7 @@ def linear_window_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int, sin
     """Forward of the linear + window hybrid on the Triton kernels (see the module docstring)."""
     who = "linear_window_attention"
     checked_call(who, q, k, v, key_mask, lambda: linear_window_unsupported(q.detach(), feature_map))
-    window, sinks = int_at_least(who, "window", window, 1), int_at_least(who, "sinks", sinks, 0)
+    window, sinks = check_int(who, "window", window, 1), check_int(who, "sinks", sinks, 0)
     name = feature_map.name if isinstance(feature_map, FeatureMap) else feature_map
     B, H, Nq, D = q.shape
     Nk = k.shape[2]

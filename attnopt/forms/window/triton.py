@@ -34,10 +34,11 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op
 
+from attnopt.kernels.layout import check_int
 from attnopt.kernels.triton.band import LOG2E, band_keys, band_part, band_queries, clamp_window, sink_range, sinks_of
 from attnopt.kernels.triton.band import visible
 from attnopt.kernels.triton.differentiable import differentiable
-from attnopt.kernels.triton.runtime import checked_call, dims, int_at_least, interpreting, keep_arg, launcher
+from attnopt.kernels.triton.runtime import checked_call, dims, interpreting, keep_arg, launcher
 from attnopt.kernels.triton.runtime import low_precision, pow2, row_strides, scale_or_default, shared_checks
 from attnopt.kernels.triton.softmax import attend, key_tile, softmax_init, softmax_out
 from attnopt.kernels.triton.state_step import check_one_token
@@ -309,7 +310,7 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: bo
     `block_size` is accepted for compatibility: the kernels pick their own tiles."""
     who = "window_attention"
     checked_call(who, q, k, v, key_mask, lambda: window_unsupported(q))
-    window, sinks = int_at_least(who, "window", window, 1), int_at_least(who, "sinks", sinks, 0)
+    window, sinks = check_int(who, "window", window, 1), check_int(who, "sinks", sinks, 0)
     B, Nq, Nk = q.shape[0], q.shape[2], k.shape[2]
     sinkr = sink_range(key_mask, B, Nk, sinks, q.device)
     return _window(q, k, v, key_mask, sinkr, clamp_window(window, Nq, Nk), bool(causal), scale_or_default(q, scale))

@@ -24,7 +24,7 @@ import torch
 import triton
 from torch import Tensor
 
-from attnopt.kernels.layout import check_sdpa_inputs
+from attnopt.kernels.layout import check_causal_inputs, check_sdpa_inputs
 
 FMAP_CODES = {"identity": 0, "elu": 1, "relu": 2}  # the maps fused into the kernels' loads
 
@@ -51,10 +51,10 @@ def checked_call(who: str, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[T
     """What every entry point checks before it launches, in this order: the SDPA layout (and Nq <= Nk
     for a causal op, `causal` naming what it computes), a launch path, then the kernels' own limits
     (`reason()`, asked only once the layout holds). Each failure raises one line."""
-    check_sdpa_inputs(who, q, k, v, key_mask)
-    if causal is not None and q.shape[2] > k.shape[2]:
-        raise ValueError(f"{who}: {q.shape[2]} queries but only {k.shape[2]} keys; {causal} is causal and needs "
-                         "Nq <= Nk (queries are the last Nq positions)")
+    if causal is None:
+        check_sdpa_inputs(who, q, k, v, key_mask)
+    else:
+        check_causal_inputs(who, causal, q, k, v, key_mask)
     require_runtime(who, q)
     why = reason()
     if why:
@@ -71,13 +71,6 @@ def shared_checks(own: Callable[..., Optional[str]]) -> Callable[..., Optional[s
     unsupported.__doc__ = (f"None if these kernels can run the reference op's call (its keywords, plus k= to "
                            f"check the key length), else a one-line reason: `call_unsupported`, then `{own.__name__}`.")
     return unsupported
-
-
-def int_at_least(who: str, name: str, value, minimum: int) -> int:
-    """`value` when it is an int (not a bool) >= minimum; else one line naming the argument."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{who}: {name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 def scale_or_default(q: Tensor, scale: Optional[float]) -> float:
