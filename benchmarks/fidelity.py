@@ -23,7 +23,7 @@ reverted) on every held-out text, under "gated_goals".
     python benchmarks/fidelity.py                     # both models, every form
     python benchmarks/fidelity.py --models tiny_lm --steps 100
     python benchmarks/fidelity.py --models tiny_lm --params forms+lora --policies gla,delta --out A.json
-    python benchmarks/fidelity.py --combine A.json,B.json --out benchmarks/results/fidelity_gated.json
+    python benchmarks/fidelity.py --combine A.json,B.json --result fidelity   # runs side by side, merged
     python benchmarks/fidelity.py --models tiny_lm --params forms+lora --lr 0.05 \
         --policies ssm,gla,gla+window:64,delta --held-out-text topics,/usr/share/common-licenses/GPL-3 \
         --result fidelity                                            # -> results/fidelity/<machine>.json
@@ -39,7 +39,7 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent
 MINILM_POLICIES = [
@@ -243,11 +243,15 @@ def gated_goals(res: dict) -> dict:
     return out
 
 
-def combine(paths: list, out: Path) -> dict:
+def combine(paths: list, out: Path, result: Optional[str] = None) -> Path:
     """One result from several runs of this script (e.g. policies run in parallel processes): the
-    rows of the same model merged (the original's row once), the settings of the first run kept."""
+    rows of the same model merged (the original's row once), the settings of the first run kept, each
+    run's command and commit under "runs". With `result`, written through resultfile (the meta's
+    command is this merge; the runs' own are in "runs"); else to `out`. Returns the path written."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
-    merged = {**runs[0], "models": [], "combined_from": [str(p) for p in paths]}
+    merged = {**{k: v for k, v in runs[0].items() if k not in ("command", "commit", "meta")}, "models": [],
+              "combined_from": [str(p) for p in paths],
+              "runs": [{k: run.get(k) for k in ("command", "commit", "load_average", "load_average_end")} for run in runs]}
     by_model: dict = {}
     for run in runs:
         for res in run["models"]:
@@ -255,10 +259,19 @@ def combine(paths: list, out: Path) -> dict:
             seen = {r["policy"] for r in have["rows"]}
             have["rows"] += [r for r in res["rows"] if r["policy"] not in seen]
     merged["models"] = list(by_model.values())
+    for res in merged["models"]:
+        if res["model"] == "tiny_lm":
+            res["gated_goals"] = gated_goals(res)
     merged["load_average"] = [r.get("load_average") for r in runs]
-    out.write_text(json.dumps(merged, indent=1))
+    if result:
+        sys.path.insert(0, str(ROOT))
+        from resultfile import write_result
+
+        out = write_result(result, merged)
+    else:
+        out.write_text(json.dumps(merged, indent=1))
     plot(merged, out.with_suffix(".svg"))
-    return merged
+    return out
 
 
 def plot(results: dict, path: Path) -> None:
@@ -307,7 +320,7 @@ def main(argv=None) -> None:
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--params", default="forms", choices=("forms", "forms+lora"),
                     help="what calibrate trains: the forms' own tensors, or those then LoRA on q/k/v/o")
-    ap.add_argument("--combine", default=None, help="comma-separated result JSONs to merge into --out (no run)")
+    ap.add_argument("--combine", default=None, help="comma-separated result JSONs to merge into --out or --result (no run)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--calibration-texts", type=int, default=40)
     ap.add_argument("--held-out-text", default=TOPICS, metavar="PATHS",
@@ -319,14 +332,16 @@ def main(argv=None) -> None:
                     help="write through resultfile as benchmarks/results/NAME/<machine>.json (and .svg) instead of --out")
     args = ap.parse_args(argv)
     if args.combine:
-        combine(args.combine.split(","), Path(args.out))
-        print(f"wrote {args.out}")
+        print(f"wrote {combine(args.combine.split(','), Path(args.out), args.result)}")
         return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
     torch.set_num_threads(args.threads)
-    results = {"hardware": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+    sys.path.insert(0, str(ROOT))
+    from resultfile import commit
+
+    results = {"command": " ".join(["python", *sys.argv]), "commit": commit(), "hardware": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                             "threads": args.threads, "torch": torch.__version__,
                             "note": "shared machine (other jobs running): wall times are upper bounds"},
                "load_average": list(os.getloadavg()), "steps": args.steps, "lr": args.lr, "params": args.params,
@@ -340,7 +355,6 @@ def main(argv=None) -> None:
         results["models"].append(res)
     results["load_average_end"] = list(os.getloadavg())
     if args.result:
-        sys.path.insert(0, str(ROOT))
         from resultfile import write_result
 
         out = write_result(args.result, results)
