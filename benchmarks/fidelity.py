@@ -20,13 +20,12 @@ the load average). The tiny LM's rows are checked against issue 39's gated goals
 (gla and delta <= 1.5x, gla+window:64 <= 1.005x the original's perplexity, each <= ssm, no site
 reverted) on every held-out text, under "gated_goals".
 
-    python benchmarks/fidelity.py                     # both models, every form
+    python benchmarks/fidelity.py                     # both models, every form -> results/fidelity/<machine>.json
     python benchmarks/fidelity.py --models tiny_lm --steps 100
     python benchmarks/fidelity.py --models tiny_lm --params forms+lora --policies gla,delta --out A.json
     python benchmarks/fidelity.py --combine A.json,B.json --result fidelity   # runs side by side, merged
     python benchmarks/fidelity.py --models tiny_lm --params forms+lora --lr 0.05 \
-        --policies ssm,gla,gla+window:64,delta --held-out-text topics,/usr/share/common-licenses/GPL-3 \
-        --result fidelity                                            # -> results/fidelity/<machine>.json
+        --policies ssm,gla,gla+window:64,delta --held-out-text topics,/usr/share/common-licenses/GPL-3
 """
 
 from __future__ import annotations
@@ -327,12 +326,15 @@ def main(argv=None) -> None:
                     help=f"tiny_lm: comma-separated texts to measure on, 256-byte windows of each ({TOPICS!r}: "
                          "its held-out topics; else a file path); the first is the plot's and 'after''s")
     ap.add_argument("--held-out-texts", type=int, default=40)
-    ap.add_argument("--out", default=str(ROOT / "results" / "fidelity.json"))
+    ap.add_argument("--out", default=None, help="JSON path (and .svg beside it) instead of results/fidelity/<machine>.json")
     ap.add_argument("--result", default=None, metavar="NAME",
-                    help="write through resultfile as benchmarks/results/NAME/<machine>.json (and .svg) instead of --out")
+                    help="write through resultfile as benchmarks/results/NAME/<machine>.json (and .svg); default "
+                         "without --out: fidelity")
     args = ap.parse_args(argv)
+    if args.out is None and args.result is None:
+        args.result = "fidelity"
     if args.combine:
-        print(f"wrote {combine(args.combine.split(','), Path(args.out), args.result)}")
+        print(f"wrote {combine(args.combine.split(','), Path(args.out or '.'), args.result)}")
         return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch

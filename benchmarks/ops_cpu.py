@@ -7,10 +7,10 @@ Time is the median of `repeats` calls after one warm-up call; the ratio is SDPA 
 both measured by this invocation. An N² op (SDPA) whose time extrapolated from the largest N
 already measured exceeds --max-seconds is not run; its time and ratio are then marked "estimated".
 
-    python benchmarks/ops_cpu.py --sizes 1024,4096 --repeats 3 --out benchmarks/results/ops_cpu.json
-    python benchmarks/ops_cpu.py --sizes 4096,16384 --repeats 3 --busy 0,2 --result ops_cpu_gated \
-        --ops gla,gla_head,delta,gla_window,delta_c128,delta_blocked,delta_c128_blocked
-        # the gated ops quiet and beside two busy processes -> results/ops_cpu_gated/<machine>.json
+    python benchmarks/ops_cpu.py --sizes 1024,4096 --repeats 3 --out /tmp/ops_cpu.json
+    python benchmarks/ops_cpu.py --repeats 3 --threads 2 --busy 0,2 --result ops_cpu \
+        --busy-ops gla,gla_head,delta,gla_window,delta_c128,delta_blocked,delta_c128_blocked
+        # every op quiet, the gated ops also beside two busy processes -> results/ops_cpu/<machine>.json
 """
 
 from __future__ import annotations
@@ -372,7 +372,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="comma-separated N (default %(default)s)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per row after one warm-up (fewer at 16k/32k)")
-    p.add_argument("--out", default="benchmarks/results/ops_cpu.json", help="JSON report path")
+    p.add_argument("--out", default=None, help="JSON report path instead of results/ops_cpu/<machine>.json")
     p.add_argument("--quick", action="store_true", help="sizes 1024,2048 and 1 repeat: a smoke run")
     p.add_argument("--threads", type=int, default=None, help="torch threads in each worker (default: torch's)")
     p.add_argument("--max-seconds", type=float, default=120.0,
@@ -384,8 +384,11 @@ def main(argv=None) -> int:
     p.add_argument("--busy", default="0", help="comma-separated counts of busy processes (the issue-39 torch matmul "
                                                 "loop) beside the whole run, one pass per count, e.g. 0,2")
     p.add_argument("--warm", type=float, default=5.0, help="seconds busy processes run before a pass starts")
+    p.add_argument("--busy-ops", default="", help="comma-separated ops of the passes with busy processes (default: "
+                                                  "--ops); SDPA is always run, as every ratio needs it")
     p.add_argument("--result", default=None, metavar="NAME",
-                   help="write through resultfile as benchmarks/results/NAME/<machine>.json instead of --out")
+                   help="write through resultfile as benchmarks/results/NAME/<machine>.json (default without "
+                        "--out: ops_cpu)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -398,6 +401,10 @@ def main(argv=None) -> int:
     unknown = only - {c.name for c in CASES}
     if unknown:
         raise SystemExit(f"--ops: unknown {sorted(unknown)}; choose from {','.join(sorted({c.name for c in CASES}))}")
+    busy_only = {s.strip() for s in args.busy_ops.split(",") if s.strip()} or only
+    unknown = busy_only - {c.name for c in CASES}
+    if unknown:
+        raise SystemExit(f"--busy-ops: unknown {sorted(unknown)}; choose from {','.join(sorted({c.name for c in CASES}))}")
     sizes = [1024, 2048] if args.quick else _parse_sizes(args.sizes)
     repeats = 1 if args.quick else args.repeats
     try:
@@ -408,17 +415,18 @@ def main(argv=None) -> int:
         raise SystemExit(f"--busy needs counts >= 0 like 0,2; got {args.busy!r}")
     report = None
     for n_busy in phases:
-        phase = run_beside_busy(n_busy, args.warm, sizes, repeats, args.threads, args.max_seconds, args.timeout, only)
+        phase = run_beside_busy(n_busy, args.warm, sizes, repeats, args.threads, args.max_seconds, args.timeout,
+                                busy_only if n_busy else only)
         if report is None:
             report = {**phase, "results": [], "phases": []}
         report["results"] += phase["results"]
         report["phases"].append({"busy_processes": n_busy, "load_average": phase["load_average"]})
     report["gated_at_largest_n"] = gated_summary(report["results"], max(sizes))
-    if args.result:
+    if args.result or args.out is None:
         sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
         from resultfile import write_result
 
-        out = write_result(args.result, report)
+        out = write_result(args.result or "ops_cpu", report)
     else:
         out = Path(args.out)
         if not out.is_absolute():
