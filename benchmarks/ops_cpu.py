@@ -329,7 +329,7 @@ def print_table(report: dict) -> None:
 
 
 def plot(report: dict, path: Path) -> Optional[str]:
-    """Seconds per call against N (log-log), one line per (op, mask), as a PNG; matplotlib is optional:
+    """Seconds per call against N (log-log), one line per (op, mask, busy processes), as a PNG; matplotlib is optional:
     without it no file is written and the reason is returned."""
     try:
         import matplotlib
@@ -341,7 +341,8 @@ def plot(report: dict, path: Path) -> Optional[str]:
     lines: dict = {}
     for r in report["results"]:
         if r["status"] == "measured" and r.get("seconds"):
-            lines.setdefault(f"{r['op']} ({'causal' if r['causal'] else 'full'})", []).append((r["N"], r["seconds"]))
+            busy = f", {r['busy_processes']} busy" if r.get("busy_processes") else ""
+            lines.setdefault(f"{r['op']} ({'causal' if r['causal'] else 'full'}{busy})", []).append((r["N"], r["seconds"]))
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for label, pts in sorted(lines.items()):
         pts.sort()
@@ -351,7 +352,7 @@ def plot(report: dict, path: Path) -> Optional[str]:
     ax.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="ms per call (median)",
            title=f"attnopt ops vs SDPA, CPU ({hw['torch_threads']} threads), B=1 H={H} D={D} fp32")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
