@@ -20,7 +20,7 @@ LoRA (params="forms+lora") adapts q, k and v, which moves the gates with them.
 Before all of it k and v pass Gated DeltaNet's short causal depthwise convolution (`conv` taps,
 short_conv.py), the identity at init: softmax attention reads its recent tokens sharply, a unit-key
 delta state blurs them, and a few learnt taps give that locality back (on the tiny LM held out,
-calibrated: perplexity 4.11 without it, 3.79 with 4 taps; benchmarks/results/fidelity_gated_delta_conv.json).
+calibrated: perplexity 4.11 without it, 3.79 with 4 taps; benchmarks/results/fidelity_gated_delta_conv.json at aec5989).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class DeltaForm(RecurrentForm, FittedForm):
     presets = ("delta", "delta:0.5")
     params = {
         # 0.9: on the tiny LM held out, β = 0.9 gave 6.75 / 4.10 perplexity (training-free / calibrated)
-        # against 6.83 / 4.21 for 0.5 (benchmarks/results/fidelity_gated.json, rows "delta:0.9" and "delta").
+        # against 6.83 / 4.21 for 0.5 (benchmarks/results/fidelity_gated.json at 0fd6a0f, rows "delta:0.9" and "delta").
         "beta": Param(float, 0.9, minimum=0.0001, maximum=0.9999, doc="initial write strength β (its bias: logit β)"),
         "feature_map": Param(str, "hedgehog", choices=("identity",) + GLA_FEATURE_MAPS,
                              doc="φ before the L2 norm (hedgehog: learnable; identity: q and k themselves)"),
