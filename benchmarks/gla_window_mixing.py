@@ -11,7 +11,7 @@ and the same calibration (params="forms+lora"). The Liger variant is this script
 module method, patched in for the run; nothing of it ships. On the tiny LM (benchmarks/fidelity.py's
 data: calibrated on its 40 training windows, perplexity on its 40 held-out windows):
 
-    python benchmarks/gla_window_mixing.py --out benchmarks/results/gla_window_mixing.json
+    python benchmarks/gla_window_mixing.py        # -> benchmarks/results/gla_window_mixing/<machine>.json
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -76,7 +77,7 @@ def main(argv=None) -> None:
     ap.add_argument("--calibration-texts", type=int, default=40)
     ap.add_argument("--held-out-texts", type=int, default=40)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=str(ROOT / "results" / "gla_window_mixing.json"))
+    ap.add_argument("--out", default=None, help="JSON path instead of results/gla_window_mixing/<machine>.json")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -88,17 +89,29 @@ def main(argv=None) -> None:
         if args.variant is None:
             import subprocess
 
-            tmp = Path(args.out).with_suffix(f".{variant}.json")
+            tmp = Path(tempfile.gettempdir()) / f"gla_window_mixing.{os.getpid()}.{variant}.json"
             subprocess.run([sys.executable, __file__, "--variant", variant, "--policy", args.policy, "--steps",
-                            str(args.steps), "--threads", str(args.threads), "--out", str(tmp)], check=True)
+                            str(args.steps), "--threads", str(args.threads), "--calibration-texts",
+                            str(args.calibration_texts), "--held-out-texts", str(args.held_out_texts), "--out", str(tmp)],
+                           check=True)
             rows += json.loads(tmp.read_text())["rows"]
             tmp.unlink()
         else:
             rows.append(measure(variant, args.policy, args.steps, args.calibration_texts, args.held_out_texts))
     result = {"benchmark": "gla+window mixing, tiny LM held out", "steps": args.steps, "params": "forms+lora",
-              "threads": args.threads, "load_average": list(os.getloadavg()), "rows": rows}
-    Path(args.out).write_text(json.dumps(result, indent=1))
+              "threads": args.threads, "calibration_texts": args.calibration_texts, "held_out_texts": args.held_out_texts,
+              "held_out": "tiny_lm's held-out topics; calibrate's guard: a batch of training windows it does not train on",
+              "load_average": list(os.getloadavg()), "rows": rows}
+    if args.out is None and args.variant is None:
+        sys.path.insert(0, str(ROOT))
+        from resultfile import write_result
+
+        out = write_result("gla_window_mixing", result)
+    else:
+        out = Path(args.out or Path(tempfile.gettempdir()) / "gla_window_mixing.json")
+        out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
