@@ -186,11 +186,32 @@ def test_decode_in_any_split_equals_forward(site, name, params):
         assert state.real_B.tolist() == keep.sum(-1).tolist()
 
 
+@pytest.mark.parametrize("name,params", [("gla+window", {"window": 6, "sinks": 1}), ("linear", {}), ("delta", {})])
+def test_unpadded_decoding_equals_forward_with_several_exact_heads(site, name, params):
+    """Without padding, a decoding step's exact heads read the cached K/V in place, each KV head's G query
+    heads one SDPA call (two exact KV heads here, so a head put in another's group shows); padding
+    anywhere keeps the mask from then on."""
+    q, k, v, keep, _ = _inputs(4)
+    module = _build(site, name, {**params, "exact_heads": [0, 2]})
+    ref = module(q, k, v, None)
+    out, state = module.decode(q[:, :, :9], k[:, :, :9], v[:, :, :9], None, None)
+    outs = [out]
+    for t in range(9, N):  # `decode` hands each step an all-ones keep, as it does after a prefill
+        o, state = module.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], keep[:1].new_ones(B, 1), state)
+        outs.append(o)
+        assert state.form_state.all_kept
+    assert (torch.cat(outs, dim=2) - ref).abs().max() < 1e-10
+    padded = module.decode(q[:, :, :9], k[:, :, :9], v[:, :, :9], keep[:, :9], None)[1]
+    step = module.decode(q[:, :, 9:10], k[:, :, 9:10], v[:, :, 9:10], keep[:, 9:10], padded)[1]
+    assert not padded.form_state.all_kept and not step.form_state.all_kept
+
+
 @pytest.mark.parametrize("name,params", [("window", {"window": 5, "sinks": 2}), ("linear", {}), ("ssm", {})])
-def test_token_stepper_equals_forward(site, name, params):
+@pytest.mark.parametrize("exact_kv", [[0], [0, 2]])
+def test_token_stepper_equals_forward(site, name, params, exact_kv):
     """The cache layer's in-place one-token path (no padding) gives the forward's outputs."""
     q, k, v, _, _ = _inputs(3)
-    module = _build(site, name, {**params, "exact_heads": [0]})
+    module = _build(site, name, {**params, "exact_heads": exact_kv})
     ref = module(q, k, v, None)
     P = 10
     out, state = module.decode(q[:, :, :P], k[:, :, :P], v[:, :, :P], None, None)

@@ -144,6 +144,9 @@ class MixedState:
     k_BKeND: Tensor
     v_BKeND: Tensor
     keep_BN: Tensor
+    # No column was ever padding: the exact heads need no mask (a Python flag, so a decoding step
+    # neither scans keep_BN nor branches on tensor data under torch.compile)
+    all_kept: bool = False
 
 
 class MixedHeadsSite(SiteModule):
@@ -215,9 +218,15 @@ class MixedHeadsSite(SiteModule):
             k_e = torch.cat([form_state.k_BKeND, k_e], dim=2)
             v_e = torch.cat([form_state.v_BKeND, v_e], dim=2)
             keep_BN = torch.cat([form_state.keep_BN, keep_BN], dim=1)
-        all_kept = keep is None and form_state is None
-        exact = self.exact_part(q_e, k_e, v_e, None if all_kept else keep_BN)
-        return self.merge(exact, cheap, q.dtype), MixedState(inner, k_e, v_e, keep_BN)
+        # (`decode` hands every step after the prefill a keep tensor, all ones when nothing was padded:
+        # asked outside torch.compile only, where a data-dependent branch would break the graph)
+        fresh_kept = keep is None or (not torch.compiler.is_compiling() and bool(keep.all()))
+        all_kept = fresh_kept and (form_state is None or form_state.all_kept)
+        if all_kept and q_e.shape[2] == 1 and self.geometry.model_window is None:
+            exact = grouped_step(self.geometry.scale, q_e, k_e, v_e)  # a decoding step: the cache read in place
+        else:
+            exact = self.exact_part(q_e, k_e, v_e, None if all_kept else keep_BN)
+        return self.merge(exact, cheap, q.dtype), MixedState(inner, k_e, v_e, keep_BN, all_kept)
 
     def token_stepper(self, form_state, q, k):
         inner = self.inner.token_stepper(form_state.inner, q.index_select(1, self.cheap_q_index),
@@ -244,9 +253,23 @@ class MixedStepper:
         state.k_BKeND = torch.cat([state.k_BKeND, k_e.to(state.k_BKeND.dtype)], dim=2)
         state.v_BKeND = torch.cat([state.v_BKeND, v_e.to(state.v_BKeND.dtype)], dim=2)
         state.keep_BN = torch.cat([state.keep_BN, state.keep_BN.new_ones(state.keep_BN.shape[0], 1)], dim=1)
-        keep = None if s.geometry.model_window is None else state.keep_BN  # the window needs the column count
-        exact = s.exact_part(q_e, state.k_BKeND, state.v_BKeND, keep).transpose(1, 2)
+        if s.geometry.model_window is None:
+            exact = grouped_step(s.geometry.scale, q_e, state.k_BKeND, state.v_BKeND).transpose(1, 2)
+        else:  # the model's window needs the column count
+            exact = s.exact_part(q_e, state.k_BKeND, state.v_BKeND, state.keep_BN).transpose(1, 2)
         return s.merge(exact, cheap, q.dtype, head_dim=2)
+
+
+def grouped_step(scale: float, q_BHe1D: Tensor, k_BKeND: Tensor, v_BKeND: Tensor) -> Tensor:
+    """Softmax attention of one query per head over every cached key, [B, He, 1, Dv]. Why not
+    softmax_heads: its repeat_interleave copies the whole K/V cache G times on every step; here each
+    KV head's G query heads are G query rows of one SDPA call over that head's keys (one query column
+    sees every key, so no mask), which reads the cache in place."""
+    B, He, _, D = q_BHe1D.shape
+    Ke = k_BKeND.shape[1]
+    q_BKeGD = q_BHe1D.reshape(B, Ke, He // Ke, D)
+    out = F.scaled_dot_product_attention(q_BKeGD, k_BKeND.to(q_BHe1D.dtype), v_BKeND.to(q_BHe1D.dtype), scale=scale)
+    return out.reshape(B, He, 1, out.shape[-1])
 
 
 # ---------------------------------------------------------------- building, fitting, costing
