@@ -34,7 +34,6 @@ Letters: B batch, H query heads, Hkv key/value heads, N length, D / Dv head dims
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
@@ -45,6 +44,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from attnopt import forms
+from attnopt.ir import json_cache
 from attnopt.ir.outcomes import Status
 from attnopt.kernels import native
 from attnopt.passes import machine_load
@@ -204,26 +204,12 @@ def cache_key(form: str, params: Mapping, geometry: Geometry) -> str:
 
 def load_cache(path: Optional[Path] = None) -> dict:
     """The cached crossovers ({} when the file is missing); a corrupt file is an error naming it."""
-    path = path or cache_path()
-    if not path.exists():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"the crossover cache {path} cannot be read ({exc}); delete it to measure again, or set "
-                         f"${ENV_CACHE} to another file") from None
-    return data if isinstance(data, dict) else {}
+    return json_cache.read(path or cache_path(), "crossover cache", ENV_CACHE)
 
 
 def store(key: str, entry: dict, path: Optional[Path] = None) -> None:
     """Add one entry to the cache file (written whole to a temporary file first, then renamed)."""
-    path = path or cache_path()
-    data = load_cache(path)
-    data[key] = entry
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    json_cache.add(path or cache_path(), {key: entry}, "crossover cache", ENV_CACHE)
 
 
 def crossover(timings: Sequence[tuple[int, float, float]], win: float = 1.0) -> Optional[int]:

@@ -9,10 +9,11 @@ them again; anything else that changed gives other keys.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Optional
+
+from attnopt.ir import json_cache
 
 ENV_CACHE = "ATTNOPT_SELECTION_CACHE"
 SELECTION_CACHE = Path("~/.cache/attnopt/head_selection.json")
@@ -26,25 +27,10 @@ def cache_path() -> Path:
 
 def load(path: Optional[Path] = None) -> dict:
     """The cached measurements ({} when the file is missing); a corrupt file is an error naming it."""
-    path = path or cache_path()
-    if not path.exists():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"the keep:recall cache {path} cannot be read ({exc}); delete it to measure again, or set "
-                         f"${ENV_CACHE} to another file") from None
-    return data if isinstance(data, dict) else {}
+    return json_cache.read(path or cache_path(), "keep:recall cache", ENV_CACHE)
 
 
 def store(entries: dict, path: Optional[Path] = None) -> None:
     """Add `entries` to the cache file (written whole to a temporary file first, then renamed)."""
-    if not entries:
-        return
-    path = path or cache_path()
-    data = load(path)
-    data.update(entries)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    if entries:
+        json_cache.add(path or cache_path(), entries, "keep:recall cache", ENV_CACHE)
