@@ -26,9 +26,13 @@ def _generate_seconds(model, ids: torch.Tensor, new: int) -> float:
 def decode_time(original, selected, ids: torch.Tensor, new: int = NEW_TOKENS,
                 repeats: int = REPEATS) -> Optional[dict]:
     """{"context", "new_tokens", "original_ms", "selected_ms", "ratio", "threads"}: milliseconds per decoded
-    token after `ids` [1, N]; None for a model without generate()."""
+    token after `ids` [1, N] (its last tokens, where N + the new ones would pass the model's position limit);
+    None for a model without generate()."""
     if not all(callable(getattr(m, "generate", None)) for m in (original, selected)):
         return None
+    limit = getattr(getattr(original, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and ids.shape[1] + new + 1 > limit:  # decode within the positions the model knows
+        ids = ids[:, -max(1, limit - new - 1):]
     best = {"original": float("inf"), "selected": float("inf")}
     for _ in range(repeats):
         for name, model in (("original", original), ("selected", selected)):
