@@ -34,12 +34,11 @@ from torch import Tensor, nn
 
 from attnopt.forms.common.base import CostAt, Param, SiteModule, io_elements
 from attnopt.forms.common.families import FittedForm, RecurrentForm
-from attnopt.forms.delta.reference import gated_delta_attention, gated_delta_attention_step, init_gated_delta_state
+from attnopt.forms.delta.reference import CHUNK, gated_delta_attention, gated_delta_attention_step, init_gated_delta_state
 from attnopt.forms.delta.short_conv import causal_short_conv, identity_taps
 from attnopt.forms.gla.form import GLA_FEATURE_MAPS, KeyGates, fit_with_init, init_gates_from_calls
 from attnopt.forms.linear.form import feature_count
 
-CHUNK = 64  # the op's chunk length, for the cost model
 
 
 class DeltaSite(SiteModule):
