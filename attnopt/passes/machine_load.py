@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import NamedTuple, Optional
+from contextlib import contextmanager
+from typing import Iterator, NamedTuple, Optional
 
 # Ticks per second of /proc/stat's counters.
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") and "SC_CLK_TCK" in os.sysconf_names else 100
@@ -101,3 +102,24 @@ class ThreadBackoff:
                 self._torch.set_num_threads(self.wanted)
             measured = others_since(start)
             self.others = measured if measured is not None else self.others
+
+
+@contextmanager
+def threads_for_load() -> Iterator[int]:
+    """torch's intra-op threads for a whole job (a compile): `threads_beside` the cores other work held
+    during a FIRST_LOOK_S look, restored after; yields the count. Pieces inside may back off further
+    (ThreadBackoff); a machine without /proc/stat keeps torch's count."""
+    import torch
+
+    wanted = torch.get_num_threads()
+    start = cpu_mark()
+    if start is not None:
+        time.sleep(FIRST_LOOK_S)
+    threads = threads_beside(others_since(start), wanted, os.cpu_count() or 1)
+    if threads != wanted:
+        torch.set_num_threads(threads)
+    try:
+        yield threads
+    finally:
+        if threads != wanted:
+            torch.set_num_threads(wanted)

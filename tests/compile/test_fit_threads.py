@@ -40,3 +40,35 @@ def test_an_unknown_load_leaves_the_threads_alone(monkeypatch):
     monkeypatch.setattr(machine_load, "cpu_mark", lambda: None)
     backoff = ThreadBackoff()
     assert backoff.run(torch.get_num_threads) == torch.get_num_threads() == backoff.wanted
+
+
+def test_a_compile_beside_busy_work_runs_every_step_at_the_free_threads(monkeypatch):
+    """Not only the fits: capture, recording, the end-to-end check and the timing run at 1 thread
+    when the first look finds both cores taken, and torch's count is back afterwards."""
+    import attnopt
+
+    seen = []
+    monkeypatch.setattr(machine_load, "cpu_mark", lambda: machine_load.CpuMark(0.0, 0.0, 0.0))
+    monkeypatch.setattr(machine_load, "others_since", lambda mark: 2.0)
+    monkeypatch.setattr(machine_load.os, "cpu_count", lambda: 2)
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(16, 48)
+
+        def forward(self, x):
+            seen.append(torch.get_num_threads())
+            q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 8).permute(2, 0, 3, 1, 4)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        opt = attnopt.compile(Tiny(), "linear", example_inputs=(torch.randn(2, 32, 16),), dispatch="off",
+                              e2e_tolerance=None)
+        assert seen and set(seen) == {1}
+        assert opt.attnopt_report.conditions.threads == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
