@@ -613,9 +613,57 @@ def measured_block(name: str, results: dict) -> str:
             parts.append(f"Held-out perplexity per byte of the tiny LM (`fidelity`, `{machine}`, commit "
                          f"`{short(r['meta'].get('commit'))}`):\n\n"
                          + table(["policy", "training-free", "calibrated"], rows))
+    if name == "reuse":
+        parts += [reuse_cpu_block(machine, r) for machine, r in each("reuse_cpu")]
     if not parts:
         return "No current result measures this form yet (see [Benchmarks](../benchmarks.md))."
     return "\n\n".join(parts)
+
+
+def reuse_cpu_block(machine: str, r: dict) -> str:
+    """benchmarks/reuse_cpu.py's sections, each with its goal from the reuse issue (losses included)."""
+    head = (f"`reuse_cpu`, `{machine}`, commit `{short(r['meta'].get('commit'))}`, 2 threads, best of "
+            "interleaved rounds")
+    by = {name: (r[name].get("measured_by") or {}).get("commit") for name in ("op", "e2e", "decode", "quality", "minilm")
+          if r.get(name)}
+    earlier = sorted({c for c in by.values() if c and c != r["meta"].get("commit")})
+    for c in earlier:
+        head += f"; sections {', '.join(n for n, x in by.items() if x == c)} measured at commit `{short(c)}`"
+    head += ":"
+    rows = []
+    for n, row in (r.get("op") or {}).get("lengths", {}).items():
+        ratio = row["vs_sdpa"]["reuse_op"]["best"]
+        rows.append([f"op at {int(n):,} (one layer, top_k {row['top_k']} of 64-token blocks, "
+                     f"{row['key_share']:.3g} of the keys) ÷ SDPA causal", f"{ratio:.2f}×", "≤ 0.5×",
+                     "met" if ratio <= 0.5 else "missed"])
+        with_sel = row["vs_sdpa"].get("reuse_op_with_selection")
+        if with_sel:
+            rows.append([f"op + its own selection at {int(n):,} ÷ SDPA causal", f"{with_sel['best']:.2f}×", "—", "—"])
+    for n, row in (r.get("e2e") or {}).get("lengths", {}).items():
+        sp = row["speedup"]["best"]
+        rows.append([f"end to end at {int(n):,}, `{r['e2e']['policy']}` (8 layers, hidden 512), speed-up",
+                     f"{sp:.2f}×", "≥ 1.3×", "met" if sp >= 1.3 else "missed"])
+    dec = r.get("decode")
+    if dec:
+        vs = dec["vs_original"]
+        ratio = vs[dec["policy"]]["best"]
+        rows.append([f"decode per token at {dec['context']:,}, `{dec['policy']}` (8 layers, hidden 128) ÷ the "
+                     "original's", f"{ratio:.2f}×", "≤ 0.8×", "met" if ratio <= 0.8 else "missed"])
+        ceiling = next((k for k in vs if k.startswith("ceiling")), None)
+        if ceiling:
+            rows.append([f"the same with the reused layers' attention free ({ceiling.split(': ', 1)[1]})",
+                         f"{vs[ceiling]['best']:.2f}×", "physical ceiling", "—"])
+        noise = next((k for k in vs if "noise" in k), None)
+        if noise:
+            rows.append(["the original's deep copy ÷ the original (noise)", f"{vs[noise]['best']:.3f}×", "—", "—"])
+    for policy, row in ((r.get("minilm") or {}).get("policies") or {}).items():
+        c = row["held_out_cosine_mean"]
+        reused = sum(f == "reuse" for f in row["forms"])
+        rows.append([f"MiniLM at 512 tokens, `{policy}` ({reused} of {len(row['forms'])} layers reused, "
+                     f"{row['key_share']:.3g} of the keys), held-out cosine", f"{c:.4f}", "≥ 0.98",
+                     "met" if c >= 0.98 and reused else ("reads every key" if not reused or row["key_share"] >= 1
+                                                         else "missed")])
+    return head + "\n\n" + table(["measure", "value", "goal", "verdict"], rows)
 
 
 # ---------------------------------------------------------------- compatibility matrix

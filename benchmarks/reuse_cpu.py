@@ -34,6 +34,7 @@ short case measures the plan's exact layers, not a selection.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import hashlib
 import json
@@ -101,8 +102,12 @@ def hidden_ratio(got: dict, original: dict) -> dict:
 
 
 def _stamp(section: dict) -> dict:
-    """The section with the machine conditions at its end (a long run's load changes)."""
-    return {**section, "conditions_after": Conditions.now().to_dict()}
+    """The section with the machine conditions at its end (a long run's load changes) and the commit
+    and command that measured it (a --keep run carries earlier sections over with theirs)."""
+    from resultfile import commit
+
+    return {**section, "conditions_after": Conditions.now().to_dict(), "measured_by": {
+        **commit(), "command": "python " + " ".join(["benchmarks/reuse_cpu.py", *sys.argv[1:]])}}
 
 
 # ---------------------------------------------------------------- op
@@ -187,6 +192,26 @@ def _decoder(max_len: int):
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
+# The physical ceiling of the decode goal: the reused model with its reused layers' attention costing
+# nothing (zeros, no K/V read, no selection use); the rest of every step is what reuse cannot save.
+CEILING = "ceiling: reused layers' attention free"
+
+
+@contextlib.contextmanager
+def reused_attention_free(model, on: bool):
+    """While `on`, every reused site of `model` returns zeros from its attention (timing only)."""
+    from attnopt.forms.reuse.form import ReusedSite
+
+    sites = [m for m in model.modules() if isinstance(m, ReusedSite)] if on else []
+    for site in sites:
+        site._attend = lambda q, k, v, keep, mask, anchor: q.new_zeros(*q.shape[:-1], v.shape[-1])
+    try:
+        yield
+    finally:
+        for site in sites:
+            del site._attend
+
+
 def decode_section(context: int, steps: int, repeats: int) -> dict:
     from attnopt.hf.cache import make_cache
 
@@ -196,11 +221,16 @@ def decode_section(context: int, steps: int, repeats: int) -> dict:
         warnings.simplefilter("ignore")
         opt = attnopt.compile(model, E2E_POLICY, example_inputs={"input_ids": ids, "use_cache": False},
                               e2e_tolerance=None, tolerance=10.0, dispatch="off")
-    subjects = {"original": model, "original, deep copy (noise control)": copy.deepcopy(model), E2E_POLICY: opt}
+    subjects = {"original": model, "original, deep copy (noise control)": copy.deepcopy(model), E2E_POLICY: opt,
+                CEILING: opt}
     prompt = torch.randint(1, 1000, (1, context), generator=torch.Generator().manual_seed(2))
 
-    def run(m):
+    def run(m, free_reuse: bool = False):
         def go():
+            with reused_attention_free(m, free_reuse):
+                return steps_time()
+
+        def steps_time():
             cache = make_cache(m) if hasattr(m, "attnopt_report") else None
             with torch.inference_mode():
                 kw = {} if cache is None else {"past_key_values": cache}
@@ -215,7 +245,7 @@ def decode_section(context: int, steps: int, repeats: int) -> dict:
                 return (time.perf_counter() - t) / steps
         return go
 
-    turns = take_turns({k: run(m) for k, m in subjects.items()}, repeats, rotate=True)
+    turns = take_turns({k: run(m, k == CEILING) for k, m in subjects.items()}, repeats, rotate=True)
     rows = _rounds(turns)
     out = {"model": "Llama-style, 8 layers, hidden 128, 4/2 heads, D 32, random weights, batch 1, fp32",
            "policy": E2E_POLICY, "forms": [r.outcome.final_form for r in opt.attnopt_report.sites],
@@ -361,6 +391,9 @@ def main(argv=None) -> None:
     ap.add_argument("--sections", default="op,e2e,decode,quality,minilm")
     ap.add_argument("--quick", action="store_true", help="short lengths and few rounds: checks the script runs")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--keep", action="store_true",
+                    help="carry over the sections this run does not measure from the current result file (each "
+                         "section records the commit and command that measured it)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default torch's); 1 on a machine others load: a parallel op then waits "
                          "for no other thread")
@@ -386,6 +419,17 @@ def main(argv=None) -> None:
     if quick:
         print(json.dumps(payload, indent=1, default=str)[:4000])
         return
+    if args.keep:
+        from resultfile import result_path
+
+        earlier = result_path("reuse_cpu")
+        if earlier.is_file():
+            old = json.loads(earlier.read_text())
+            for name in ("op", "e2e", "decode", "quality", "minilm"):
+                if name not in payload and name in old:
+                    payload[name] = {**old[name], "measured_by": old[name].get("measured_by") or {
+                        "commit": old["meta"].get("commit"), "dirty": old["meta"].get("dirty"),
+                        "command": old["meta"].get("command")}}
     print("wrote", write_result("reuse_cpu", payload))
 
 
