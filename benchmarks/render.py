@@ -656,6 +656,14 @@ def reuse_cpu_block(machine: str, r: dict) -> str:
         noise = next((k for k in vs if "noise" in k), None)
         if noise:
             rows.append(["the original's deep copy ÷ the original (noise)", f"{vs[noise]['best']:.3f}×", "—", "—"])
+    for policy, row in ((r.get("quality") or {}).get("policies") or {}).items():
+        ppl, hid = row.get("perplexity_ratio"), (row.get("hidden_probe_ratio") or {}).get("overall")
+        reused = sum(f == "reuse" for f in row["forms"])
+        share = row.get("key_share", {}).get("2048")
+        ok = ppl is not None and hid is not None and ppl <= 1.01 and hid >= 0.95
+        rows.append([f"recall_lm at 2048, `{policy}` ({reused} of {len(row['forms'])} layers reused, "
+                     f"{fmt(share)} of the keys): held-out perplexity ratio / hidden probes ratio",
+                     f"{fmt(ppl, 4)} / {fmt(hid)}", "≤ 1.01 / ≥ 0.95", "met" if ok else "missed"])
     for policy, row in ((r.get("minilm") or {}).get("policies") or {}).items():
         c = row["held_out_cosine_mean"]
         reused = sum(f == "reuse" for f in row["forms"])
