@@ -62,8 +62,8 @@ from attnopt.kernels.registration import prefill_op
 __all__ = ["gated_delta_attention", "gated_delta_attention_step", "init_gated_delta_state", "gated_delta_chunked",
            "unit_lower_solve"]
 
-# Chunk length of the CPU op: at 16k-32k tokens on 2 cores, 128 ran 1.03-1.1x faster than 64 on a quiet
-# machine and 1.3-3x faster beside two busy processes (ops_cpu at 4830edb, its rows delta and delta_c128).
+# Chunk length of the CPU op. At 16k on 2 cores, 128 beat 64 in both ops_cpu runs quietly (4.08x vs 3.98x,
+# 4.58x vs 4.02x SDPA); at 32k and beside busy processes the runs disagree (results/ops_cpu keeps both rows).
 CHUNK = 128
 
 _WHO = "gated_delta_attention"
