@@ -204,12 +204,12 @@ def reused_attention_free(model, on: bool):
 
     sites = [m for m in model.modules() if isinstance(m, ReusedSite)] if on else []
     for site in sites:
-        site._attend = lambda q, k, v, keep, mask, anchor: q.new_zeros(*q.shape[:-1], v.shape[-1])
+        site.forward = lambda q, k, v, mask=None, x=None, anchor=None, slab=None: q.new_zeros(*q.shape[:-1], v.shape[-1])
     try:
         yield
     finally:
         for site in sites:
-            del site._attend
+            del site.forward
 
 
 def decode_section(context: int, steps: int, repeats: int) -> dict:

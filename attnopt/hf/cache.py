@@ -38,6 +38,7 @@ from attnopt.forms.common.decoding import (
     state_nbytes,
     to_device,
 )
+from attnopt.forms.reuse.decoding import BlockSlab
 from attnopt.hf.interface import hand_over, layer_index
 from attnopt.ir.masks import key_keep
 
@@ -257,6 +258,7 @@ class ReuseCacheLayer(DynamicLayer):
         self.site_module = site_module
         self.selection = None  # SelectionState after the tokens held (None before the first call)
         self._room = None  # (keys, values) buffers with spare columns; self.keys / .values are views of them
+        self.slab = BlockSlab()  # the current query block's listed blocks, gathered (decoding steps read them)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """HF's update, but appending into buffers with room to spare: a decoding step reads only the
@@ -286,12 +288,15 @@ class ReuseCacheLayer(DynamicLayer):
         super().crop(tokens_to_remove)
         if self.selection is not None and before > self.get_seq_length():
             self.selection = self.selection.crop(before - self.get_seq_length(), self.site_module.rule)
+        self.slab.clear()
 
     def reset(self) -> None:
         super().reset()
         self.selection, self._room = None, None
+        self.slab.clear()
 
     def _map(self, fn) -> None:
+        self.slab.clear()  # rows reordered, selected or repeated: gathered again at the next step
         if self.selection is not None:
             self.selection = map_tensors(self.selection, fn)
 

@@ -237,7 +237,7 @@ def attention_forward(
                      **kwargs)
     if site_module.uses_anchor_qk:
         anchor = _anchor_selection(site_module, state, layer, attention_mask)
-        out = site_module(query, key, value, attention_mask, anchor=anchor)
+        out = site_module(query, key, value, attention_mask, anchor=anchor, slab=getattr(layer, "slab", None))
     else:
         out = site_module(query, key, value, attention_mask)
     return out.transpose(1, 2).contiguous(), None

@@ -221,3 +221,51 @@ def test_minilm_keeps_its_embeddings_on_passages_compile_never_saw(minilm):
         w = batch["attention_mask"][..., None].double()
         cos = torch.nn.functional.cosine_similarity((a.double() * w).sum(1), (b.double() * w).sum(1), -1)
         assert float(cos.min()) >= 0.98, cos
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decoding_from_the_gathered_slab_equals_the_full_forward_across_blocks(llama, small, batch):
+    """Unpadded rows decode from each reused layer's slab (decoding.py: its blocks gathered once per
+    block, then one column appended per token): 18 steps cross four blocks of 4, so the slab is
+    gathered again at each block start and appended to in between."""
+    from attnopt.hf.cache import make_cache
+
+    ids = _ids(batch, 21, seed=9)
+    cache = make_cache(small)
+    with torch.no_grad():
+        gen = small.generate(input_ids=ids, max_new_tokens=18, do_sample=False, pad_token_id=0, past_key_values=cache,
+                             output_logits=True, return_dict_in_generate=True)
+    slabs = [layer.slab for layer in cache.layers if getattr(layer, "slab", None) is not None]
+    assert len(slabs) == 2 and all(s.covered == 21 + 17 and s.length > 4 for s in slabs)  # the slab path ran
+    steps = torch.stack(gen.logits, 1)
+    full = _forward(small, gen.sequences, torch.ones_like(gen.sequences))[:, 20:-1]
+    assert (steps - full).abs().max() < 1e-4
+    assert (full - _forward(llama, gen.sequences, torch.ones_like(gen.sequences))[:, 20:-1]).abs().max() > 1e-2
+
+
+def test_the_slab_attends_over_exactly_the_listed_blocks():
+    """BlockSlab against an fp64 softmax over the listed keys, written here: lists change at block starts,
+    a list may skip blocks, and the own block grows column by column."""
+    from attnopt.forms.reuse.decoding import BlockSlab
+
+    g = torch.Generator().manual_seed(3)
+    B, H, Hkv, D, b, N = 2, 4, 2, 8, 4, 26
+    k, v, q = (torch.randn(B, Hkv, N, D, generator=g), torch.randn(B, Hkv, N, D, generator=g),
+               torch.randn(B, H, N, D, generator=g))
+    slab = BlockSlab()
+    for n in range(9, N + 1):  # keys 0 .. n-1; the query is position n-1
+        m = (n - 1) // b
+        lists = []
+        for r in range(B):
+            earlier = sorted(torch.randperm(m, generator=torch.Generator().manual_seed(100 * m + r))[:2].tolist())
+            lists.append(earlier + [m])
+        ids = torch.tensor(lists)
+        out = slab.attend(q[:, :, n - 1:n], k[:, :, :n], v[:, :, :n], ids, b, 0.3)
+        for r in range(B):
+            cols = [c for j in lists[r] for c in range(j * b, min((j + 1) * b, n))]
+            kk, vv = k[r][:, cols].double().repeat_interleave(2, 0), v[r][:, cols].double().repeat_interleave(2, 0)
+            w = torch.softmax(0.3 * (q[r, :, n - 1:n].double() @ kk.transpose(-1, -2)), -1)
+            assert torch.allclose(out[r].double(), w @ vv, atol=1e-6), (n, r)
+    assert slab.covered == N and slab.length == 2 * b + (N - 6 * b)
+    # Rows listing different numbers of blocks: no slab; the caller takes the gathered path.
+    assert slab.attend(q[:, :, -1:], k, v, torch.tensor([[1, 6, -1], [0, 2, 6]]), b, 0.3) is None

@@ -124,7 +124,8 @@ class ReusedSite(SiteModule):
             keep = None
         return self.select(q_a, k_a, keep, state)
 
-    def forward(self, q, k, v, mask=None, x=None, anchor=None):
+    def forward(self, q, k, v, mask=None, x=None, anchor=None, slab=None):
+        """`slab`: a decoding cache layer's BlockSlab (decoding.py), where a one-token step reads its blocks."""
         g = self.geometry
         folded = q.dim() == 3
         if folded:
@@ -134,7 +135,12 @@ class ReusedSite(SiteModule):
             keep = key_keep(mask, g.keep_when, q.shape[0], k.shape[-2], rank=3 if folded else 4)
             if folded and keep is not None and keep.shape[0] != q.shape[0]:
                 keep = keep.reshape(q.shape[0], -1, k.shape[-2])[:, 0]
-        out = self._attend(q, k, v, keep, None if folded else mask, anchor)
+        out = None
+        if slab is not None and isinstance(anchor, Selection) and q.shape[2] == 1 \
+                and (keep is None or bool(keep.all())) and anchor.offsets_B is None and not q.requires_grad and not self.rule.reads_everything(k.shape[-2]):
+            out = slab.attend(q, k, v, anchor.blocks_BQK[:, 0], self.rule.block, g.scale)
+        if out is None:
+            out = self._attend(q, k, v, keep, None if folded else mask, anchor)
         return out.reshape(-1, out.shape[-2], out.shape[-1]) if folded else out
 
     def _attend(self, q, k, v, keep, mask, anchor):

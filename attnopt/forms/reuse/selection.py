@@ -169,6 +169,9 @@ def key_bounds(k_BHkvLD: Tensor, keep_BL: Optional[Tensor], block: int) -> tuple
     B, Hkv, L, D = k_BHkvLD.shape
     J = -(-L // block)
     dtype = torch.float32 if k_BHkvLD.dtype in (torch.float16, torch.bfloat16) else k_BHkvLD.dtype
+    if keep_BL is None and L % block == 0:  # every key real, whole blocks (a decoding refresh): one pass
+        k = k_BHkvLD.reshape(B, Hkv, J, block, D).to(dtype)  # (amin and amax: 12x faster than aminmax here)
+        return k.amin(3), k.amax(3), torch.ones(B, J, dtype=torch.bool, device=k_BHkvLD.device)
     real = torch.ones(B, L, dtype=torch.bool, device=k_BHkvLD.device) if keep_BL is None else keep_BL
     real = torch.nn.functional.pad(real, (0, J * block - L)).view(B, 1, J, block, 1)
     k = torch.nn.functional.pad(k_BHkvLD.to(dtype), (0, 0, 0, J * block - L)).view(B, Hkv, J, block, D)
@@ -374,6 +377,10 @@ def _history(blocks_BMK: Tensor, seen_B: Tensor, rule: BlockRule) -> Tensor:
 def _extend(q_a, k_a, keep_BN, rule, scale, state: SelectionState):
     B, H, T, D = q_a.shape
     Nk = k_a.shape[2]
+    if T == 1 and keep_BN is None:
+        got = _one_token_inside_a_block(q_a, Nk, rule, state)
+        if got is not None:
+            return got
     if keep_BN is not None and not bool(keep_BN[:, -T:].all()):
         raise ValueError("reuse: tokens after a prefill must all be real (no padding among the new tokens); "
                          "generate() never pads them")
@@ -400,6 +407,25 @@ def _extend(q_a, k_a, keep_BN, rule, scale, state: SelectionState):
     new_state = SelectionState(seen, stash[:, :, -W:], history, state.offsets_B)
     offsets = state.offsets_B if bool(state.offsets_B.any()) else None
     return Selection(queries, offsets), new_state
+
+
+def _one_token_inside_a_block(q_a, Nk: int, rule: BlockRule, state: SelectionState):
+    """`_extend` for the common decoding step: one token, no padding, no row starting a block (so no
+    choice is made; each row reads its block's list). None where that does not hold."""
+    seen, offsets = torch.stack([state.seen_B, state.offsets_B]).tolist()
+    b = rule.block
+    if any(s % b == 0 or s // b >= state.history_BMK.shape[1] for s in seen) or any(offsets):
+        return None
+    if any(Nk < s + 1 for s in seen):
+        raise ValueError("reuse: the anchor's cache holds fewer keys than the positions decoded (was the cache edited?)")
+    m = seen[0] // b
+    if all(s // b == m for s in seen):
+        queries = state.history_BMK[:, m:m + 1]
+    else:
+        idx = torch.tensor([s // b for s in seen], device=q_a.device)
+        queries = state.history_BMK.gather(1, idx[:, None, None].expand(-1, 1, rule.slots))
+    stash = torch.cat([state.stash_BHWD[:, :, 1:], q_a.to(state.stash_BHWD.dtype)], dim=2)
+    return Selection(queries), replace(state, seen_B=state.seen_B + 1, stash_BHWD=stash)
 
 
 def _choose_at(stash_1HXD, end, p0, k_1HkvND, keep_BN, r, offset, m, rule, scale):
