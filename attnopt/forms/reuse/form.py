@@ -136,7 +136,7 @@ class ReusedSite(SiteModule):
             if folded and keep is not None and keep.shape[0] != q.shape[0]:
                 keep = keep.reshape(q.shape[0], -1, k.shape[-2])[:, 0]
         out = None
-        if slab is not None and isinstance(anchor, Selection) and q.shape[2] == 1 \
+        if slab is not None and not folded and isinstance(anchor, Selection) and q.shape[2] == 1 \
                 and (keep is None or bool(keep.all())) and anchor.offsets_B is None and not q.requires_grad and not self.rule.reads_everything(k.shape[-2]):
             out = slab.attend(q, k, v, anchor.blocks_BQK[:, 0], self.rule.block, g.scale)
         if out is None:
