@@ -78,10 +78,11 @@ class BlockRule:
     def reads_everything(self, n: int) -> bool:
         """Whether at `n` positions every query block reads every block it can see (no choice is left:
         the form then equals exact attention)."""
-        return _reads_everything(self, n) if type(n) is int else self._reads_everything(n)  # a SymInt: no hash
+        if type(n) is not int:  # a SymInt: no hash
+            return self._reads_everything(self.blocks(n))
+        return _reads_everything(self, self.blocks(n))  # keyed by blocks: decoding asks once per block
 
-    def _reads_everything(self, n: int) -> bool:
-        M = self.blocks(n)
+    def _reads_everything(self, M: int) -> bool:
         # The most candidates: at the last block (causal: they grow with m), or while the window still
         # overlaps the sinks (bidirectional); the blocks between add nothing.
         edge = set(range(min(M, self.sinks + self.window + 1))) | {M - 1} if M else set()
