@@ -17,7 +17,10 @@ conditions recorded beside it):
            6 and 7 exact).
   decode   per-token time at a context of 8k: an 8-layer decoder, hidden 128 (4/2 heads, D 32),
            original against `reuse+every:3`, both prefilled afresh each round; 64 timed steps, one
-           block, so each round holds one refresh of the selection (it runs once per block).
+           block, so each round holds one refresh of the selection (it runs once per block). The
+           original runs twice, with HF's DynamicCache (torch.cat per token) and with appending
+           layers (attnopt.hf.cache.append_layers, as the reused model's cache): the goal's ratio
+           is against the faster of the two.
   quality  benchmarks/data/recall_lm (6-layer byte-level Llama, context 2048) with its middle layers
            reused: held-out perplexity and retrieval probes (attnopt.evaluation, scored by generate(),
            the original scored once on the same rows), and per-step logits of cached generate()
@@ -195,6 +198,7 @@ def _decoder(max_len: int):
 # The physical ceiling of the decode goal: the reused model with its reused layers' attention costing
 # nothing (zeros, no K/V read, no selection use); the rest of every step is what reuse cannot save.
 CEILING = "ceiling: reused layers' attention free"
+APPENDING = "original, appending cache"
 
 
 @contextlib.contextmanager
@@ -213,7 +217,9 @@ def reused_attention_free(model, on: bool):
 
 
 def decode_section(context: int, steps: int, repeats: int) -> dict:
-    from attnopt.hf.cache import make_cache
+    from transformers.cache_utils import DynamicCache
+
+    from attnopt.hf.cache import append_layers, make_cache
 
     model = _decoder(context)
     ids = torch.randint(1, 1000, (1, 64), generator=torch.Generator().manual_seed(1))
@@ -221,17 +227,23 @@ def decode_section(context: int, steps: int, repeats: int) -> dict:
         warnings.simplefilter("ignore")
         opt = attnopt.compile(model, E2E_POLICY, example_inputs={"input_ids": ids, "use_cache": False},
                               e2e_tolerance=None, tolerance=10.0, dispatch="off")
-    subjects = {"original": model, "original, deep copy (noise control)": copy.deepcopy(model), E2E_POLICY: opt,
-                CEILING: opt}
+    # The original twice: with the DynamicCache generate() makes (torch.cat of the whole cache per
+    # token and layer) and with attnopt's appending layers (the strongest baseline here; the reused
+    # model's own cache appends in every layer, so the cache is not what the ratio measures).
+    subjects = {"original": model, APPENDING: model, "original, deep copy (noise control)": copy.deepcopy(model),
+                E2E_POLICY: opt, CEILING: opt}
     prompt = torch.randint(1, 1000, (1, context), generator=torch.Generator().manual_seed(2))
 
-    def run(m, free_reuse: bool = False):
+    def run(m, free_reuse: bool = False, appending: bool = False):
         def go():
             with reused_attention_free(m, free_reuse):
                 return steps_time()
 
         def steps_time():
             cache = make_cache(m) if hasattr(m, "attnopt_report") else None
+            if appending:
+                cache = DynamicCache(config=m.config)
+                append_layers(cache)
             with torch.inference_mode():
                 kw = {} if cache is None else {"past_key_values": cache}
                 o = m(input_ids=prompt, use_cache=True, **kw)
@@ -245,13 +257,15 @@ def decode_section(context: int, steps: int, repeats: int) -> dict:
                 return (time.perf_counter() - t) / steps
         return go
 
-    turns = take_turns({k: run(m, k == CEILING) for k, m in subjects.items()}, repeats, rotate=True)
+    turns = take_turns({k: run(m, k == CEILING, k == APPENDING) for k, m in subjects.items()}, repeats, rotate=True)
     rows = _rounds(turns)
+    baseline = min(("original", APPENDING), key=lambda k: rows["best_s"][k])
     out = {"model": "Llama-style, 8 layers, hidden 128, 4/2 heads, D 32, random weights, batch 1, fp32",
            "policy": E2E_POLICY, "forms": [r.outcome.final_form for r in opt.attnopt_report.sites],
            "context": context, "steps": steps, "key_share": key_share(E2E_POLICY, context, True),
-           "per_token": rows, "vs_original": _ratios(rows, "original")}
-    print(f"decode @{context}: {out['vs_original']}", flush=True)
+           "per_token": rows, "vs_original": _ratios(rows, "original"), "baseline": baseline,
+           "vs_baseline": _ratios(rows, baseline)}
+    print(f"decode @{context}: vs {baseline}: {out['vs_baseline']}", flush=True)
     return out
 
 

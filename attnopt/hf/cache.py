@@ -16,9 +16,10 @@ cache the model makes inside its forward. A layer that already holds tokens (a c
 another model) is left alone: the site then recomputes over the full KV cache, which is correct
 but not O(1). `make_cache(model)` builds the right layers up front for users who make caches.
 
-Exact sites and the anchors reuse reads keep HF's own layers: softmax attention needs its keys. A
-reuse site keeps HF's K/V in a `ReuseCacheLayer`, which also holds its anchor's block-selection
-state and crops it with the keys. A site under `min_seq_len` carries its
+Exact sites and the anchors reuse reads keep full K/V layers: softmax attention needs its keys. A
+reuse site keeps its K/V in a `ReuseCacheLayer`, which also holds its anchor's block-selection
+state and crops it with the keys. In a model with reuse sites every other empty `DynamicLayer`
+becomes an `AppendingLayer` (the same K/V, appended instead of `torch.cat`-ed per token). A site under `min_seq_len` carries its
 exact prefix inside the state until every row passes the threshold (see SiteModule.decode).
 """
 
@@ -246,30 +247,28 @@ def refusal_line(layers: list) -> str:
             f"(policy rule {rule}) to use them, or generate without them")
 
 
-class ReuseCacheLayer(DynamicLayer):
-    """HF's growing K/V of a reuse site, plus the block-selection state of its anchor (the last
-    anchor queries and the blocks chosen so far, attnopt.forms.reuse.selection): reuse saves compute,
-    not memory, so the keys stay. The state is cropped, reordered and repeated with the keys."""
+class AppendingLayer(DynamicLayer):
+    """HF's DynamicLayer, appending each token into buffers with room to spare instead of
+    `torch.cat`-ing the whole cache: at 8k columns the cat copies every key and value per token
+    and per layer, more than a one-token SDPA over them costs (benchmarks/reuse_cpu.py, decode).
+    Buffers grow by an eighth (256 columns at least) when full; keys/values are views of them, so
+    HF's crop, reorder, select and repeat work unchanged (a replaced tensor is copied in again)."""
 
     decodes = False
+    site_module = None  # no site: a plain K/V layer (the attention function's checks read these)
 
-    def __init__(self, site_module: nn.Module, **kwargs):
+    def __init__(self, **kwargs):
         super().__init__()
-        self.site_module = site_module
-        self.selection = None  # SelectionState after the tokens held (None before the first call)
-        self._room = None  # (keys, values) buffers with spare columns; self.keys / .values are views of them
-        self.slab = BlockSlab()  # the current query block's listed blocks, gathered (decoding steps read them)
+        self._room = None  # (keys, values) buffers with spare columns
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """HF's update, but appending into buffers with room to spare: a decoding step reads only the
-        selected blocks, so copying the whole cache every token (HF's torch.cat) would cost more than
-        the attention it saves. The buffers grow by an eighth (256 columns at least) when full."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n, t = (self.keys.shape[-2] if self.keys.dim() == 4 else 0), key_states.shape[-2]
         room = self._room
         if room is None or room[0].data_ptr() != self.keys.data_ptr() or room[0].shape[:2] != key_states.shape[:2] \
                 or room[0].shape[-2] < n + t or room[0].dtype != key_states.dtype \
+                or room[0].device != key_states.device \
                 or (room[0].is_inference() and not torch.is_inference_mode_enabled()):
             size = max(n + t + max(256, (n + t) // 8), 2 * t)
             room = tuple(x.new_empty(*x.shape[:-2], size, x.shape[-1]) for x in (key_states, value_states))
@@ -280,8 +279,42 @@ class ReuseCacheLayer(DynamicLayer):
         room[0][..., n:n + t, :].copy_(key_states)
         room[1][..., n:n + t, :].copy_(value_states)
         self.keys, self.values = room[0][..., :n + t, :], room[1][..., :n + t, :]
-        hand_over(self, kwargs, self.keys)
         return self.keys, self.values
+
+    def reset(self) -> None:
+        super().reset()
+        self._room = None
+
+
+def append_layers(cache) -> int:
+    """Swap every empty plain `DynamicLayer` of `cache` for an `AppendingLayer`; the count swapped.
+    Layers already holding tokens, sliding or quantized layers, and site layers stay as they are."""
+    layers = getattr(cache, "layers", None) or []
+    swapped = 0
+    for i, layer in enumerate(layers):
+        if type(layer) is DynamicLayer and not layer.is_initialized:
+            layers[i] = AppendingLayer()
+            swapped += 1
+    return swapped
+
+
+class ReuseCacheLayer(AppendingLayer):
+    """HF's growing K/V of a reuse site (appended, not cat-ed: a decoding step reads only the
+    selected blocks, so a whole-cache copy per token would cost more than the attention it saves),
+    plus the block-selection state of its anchor (the last anchor queries and the blocks chosen so
+    far, attnopt.forms.reuse.selection): reuse saves compute, not memory, so the keys stay. The
+    state is cropped, reordered and repeated with the keys."""
+
+    def __init__(self, site_module: nn.Module, **kwargs):
+        super().__init__()
+        self.site_module = site_module
+        self.selection = None  # SelectionState after the tokens held (None before the first call)
+        self.slab = BlockSlab()  # the current query block's listed blocks, gathered (decoding steps read them)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        hand_over(self, kwargs, keys)
+        return keys, values
 
     def crop(self, tokens_to_remove: int) -> None:
         before = self.get_seq_length()
@@ -292,7 +325,7 @@ class ReuseCacheLayer(DynamicLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.selection, self._room = None, None
+        self.selection = None
         self.slab.clear()
 
     def _map(self, fn) -> None:
@@ -370,11 +403,11 @@ def bind_layer(module: nn.Module, cache) -> Optional[CacheLayerMixin]:
         return layer
     if cache.get_seq_length(idx) > 0:  # prefilled by something else: keep its keys, recompute over them
         return None
-    if type(layer) not in _PLAIN_KV:
+    if type(layer) not in _PLAIN_KV + (AppendingLayer,):
         return None  # a layer that also keeps other state (conv, recurrent, an indexer) stays HF's own
     if state.cache_role == "state":
         layers[idx] = SiteCacheLayer(site, state.crop_refusal)
-    elif type(layer) is DynamicLayer:  # reuse: HF's full K/V layer (reuse refuses a layer that slides a window)
+    elif type(layer) in (DynamicLayer, AppendingLayer):  # reuse: HF's full K/V layer (reuse refuses a layer that slides a window)
         layers[idx] = ReuseCacheLayer(site)
     else:
         return None
@@ -422,7 +455,8 @@ def watch_model_cache(model: nn.Module):
         if cache is None:
             return
         layers = getattr(cache, "layers", None)
-        for m in mod.__dict__["_attnopt_state"].stateful:
+        stateful = mod.__dict__["_attnopt_state"].stateful
+        for m in stateful:
             idx = indices.get(id(m), _UNSET)
             if idx is _UNSET:
                 idx = indices[id(m)] = layer_index(m)
@@ -437,8 +471,18 @@ def watch_model_cache(model: nn.Module):
                     settled = layer.site_module.settle(held)
                     if settled is not held:
                         layer.state = settled
+        if not getattr(cache, "_attnopt_appends", False):  # once per cache, after the site layers are bound
+            cache._attnopt_appends = True
+            if _reuses(stateful):
+                append_layers(cache)
 
     return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _reuses(modules) -> bool:
+    """Whether any of these attention modules is a reuse site: its model decodes from appended K/V
+    layers (eager, as reuse's own layers are), so its exact layers and anchors append too."""
+    return any(m.__dict__["_attnopt_state"].cache_role == "reuse" for m in modules)
 
 
 _UNSET = object()
@@ -479,8 +523,12 @@ def make_cache(model: nn.Module) -> DynamicCache:
     config = getattr(model, "config", None)
     text = config.get_text_config(decoder=True) if config is not None else None
     cache = DynamicCache(config=text) if text is not None else DynamicCache()
-    for m in decoding_modules(model):
+    modules = decoding_modules(model)
+    for m in modules:
         bind_layer(m, cache)
+    if _reuses(modules):
+        append_layers(cache)
+    cache._attnopt_appends = True
     return cache
 
 

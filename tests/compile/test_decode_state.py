@@ -169,8 +169,9 @@ def test_a_deep_copy_of_a_compiled_model_with_reuse_generates_like_the_original(
     seq, steps, _ = _generate(opt, ids, am)
     seq_t, steps_t, cache = _generate(twin, ids, am)
     assert torch.equal(seq, seq_t) and torch.equal(steps, steps_t)
-    # The reuse site keeps HF's K/V plus its selection state (ReuseCacheLayer), in the cache, not on a module.
-    assert [type(layer).__name__ for layer in cache.layers] == ["DynamicLayer", "ReuseCacheLayer"] + ["SiteCacheLayer"] * 2
+    # The reuse site keeps HF's K/V plus its selection state (ReuseCacheLayer), in the cache, not on a module;
+    # the anchor's full K/V layer appends as the reuse layer does.
+    assert [type(layer).__name__ for layer in cache.layers] == ["AppendingLayer", "ReuseCacheLayer"] + ["SiteCacheLayer"] * 2
     assert all(layer.site_module is twin.get_submodule(f"model.layers.{i}.self_attn").attnopt_site
                for i, layer in enumerate(cache.layers) if i > 0)
     assert cache.layers[1].keys.shape[-2] == PROMPT + NEW - 1
