@@ -413,7 +413,7 @@ def _extend(q_a, k_a, keep_BN, rule, scale, state: SelectionState):
 def _one_token_inside_a_block(q_a, Nk: int, rule: BlockRule, state: SelectionState):
     """`_extend` for the common decoding step: one token, no padding, no row starting a block (so no
     choice is made; each row reads its block's list). None where that does not hold."""
-    seen, offsets = torch.stack([state.seen_B, state.offsets_B]).tolist()
+    seen, offsets = state.seen_B.tolist(), state.offsets_B.tolist()
     b = rule.block
     if any(s % b == 0 or s // b >= state.history_BMK.shape[1] for s in seen) or any(offsets):
         return None
@@ -426,7 +426,8 @@ def _one_token_inside_a_block(q_a, Nk: int, rule: BlockRule, state: SelectionSta
         idx = torch.tensor([s // b for s in seen], device=q_a.device)
         queries = state.history_BMK.gather(1, idx[:, None, None].expand(-1, 1, rule.slots))
     stash = torch.cat([state.stash_BHWD[:, :, 1:], q_a.to(state.stash_BHWD.dtype)], dim=2)
-    return Selection(queries), replace(state, seen_B=state.seen_B + 1, stash_BHWD=stash)
+    # (the constructor, not dataclasses.replace: this runs per anchor and token)
+    return Selection(queries), SelectionState(state.seen_B + 1, stash, state.history_BMK, state.offsets_B)
 
 
 def _choose_at(stash_1HXD, end, p0, k_1HkvND, keep_BN, r, offset, m, rule, scale):
