@@ -12,12 +12,17 @@ written into that text, so that induction and lookup heads form:
 * pass keys in repetitive filler.
 
 Training runs short to long (256 → 512 → 1024 → 2048 tokens) for a fixed number of steps, with a
-cosine learning rate; about 45 minutes on 2 quiet cores (`train_seconds` in the log says how long it
-took). Held out from training, and measured at the end into `train_log.json`: every 10th pydoc topic and every 10th docstring module (`heldout.txt`), and probe formats the data
+cosine learning rate; about 75 minutes on 2 cores (`train_seconds` in the log says how long it
+took). The shipped model is that run continued for 2,000 steps more with a later mix (more keys, half
+of them bare, extra weight on the bytes inside copies): `runs` in the log gives both commands and
+times, 140 minutes in all. Held out from training, and measured at the end into `train_log.json`:
+every 10th pydoc topic and every 10th docstring module (`heldout.txt`), and probe formats the data
 never used: key lengths 12 and 20 (never drawn), an upper-case-only and a Greek alphabet (never drawn),
 and a filler text of its own.
 
-    python benchmarks/train_recall_lm.py --out benchmarks/data/recall_lm
+    python benchmarks/train_recall_lm.py --out /tmp/recall_lm_run1
+    python benchmarks/train_recall_lm.py --init /tmp/recall_lm_run1 --out benchmarks/data/recall_lm \
+        --phases 600:1024:8,1400:2048:4 --lr 1e-3 --copy-weight 2 --event-mix 0.55:0.20:0.25 --bare-keys 0.5
 
 The output is a transformers directory (`config.json`, `model.safetensors`, a byte-level
 `tokenizer.json`) that `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained` load as any model.
@@ -143,9 +148,11 @@ def _bytes_to_unicode() -> dict[int, str]:
 class Sampler:
     """Training sequences: a window of real text with recall events written over it."""
 
-    def __init__(self, text: bytes, seed: int):
+    def __init__(self, text: bytes, seed: int, event_mix=(0.45, 0.25, 0.30), bare_keys: float = 0.0):
         self.text = text
         self.rng = random.Random(seed)
+        self.key_share, self.span_share = event_mix[0], event_mix[0] + event_mix[1]  # the rest: MQAR lists
+        self.bare_keys = bare_keys  # share of key events written with no "the code is"-style prefix
         self.copies: list[tuple[int, int, int]] = []  # (first copy's start, a later copy's start, length)
 
     def key(self) -> bytes:
@@ -232,9 +239,11 @@ class Sampler:
             return bytes(seq)
         for _ in range(self.rng.randint(1, max(2, n // 128))):
             kind = self.rng.random()
-            if kind < 0.45:
-                self.copy_event(seq, self.rng.choice(KEY_PREFIXES).encode() + self.key())
-            elif kind < 0.7:
+            if kind < self.key_share:  # no extra draw when bare_keys is 0: the first run's stream stays as it was
+                bare = self.bare_keys > 0 and self.rng.random() < self.bare_keys
+                prefix = "" if bare else self.rng.choice(KEY_PREFIXES)
+                self.copy_event(seq, prefix.encode() + self.key())
+            elif kind < self.span_share:
                 span = self.text_window(self.rng.randint(16, max(16, min(256, n // 4))))
                 self.copy_event(seq, bytes(span))
             else:
@@ -242,8 +251,9 @@ class Sampler:
         return bytes(seq)
 
     def batch(self, batch: int, n: int, repeat_share: float = 0.15):
-        """(ids [batch, n], induction targets [batch, n]): for a position t inside a later copy, the position
-        just after its earlier twin (where an induction head looks to predict t + 1); -1 elsewhere."""
+        """(ids [batch, n], induction targets [batch, n]): for a position t inside a later copy, or ending a
+        context seen once before (`repeat_targets`), the position just after its earlier twin (where an
+        induction head looks to predict t + 1); -1 elsewhere."""
         import torch
 
         rows, targets = [], []
@@ -256,41 +266,68 @@ class Sampler:
                     # Later events may have written over a copy: keep only targets that still hold.
                     if t + 1 < n and seq[t] == seq[j - 1] and seq[t + 1] == seq[j]:
                         target[t] = j
+            repeat_targets(seq, target)
             rows.append(list(seq))
             targets.append(target)
         return torch.tensor(rows, dtype=torch.long), torch.tensor(targets, dtype=torch.long)
 
 
-# Attention supervision while training: q and k (after RoPE) of one head in each of the first two layers.
-AUX_HEADS = {0: "previous token", 1: "induction"}
+REPEAT_CONTEXTS = (4, 8, 16)  # bytes of context a repeat target must match, shortest first
+
+
+def repeat_targets(seq, target: list) -> None:
+    """Fill `target[t]` (where still -1) with j + 1 when the `c` bytes ending at t occurred exactly once
+    before, ending at j, and the byte after both agrees, for the shortest such c in REPEAT_CONTEXTS.
+    One shared byte is ambiguous in text ("e" is everywhere); a unique multi-byte context is not, and
+    it is what finds a pass key after "the code is" or a key's next letter among lower-case text."""
+    n = len(seq)
+    for c in REPEAT_CONTEXTS:
+        seen: dict = {}
+        for t in range(c - 1, n - 1):
+            gram = bytes(seq[t - c + 1:t + 1])
+            j = seen.get(gram)
+            if j is not None and j >= 0 and target[t] < 0 and j + 1 < t and seq[j + 1] == seq[t + 1]:
+                target[t] = j + 1
+            seen[gram] = t if j is None else -1  # -1: seen more than once, no unique twin
+
+
+# Attention supervision while training: q and k (after RoPE) of chosen query heads in the first two
+# layers. Layer 0 holds three heads looking 1, 2 and 3 bytes back, so that layer 1's induction head
+# can match a multi-byte context rather than a single byte.
+AUX_HEADS = {(0, 0): "previous token", (0, 1): "2 tokens back", (0, 2): "3 tokens back", (1, 0): "induction"}
+BACK = {"previous token": 1, "2 tokens back": 2, "3 tokens back": 3}
 _AUX_QK: dict = {}
 
 
 def recording_sdpa(module, query, key, value, attention_mask, **kwargs):
-    """transformers' SDPA attention, keeping q head 0 and its key head of the supervised layers."""
+    """transformers' SDPA attention, keeping the supervised query heads and their key heads."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if module.training and module.layer_idx in AUX_HEADS:
-        _AUX_QK[module.layer_idx] = (query[:, 0], key[:, 0], module.scaling)
+    if module.training:
+        group = query.shape[1] // key.shape[1]
+        for layer, head in AUX_HEADS:
+            if layer == module.layer_idx:
+                _AUX_QK[(layer, head)] = (query[:, head], key[:, head // group], module.scaling)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def attention_aux_loss(induction_BN):
-    """Mean -log attention of the supervised heads on their targets: layer 0 head 0 on the previous
-    token, layer 1 head 0 on the position after the current token's earlier twin inside copies. Induction
+    """Mean -log attention of the supervised heads on their targets: layer 0's heads on the token 1, 2
+    or 3 back, layer 1 head 0 on the position after the current context's earlier twin. Induction
     heads form late from the language-model loss alone (not within a CPU budget at this size); this makes
     them form in a few hundred steps, and the rest of the circuit is learned from the data."""
     import torch
 
     losses = []
-    for layer, (q_BND, k_BND, scale) in _AUX_QK.items():
+    for head, (q_BND, k_BND, scale) in _AUX_QK.items():
         N = q_BND.shape[1]
         logits = (q_BND @ k_BND.transpose(1, 2)).float() * scale
         causal = torch.ones(N, N, dtype=torch.bool, device=logits.device).tril()
         logp = logits.masked_fill(~causal, float("-inf")).log_softmax(-1)
-        if layer == 0:
-            idx = torch.arange(1, N, device=logits.device)
-            losses.append(-logp[:, idx, idx - 1].mean())
+        back = BACK.get(AUX_HEADS[head])
+        if back is not None:
+            idx = torch.arange(back, N, device=logits.device)
+            losses.append(-logp[:, idx, idx - back].mean())
         else:
             b, t = (induction_BN >= 0).nonzero(as_tuple=True)
             if b.numel():
@@ -354,7 +391,7 @@ def probes(model, held: bytes, seq_len: int, trials: int) -> dict:
     out = {}
     for name, alphabet, key_len, filler in (
             ("upper12_text", PROBE_ALPHABETS["upper"], 12, None), ("digits12_text", PROBE_ALPHABETS["digits"], 12, None),
-            ("lower20_text", PROBE_ALPHABETS["lower"], 20, None), ("greek12_text", PROBE_ALPHABETS["greek"], 12, None),
+            ("lower12_text", PROBE_ALPHABETS["lower"], 12, None), ("lower20_text", PROBE_ALPHABETS["lower"], 20, None), ("greek12_text", PROBE_ALPHABETS["greek"], 12, None),
             ("upper12_filler", PROBE_ALPHABETS["upper"], 12, PROBE_FILLER)):
         key_bytes = len(alphabet[0].encode()) * key_len
         distances = [d for d in (64, 256, seq_len // 4, seq_len // 2, 3 * seq_len // 4, seq_len - 128)
@@ -372,6 +409,11 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--probe-trials", type=int, default=24)
+    ap.add_argument("--event-mix", default="0.45:0.25:0.30",
+                    help="KEYS:SPANS:MQAR shares of the recall events written over text")
+    ap.add_argument("--bare-keys", type=float, default=0.0,
+                    help="share of key events written bare, with no 'the code is'-style prefix before them")
+    ap.add_argument("--copy-weight", type=float, default=0.0, help="extra weight of the next-byte loss inside later copies")
     ap.add_argument("--aux-weight", type=float, default=1.0, help="weight of the attention supervision loss")
     ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every phase's steps (smoke runs)")
     ap.add_argument("--phases", default=None, help="STEPS:LEN:BATCH,... instead of the built-in schedule")
@@ -385,7 +427,10 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
     train_text, held_text = corpus()
     train_bytes, held_bytes = train_text.encode("utf-8"), held_text.encode("utf-8")
-    sampler = Sampler(train_bytes, args.seed)
+    mix = tuple(float(v) for v in args.event_mix.split(":"))
+    if len(mix) != 3 or abs(sum(mix) - 1) > 1e-6 or min(mix) < 0:
+        ap.error(f"--event-mix {args.event_mix!r}: give three non-negative shares KEYS:SPANS:MQAR summing to 1")
+    sampler = Sampler(train_bytes, args.seed, event_mix=mix, bare_keys=args.bare_keys)
     earlier = None
     if args.init:
         model = transformers.LlamaForCausalLM.from_pretrained(args.init)
@@ -413,7 +458,13 @@ def main(argv=None) -> None:
         # phases then stretch it over distance.
         x, induction = sampler.batch(batch, seq_len, repeat_share=0.5 if phase == 0 else 0.25)
         model.train()
-        loss = model(input_ids=x, labels=x).loss
+        logits = model(input_ids=x).logits[:, :-1]
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
+                                               reduction="none").view(x.shape[0], -1)
+        loss = ce.mean()
+        in_copy = induction[:, :-1] >= 0
+        if args.copy_weight and bool(in_copy.any()):
+            loss = loss + args.copy_weight * ce[in_copy].mean()
         aux = attention_aux_loss(induction)
         opt.zero_grad(set_to_none=True)
         (loss if aux is None else loss + args.aux_weight * aux).backward()
@@ -426,9 +477,9 @@ def main(argv=None) -> None:
                         "lr": lr})
             print(f"step {step} {log[-1]['seconds']:.0f}s len {seq_len} loss {loss.item():.3f} aux "
                   f"{log[-1]['aux_loss']} lr {lr:.2e}", flush=True)
-        if step % (100 if phase == 0 else 200) == 0:  # a glance at recall while training: 3/4 of the current length, 4 trials
+        if step % (100 if phase == 0 else 200) == 0:  # a glance at recall while training: lower-case keys at 3/4 of the current length, 4 trials
             model.eval()
-            acc = recall_probe(model, held_bytes, alphabet=PROBE_ALPHABETS["upper"], key_len=12,
+            acc = recall_probe(model, held_bytes, alphabet=PROBE_ALPHABETS["lower"], key_len=12,
                                distance=3 * seq_len // 4, filler=None, seq_len=seq_len, trials=4, seed=step)
             log[-1]["recall_3/4"] = round(acc, 3)
             print(f"  recall at {3 * seq_len // 4} bytes: {acc:.3f}", flush=True)
@@ -444,7 +495,9 @@ def main(argv=None) -> None:
     model.save_pretrained(out, safe_serialization=True)
     byte_tokenizer().save_pretrained(out)
     (out / "heldout.txt").write_text(held_text, encoding="utf-8")
+    command = "python benchmarks/train_recall_lm.py " + " ".join(sys.argv[1:] if argv is None else argv)
     info = {
+        "command": command,
         "corpus": f"pydoc_data.topics and standard-library docstrings of Python {sys.version.split()[0]} "
                   "(Python reference manual and library text, PSF License Version 2), with synthetic recall "
                   "(random keys repeated, text spans repeated, key-value lists queried, pass keys in filler)",
@@ -452,8 +505,9 @@ def main(argv=None) -> None:
                     "in sorted order (heldout.txt)",
         "train_bytes": len(train_bytes), "held_out_bytes": len(held_bytes), "seq_len": SEQ_LEN,
         "phases": [{"steps": k, "seq_len": n, "batch": b} for k, n, b in phases],
-        "attention_supervision": {"weight": args.aux_weight, "heads": {f"layer {k}, query head 0": v
-                                                                        for k, v in AUX_HEADS.items()}},
+        "attention_supervision": {"weight": args.aux_weight, "heads": {f"layer {k[0]}, query head {k[1]}": v
+                                                                        for k, v in AUX_HEADS.items()},
+                                  "repeat_contexts": list(REPEAT_CONTEXTS)},
         "steps": step, "train_seconds": round(train_seconds, 1), "threads": args.threads,
         "held_out_perplexity": ppl, "held_out_windows": windows,
         "held_out_perplexity_256": ppl_256, "held_out_windows_256": windows_256,
@@ -469,9 +523,9 @@ def main(argv=None) -> None:
         info["steps"] += earlier["steps"]
         info["train_seconds"] = round(earlier["train_seconds"] + train_seconds, 1)
         info["runs"] = earlier.get("runs", [{"steps": earlier["steps"], "train_seconds": earlier["train_seconds"],
-                                             "threads": earlier["threads"]}])
+                                             "threads": earlier["threads"], "command": earlier.get("command")}])
         info["runs"].append({"steps": step, "train_seconds": round(train_seconds, 1), "threads": args.threads,
-                             "lr": args.lr, "continued_from": "the run above"})
+                             "lr": args.lr, "command": command, "continued_from": "the run above"})
         info["log"] = earlier["log"] + log
     (out / "train_log.json").write_text(json.dumps(info, indent=1))
     print(json.dumps({k: v for k, v in info.items() if k != "log"}, indent=1))
