@@ -162,7 +162,7 @@ def _decode_growth(r):
 
 def _decode_speed_256(r):
     row = r.get("contexts", {}).get("256", {})
-    return [(v, x["speedup_vs_original"]) for v, x in row.items()
+    return [(v, x.get("speedup_vs_baseline", x["speedup_vs_original"])) for v, x in row.items()
             if v != "original" and not v.startswith(("ceiling", "original,"))]
 
 
@@ -499,7 +499,8 @@ def _decode_headline(r):
     ceiling = ceiling_name(r.get("contexts", {}).get("8192", {}))
     if None in vals or ceiling is None:
         return None
-    return f"{' / '.join(f'{x:.3f}' for x in vals)}× the original's time (ceiling {decode_ratio(r, 8192, ceiling):.3f})"
+    against = "the faster original's" if r.get("baselines") else "the original's"
+    return f"{' / '.join(f'{x:.3f}' for x in vals)}× {against} time (ceiling {decode_ratio(r, 8192, ceiling):.3f})"
 
 
 def _e2e_headline(r):
@@ -604,7 +605,9 @@ def measured_block(name: str, results: dict) -> str:
             variants = [v for v in r["contexts"][next(iter(r["contexts"]))] if form_of(v) == name]
             rows = [[f"`{v}`"] + [f"{fmt(decode_ratio(r, int(n), v))}" for n in r["contexts"]] for v in variants]
             if rows:
-                parts.append(f"Per-token decode time ÷ the original's, best rounds (`{bench}`, `{machine}`, commit "
+                against = ("the baseline's (the faster original: HF's DynamicCache or appending layers)"
+                           if r.get("baselines") else "the original's (HF's DynamicCache)")
+                parts.append(f"Per-token decode time ÷ {against}, best rounds (`{bench}`, `{machine}`, commit "
                              f"`{short(r['meta'].get('commit'))}`):\n\n"
                              + table(["policy"] + [f"{int(n):,}" for n in r["contexts"]], rows))
     for machine, r in each("e2e_cpu"):
