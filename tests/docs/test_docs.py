@@ -136,7 +136,7 @@ def test_a_changed_result_makes_its_table_stale(render, monkeypatch):
     results = render.current_results()
     machine, result = next(iter(results["decode_cpu"].items()))
     changed = json.loads(json.dumps(result))
-    changed["contexts"]["8192"]["linear"]["speedup_vs_original"] *= 2  # a planted change in one number
+    changed["contexts"]["8192"]["linear"]["speedup_vs_baseline"] *= 2  # a planted change in one number
     monkeypatch.setattr(render, "current_results", lambda: {**results, "decode_cpu": {machine: changed}})
     assert "README.md" in render.stale() and "docs/benchmarks.md" in render.stale()
 
@@ -154,7 +154,7 @@ def test_a_goal_is_judged_from_the_result_not_assumed(render):
     r = next(iter(result.values()))
     assert render.verdict(goal, r).startswith("**met**")
     slower = json.loads(json.dumps(r))
-    slower["contexts"]["8192"]["ssm"]["speedup_vs_original"] = 2.0  # 0.5 of the original's time
+    slower["contexts"]["8192"]["ssm"]["speedup_vs_baseline"] = 2.0  # 0.5 of the baseline's time
     assert render.verdict(goal, slower).startswith("**missed** by ssm")
     assert render.verdict(goal, None) == "no current result"
 
