@@ -1,11 +1,12 @@
 """The audit is honest both ways: recall_lm (trained to retrieve, benchmarks/train_recall_lm.py) scores
-far above chance on passkey and copy, teacher-forced, in probe formats it was not trained on, and a
-window that cannot reach the fact loses it. Skipped until benchmarks/data/recall_lm exists.
+far above chance on passkey and copy in probe formats it was not trained on, teacher-forced and through
+greedy generate(), and a window that cannot reach the fact loses it. Skipped until
+benchmarks/data/recall_lm exists.
 
-What recall_lm does not do (measured, benchmarks/data/recall_lm/train_log.json and docs/guides/evaluation.md):
-the first token of a looked-up answer. Its induction heads copy a key once it has started (teacher-forced
-85% on passkey and copy at 2048), but they match one token of context, so greedy generate() rarely gets a
-whole passkey right: exact match is near 0 on the lookups and about 30% on copy."""
+Measured on the shipped model (docs/guides/evaluation.md): at 512 tokens these rows are all right; at
+2048, teacher-forced 97-98% and greedy exact match 83% (passkey) and 50% (copy): a whole 12-byte answer
+must be right byte after byte. The bounds below leave room for that and fail for a model that only
+continues a key once it has started (the earlier recall_lm: passkey exact match 0%)."""
 
 import json
 from pathlib import Path
@@ -32,7 +33,8 @@ def test_recall_lm_retrieves_at_short_lengths(recall):
     assert rep.tokenizer.startswith("UTF-8 bytes")
     for probe in ("passkey", "copy"):
         forced = rep.model.probe_mean(probe, which="teacher_forced")
-        assert forced >= 0.7 and forced >= 5 * rep.chance[probe], (probe, rep.teacher_forced[probe])
+        assert forced >= 0.85 and forced >= 5 * rep.chance[probe], (probe, rep.teacher_forced[probe])
+        assert rep.model.probe_mean(probe) >= 0.5, (probe, rep.retrieval[probe])  # whole answers, greedy
     assert rep.model.decode_disagreements == 0
 
 
@@ -46,7 +48,8 @@ def test_recall_lm_retrieves_at_its_trained_context_and_a_window_does_not(recall
     rep = evaluate(model, tokenizer=tok, probes=["passkey", "copy"], lengths=[seq_len], depths=[0.25, 0.5, 0.75],
                    samples=2)
     for probe in ("passkey", "copy"):
-        assert rep.model.probe_mean(probe, which="teacher_forced") >= 0.7, (probe, rep.teacher_forced[probe])
+        assert rep.model.probe_mean(probe, which="teacher_forced") >= 0.85, (probe, rep.teacher_forced[probe])
+    assert rep.model.probe_mean("passkey") >= 0.5, rep.retrieval["passkey"]  # whole pass keys, greedy
     assert rep.model.probe_mean("copy") > 0.0  # some whole spans come back through generate()
     ids = tok("The river flows past the old mill and on to the sea. " * 8, return_tensors="pt")["input_ids"]
     opt = attnopt.compile(model, "window:64", example_inputs={"input_ids": ids}, tolerance=10, e2e_tolerance=None)
