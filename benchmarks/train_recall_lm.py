@@ -427,7 +427,10 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
     train_text, held_text = corpus()
     train_bytes, held_bytes = train_text.encode("utf-8"), held_text.encode("utf-8")
-    mix = tuple(float(v) for v in args.event_mix.split(":"))
+    try:
+        mix = tuple(float(v) for v in args.event_mix.split(":"))
+    except ValueError:
+        mix = ()
     if len(mix) != 3 or abs(sum(mix) - 1) > 1e-6 or min(mix) < 0:
         ap.error(f"--event-mix {args.event_mix!r}: give three non-negative shares KEYS:SPANS:MQAR summing to 1")
     sampler = Sampler(train_bytes, args.seed, event_mix=mix, bare_keys=args.bare_keys)
