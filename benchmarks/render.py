@@ -44,13 +44,13 @@ DECODE_FORMS = ("linear", "ssm", "window:64+sinks:4")
 # 2-core CPU VM: the benchmarks page lists those without a current result as "to re-run".
 SCRIPTS: dict[str, tuple[str, str]] = {
     "decode_cpu": ("python benchmarks/decode_cpu.py --dispatch auto --rounds 40 --threads 1 --no-growth",
-                   "about 40 minutes"),
+                   "about 15 minutes (14 on 2026-12-05)"),
     "decode_cpu_2threads": ("python benchmarks/decode_cpu.py --dispatch auto --rounds 40 --threads 2 "
-                            "--contexts 256 8192 --no-growth", "about 20 minutes"),
+                            "--contexts 256 8192 --no-growth", "about 5 minutes"),
     "e2e_cpu": ("python benchmarks/e2e_cpu.py --threads 2", "about 30 minutes (N = 256 … 32k)"),
     "onnx_cpu": ("python benchmarks/onnx_cpu.py", "about 15 minutes; the exact file needs 13 GB at 8k"),
     "onnx_decode_cpu": ("python benchmarks/onnx_decode_cpu.py", "about 30 minutes (contexts 1k … 16k)"),
-    "compile_cpu": ("python benchmarks/compile_cpu.py", "about 10 minutes"),
+    "compile_cpu": ("python benchmarks/compile_cpu.py", "about 3 minutes"),
     "compile_dispatch_cpu": ("python benchmarks/compile_dispatch_cpu.py --profile", "about 5 minutes"),
     "calibrate_torchrun": ("torchrun --standalone --nproc_per_node=2 benchmarks/calibrate_torchrun.py",
                            "about 10 minutes"),
@@ -64,7 +64,9 @@ SCRIPTS: dict[str, tuple[str, str]] = {
     "fidelity": ("python benchmarks/fidelity.py --threads 1", "about an hour (its last MiniLM calibrations alone took "
                  "over 20 minutes)"),
     "gla_window_mixing": ("python benchmarks/gla_window_mixing.py", "not recorded"),
-    "capability": ("python benchmarks/capability.py", "hours on 2 cores (its docstring's words)"),
+    "capability": ("python benchmarks/capability.py --policies exact,window:64+sinks:4,linear+window:64+sinks:4,"
+                   "gla+window:64,linear,ssm,gla,delta,reuse --samples 2 --steps 40 --calibration-batches 8 "
+                   "--perplexity-windows 8 --threads 1", "about 8 minutes (2026-12-05)"),
 }
 
 
@@ -874,11 +876,28 @@ def policy_block() -> str:
 
 
 def capability_block(results: dict) -> str:
-    """The capability audit's table for the evaluation guide, with its provenance."""
+    """The capability audit's table for the evaluation guide, with its provenance and its heatmap page."""
     found = results.get("capability") or {}
     if not found:
         return "No current result: run `python benchmarks/capability.py`."
-    return "\n\n".join(f"{provenance(r)}\n\n{capability_table(r)}" for _, r in sorted(found.items()))
+    pages = heatmap_pages()
+    parts = []
+    for machine, r in sorted(found.items()):
+        page = HEATMAPS / f"capability-{machine}.html"
+        link = (f"\n\nThe depth × length heatmaps of every probe, each policy beside the original: "
+                f"[capability-{machine}.html](../assets/capability-{machine}.html).") if page in pages else ""
+        parts.append(f"{provenance(r)}\n\n{capability_table(r)}{link}")
+    return "\n\n".join(parts)
+
+
+HEATMAPS = ROOT / "docs" / "assets"
+
+
+def heatmap_pages() -> dict[Path, str]:
+    """{docs/assets/capability-<machine>.html: its text}: the capability run's heatmap pages, copied
+    into the site as they are (one self-contained HTML page per machine)."""
+    src = ROOT / "benchmarks" / "results" / "capability"
+    return {HEATMAPS / f"capability-{p.stem}.html": p.read_text(encoding="utf-8") for p in sorted(src.glob("*.html"))}
 
 
 def blocks() -> dict[Path, dict[str, str]]:
@@ -922,12 +941,14 @@ def rendered() -> dict[Path, str]:
         for name, body in named.items():
             text = fill(text, name, body, path)
         out[path] = text
+    out.update(heatmap_pages())
     return out
 
 
 def stale() -> list[str]:
-    """The files whose generated blocks differ from what the sources make now."""
-    return [str(p.relative_to(ROOT)) for p, text in rendered().items() if p.read_text(encoding="utf-8") != text]
+    """The files whose generated blocks (or copied pages) differ from what the sources make now."""
+    return [str(p.relative_to(ROOT)) for p, text in rendered().items()
+            if not p.is_file() or p.read_text(encoding="utf-8") != text]
 
 
 def main(argv=None) -> int:
@@ -940,7 +961,8 @@ def main(argv=None) -> int:
             print(f"{path}: a generated block differs from its source; run `python benchmarks/render.py`")
         return 1 if differ else 0
     for path, text in rendered().items():
-        if path.read_text(encoding="utf-8") != text:
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text, encoding="utf-8")
             print("wrote", path.relative_to(ROOT))
     return 0
