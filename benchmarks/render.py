@@ -876,28 +876,18 @@ def policy_block() -> str:
 
 
 def capability_block(results: dict) -> str:
-    """The capability audit's table for the evaluation guide, with its provenance and its heatmap page."""
+    """The capability audit's table for the evaluation guide, with its provenance and a link to its heatmap page."""
     found = results.get("capability") or {}
     if not found:
         return "No current result: run `python benchmarks/capability.py`."
-    pages = heatmap_pages()
     parts = []
     for machine, r in sorted(found.items()):
-        page = HEATMAPS / f"capability-{machine}.html"
+        # benchmarks/mkdocs_hooks.py puts each machine's page into the site as assets/capability-<machine>.html
+        page = ROOT / "benchmarks" / "results" / "capability" / f"{machine}.html"
         link = (f"\n\nThe depth × length heatmaps of every probe, each policy beside the original: "
-                f"[capability-{machine}.html](../assets/capability-{machine}.html).") if page in pages else ""
+                f"[capability-{machine}.html](../assets/capability-{machine}.html).") if page.is_file() else ""
         parts.append(f"{provenance(r)}\n\n{capability_table(r)}{link}")
     return "\n\n".join(parts)
-
-
-HEATMAPS = ROOT / "docs" / "assets"
-
-
-def heatmap_pages() -> dict[Path, str]:
-    """{docs/assets/capability-<machine>.html: its text}: the capability run's heatmap pages, copied
-    into the site as they are (one self-contained HTML page per machine)."""
-    src = ROOT / "benchmarks" / "results" / "capability"
-    return {HEATMAPS / f"capability-{p.stem}.html": p.read_text(encoding="utf-8") for p in sorted(src.glob("*.html"))}
 
 
 def blocks() -> dict[Path, dict[str, str]]:
@@ -941,14 +931,12 @@ def rendered() -> dict[Path, str]:
         for name, body in named.items():
             text = fill(text, name, body, path)
         out[path] = text
-    out.update(heatmap_pages())
     return out
 
 
 def stale() -> list[str]:
-    """The files whose generated blocks (or copied pages) differ from what the sources make now."""
-    return [str(p.relative_to(ROOT)) for p, text in rendered().items()
-            if not p.is_file() or p.read_text(encoding="utf-8") != text]
+    """The files whose generated blocks differ from what the sources make now."""
+    return [str(p.relative_to(ROOT)) for p, text in rendered().items() if p.read_text(encoding="utf-8") != text]
 
 
 def main(argv=None) -> int:
@@ -961,8 +949,7 @@ def main(argv=None) -> int:
             print(f"{path}: a generated block differs from its source; run `python benchmarks/render.py`")
         return 1 if differ else 0
     for path, text in rendered().items():
-        if not path.is_file() or path.read_text(encoding="utf-8") != text:
-            path.parent.mkdir(parents=True, exist_ok=True)
+        if path.read_text(encoding="utf-8") != text:
             path.write_text(text, encoding="utf-8")
             print("wrote", path.relative_to(ROOT))
     return 0
