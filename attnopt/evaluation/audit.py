@@ -91,7 +91,7 @@ def model_name(model: Any) -> str:
 def score_model(lm: LanguageModel, plan: "AuditPlan", perplexity_windows: int, tick) -> ModelScores:
     """One model's numbers over the plan's rows and text; `tick(what)` after each model call."""
     start = time.perf_counter()
-    retrieval, forced, disagree, rows = {}, {}, 0, 0
+    retrieval, forced, first, disagree, rows = {}, {}, {}, 0, 0
     for (probe, length), cell in plan.cells.items():
         got = score_rows(lm, cell, plan.codec, lambda what: tick(f"{lm.name}: {probe} at {length} tokens ({what})"))
         rows += len(got)
@@ -101,10 +101,11 @@ def score_model(lm: LanguageModel, plan: "AuditPlan", perplexity_windows: int, t
             part = got[k * plan.samples : (k + 1) * plan.samples]
             retrieval.setdefault(probe, {}).setdefault(length, {})[d] = mean(float(r.generated_exact) for r in part)
             forced.setdefault(probe, {}).setdefault(length, {})[d] = mean(r.teacher_forced for r in part)
+            first.setdefault(probe, {}).setdefault(length, {})[d] = mean(r.first_token for r in part)
     ppl = perplexity(lm, plan.text_ids, max(plan.lengths), plan.text_name, most=perplexity_windows)
     tick(f"{lm.name}: perplexity")
     return ModelScores(lm.name, "generate" if lm.generates else "forward", retrieval, forced, disagree, rows, ppl,
-                       round(time.perf_counter() - start, 3))
+                       round(time.perf_counter() - start, 3), first)
 
 
 @dataclass

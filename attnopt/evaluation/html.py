@@ -61,6 +61,8 @@ def heatmap(scores, probe: str, lengths: list, depths: list, samples: int) -> st
             x = LEFT + j * CELL_W
             tip = (f"{probe}, {n} tokens, depth {100 * d:.0f}%: exact match {_pct(acc)} of {samples}, teacher-forced "
                    f"{_pct(tf)}")
+            if scores.first_token:
+                tip += f", first token {_pct(scores.first_token[probe][n][d])}"
             parts.append(f'<rect x="{x}" y="{y}" width="{CELL_W - 2}" height="{CELL_H - 2}" fill="{color(acc)}">'
                          f'<title>{esc(tip)}</title></rect>'
                          f'<text x="{x + CELL_W / 2 - 1}" y="{y + CELL_H / 2 + 3}" text-anchor="middle">{_pct(acc)}</text>')
@@ -68,13 +70,17 @@ def heatmap(scores, probe: str, lengths: list, depths: list, samples: int) -> st
             + "".join(parts) + "</svg>")
 
 
+def _means(scores, probe: str) -> str:
+    text = (f"{esc(scores.name)}: exact match {_pct(scores.probe_mean(probe))}, teacher-forced "
+            f"{_pct(scores.probe_mean(probe, which='teacher_forced'))}")
+    if scores.first_token:
+        text += f" (first token {_pct(scores.probe_mean(probe, which='first_token'))})"
+    return text
+
+
 def _probe_section(rep, probe: str) -> str:
     maps = [heatmap(s, probe, rep.lengths, rep.depths, rep.samples) for s in (rep.model, rep.reference) if s]
-    means = f"{esc(rep.model.name)}: exact match {_pct(rep.model.probe_mean(probe))}, teacher-forced " \
-            f"{_pct(rep.model.probe_mean(probe, which='teacher_forced'))}"
-    if rep.reference is not None:
-        means += (f"; {esc(rep.reference.name)}: {_pct(rep.reference.probe_mean(probe))}, teacher-forced "
-                  f"{_pct(rep.reference.probe_mean(probe, which='teacher_forced'))}")
+    means = "; ".join(_means(s, probe) for s in (rep.model, rep.reference) if s)
     if rep.chance.get(probe) is not None:
         means += f"; chance per token {_pct(rep.chance[probe])}"
     return (f'<h3>{esc(probe)}</h3><figure><div class="pair">{"".join(maps)}</div><figcaption>Rows: depth of the fact '

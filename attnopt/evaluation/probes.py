@@ -86,9 +86,8 @@ class Haystacks:
         start = 0 if kind == "filler" else rng.randrange(len(source))
         reps = (start + n + 3 * SNAP) // len(source) + 2
         run = (source * reps)[start : start + n + 3 * SNAP]
-        if kind == "filler":
-            return run[:n]
-        # Start at a word and end at one (the question follows), both where the text allows.
+        # Start at a word and end at one (a fact at depth 1 and the question follow), both where the
+        # source allows: a filler cut off mid-word glued the fact to it ("...the lampNote this down").
         ends = [j for j in range(1, 2 * SNAP) if self.codec.starts_word(run, j + n)]
         shift = next((j for j in ends if self.codec.starts_word(run, j)), ends[0] if ends else 0)
         return run[shift : shift + n]

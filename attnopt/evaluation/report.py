@@ -4,6 +4,8 @@
     report.retrieval["passkey"][2048][0.5]            exact-match accuracy of the model
     report.reference.retrieval["passkey"][2048][0.5]  the same for the reference (the original)
     report.teacher_forced[...]                        teacher-forced token accuracy, same keys
+    report.first_token[...]                           teacher-forced accuracy of each answer's first token
+                                                      (finding the fact; the rest is copying it)
 
 In JSON the length and depth keys are strings ("2048", "0.5", "1.0"). No torch here: the compile
 report's page renders a stored audit with this module.
@@ -67,8 +69,8 @@ def mean(values) -> Optional[float]:
 
 @dataclass
 class ModelScores:
-    """One model's numbers: retrieval[probe][length][depth] exact match, the same teacher-forced, and
-    perplexity."""
+    """One model's numbers: retrieval[probe][length][depth] exact match, the same teacher-forced (every
+    answer token, and the first token alone), and perplexity."""
 
     name: str
     scored_by: str  # "generate" or "forward" (SCORED_BY)
@@ -78,6 +80,7 @@ class ModelScores:
     rows: int
     perplexity: Optional[Perplexity] = None
     seconds: float = 0.0
+    first_token: dict = field(default_factory=dict)  # audits saved before it was measured have none
 
     @property
     def scored_by_text(self) -> str:
@@ -92,12 +95,13 @@ class ModelScores:
                 "teacher_forced": _grid_to_json(self.teacher_forced),
                 "decode_disagreements": self.decode_disagreements, "rows": self.rows,
                 "perplexity": None if self.perplexity is None else self.perplexity.to_dict(),
-                "seconds": self.seconds}
+                "seconds": self.seconds, "first_token": _grid_to_json(self.first_token)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelScores":
         return cls(d["name"], d["scored_by"], _grid_from_json(d["retrieval"]), _grid_from_json(d["teacher_forced"]),
-                   d["decode_disagreements"], d["rows"], Perplexity.from_dict(d.get("perplexity")), d.get("seconds", 0.0))
+                   d["decode_disagreements"], d["rows"], Perplexity.from_dict(d.get("perplexity")), d.get("seconds", 0.0),
+                   _grid_from_json(d.get("first_token", {})))
 
 
 @dataclass
@@ -122,6 +126,10 @@ class EvalReport:
     @property
     def teacher_forced(self) -> dict:
         return self.model.teacher_forced
+
+    @property
+    def first_token(self) -> dict:
+        return self.model.first_token
 
     @property
     def perplexity(self) -> Optional[Perplexity]:
@@ -180,6 +188,8 @@ class EvalReport:
                     cell += f" (ref {_pct(ref.probe_mean(probe, n))})"
                 cells.append(cell)
             tf = f"teacher-forced {_pct(self.model.probe_mean(probe, which='teacher_forced'))}"
+            if self.model.first_token:
+                tf += f", first token {_pct(self.model.probe_mean(probe, which='first_token'))}"
             if self.chance.get(probe) is not None:
                 tf += f", chance {_pct(self.chance[probe])}"
             lines.append(f"  {probe:<{width}}  exact match by length  " + ";  ".join(cells) + f"  [{tf}]")

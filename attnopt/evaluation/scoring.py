@@ -1,5 +1,7 @@
 """Score a model on probe samples: exact match of greedy `generate()` (the decode path, from the model's
-cache) and teacher-forced token accuracy from one full forward (the prefill path).
+cache) and teacher-forced token accuracy from one full forward (the prefill path), over every answer
+token and over the first alone: a model that copies a fact once started but misses where it starts has
+a high token accuracy and a low first-token one, and fails exact match.
 
 Where both run, a row whose generated answer differs from the full forward's greedy answer (token for
 token) is a decode disagreement: greedy decoding equals the forward's argmax along the gold answer as
@@ -21,6 +23,7 @@ SLACK = 2  # extra tokens generated for subword tokenizers (the answer may come 
 @dataclass
 class RowScore:
     teacher_forced: float  # share of scored tokens whose argmax is the gold token
+    first_token: float  # share of scored spans whose first token's argmax is right: the fact was found
     forward_exact: bool  # every answer token right under the full forward
     generated_exact: bool  # generate() produced the answer (forward_exact when there is no generate())
     generated_tokens_exact: bool  # generate()'s tokens equal the answer's (the disagreement check)
@@ -38,7 +41,8 @@ def _teacher_forced(lm, batch: list) -> list:
         for a, b in s.scored:
             idx = torch.arange(a, b)
             hits.append(pred[row, idx - 1 - (length - keep)] == ids[row, idx])
-        out.append((float(torch.cat(hits).float().mean()), bool(hits[-1].all())))
+        found = sum(bool(h[0]) for h in hits) / len(hits)
+        out.append((float(torch.cat(hits).float().mean()), found, bool(hits[-1].all())))
     return out
 
 
@@ -69,8 +73,8 @@ def score_rows(lm, samples: list, codec, tick) -> list:
             generated = _generated(lm, batch, codec)
             tick("generate")
         else:
-            generated = [(exact, exact) for _, exact in forward]
-        out += [RowScore(tf, fx, gx, gt) for (tf, fx), (gx, gt) in zip(forward, generated)]
+            generated = [(exact, exact) for *_, exact in forward]
+        out += [RowScore(tf, ft, fx, gx, gt) for (tf, ft, fx), (gx, gt) in zip(forward, generated)]
     return out
 
 

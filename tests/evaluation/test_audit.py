@@ -42,6 +42,8 @@ def test_a_model_that_copies_scores_one_and_one_that_cannot_scores_zero(inductio
         assert rep.teacher_forced[probe][256] == {0.0: 1.0, 0.5: 1.0, 1.0: 1.0}, probe
         assert rep.reference.retrieval[probe][256] == {0.0: 0.0, 0.5: 0.0, 1.0: 0.0}, probe
         assert rep.reference.teacher_forced[probe][256] == {0.0: 0.0, 0.5: 0.0, 1.0: 0.0}, probe
+        assert rep.first_token[probe][256] == {0.0: 1.0, 0.5: 1.0, 1.0: 1.0}, probe
+        assert rep.reference.first_token[probe][256] == {0.0: 0.0, 0.5: 0.0, 1.0: 0.0}, probe
     assert rep.model.scored_by == "forward" and rep.model.rows == 5 * 3 * 2
     assert any("has no generate()" in n for n in rep.notes)
     # ConstantLM puts all its mass on one token of 256 after a softmax of logits 1 and 0 elsewhere
@@ -101,14 +103,16 @@ def test_teacher_forced_scores_equal_a_plain_forward(tiny):
     rep = evaluate(tiny, probes=["mqar", "copy"], lengths=[256], depths=[0.5], samples=3)
     for probe in ("mqar", "copy"):
         rows = [build(probe, ByteCodec(), hay, 256, 0.5, i) for i in range(3)]
-        accs, exact = [], []
+        accs, firsts, exact = [], [], []
         for s in rows:
             with torch.no_grad():
                 pred = tiny(input_ids=torch.tensor([s.ids])).logits[0].argmax(-1)
             hits = [int(pred[t - 1]) == s.ids[t] for a, b in s.scored for t in range(a, b)]
             accs.append(sum(hits) / len(hits))
+            firsts.append(sum(int(pred[a - 1]) == s.ids[a] for a, _ in s.scored) / len(s.scored))
             exact.append(all(int(pred[t - 1]) == s.ids[t] for t in range(s.answer_start, 256)))
         assert rep.teacher_forced[probe][256][0.5] == pytest.approx(sum(accs) / 3, abs=1e-12)
+        assert rep.first_token[probe][256][0.5] == pytest.approx(sum(firsts) / 3, abs=1e-12)
         assert rep.retrieval[probe][256][0.5] == sum(exact) / 3
     assert rep.model.scored_by == "generate" and rep.model.decode_disagreements == 0
 
@@ -159,6 +163,9 @@ def test_the_report_round_trips_and_renders_self_contained(induction_report):
     assert data["model"]["retrieval"]["copy"]["256"] == {"0.0": 1.0, "0.5": 1.0, "1.0": 1.0}
     back = EvalReport.from_dict(data)
     assert back.retrieval == rep.retrieval and back.reference.teacher_forced == rep.reference.teacher_forced
+    assert back.first_token == rep.first_token and back.reference.first_token == rep.reference.first_token
+    old = {**data, "model": {k: v for k, v in data["model"].items() if k != "first_token"}}
+    assert EvalReport.from_dict(old).first_token == {}  # an audit saved before first-token accuracy loads
     assert back.to_dict() == data
     page = rep.to_html()
     for outside in ("http://", "https://", "<script", "<link", "@import"):

@@ -47,6 +47,19 @@ def test_the_answer_is_written_once_before_the_question_at_the_depth(probe, hay)
         assert abs(at / question - depth) < 0.15, (depth, at, question)
 
 
+@pytest.mark.parametrize("probe", ["passkey", "needle", "multikey"])
+def test_facts_and_questions_start_at_a_word(probe, hay):
+    facts = {"passkey": "Note this down", "needle": "The number for", "multikey": "The number for"}
+    for length in (300, 777, 2048):
+        for depth in (0.0, 0.5, 1.0):
+            for i in range(3):
+                prompt = bytes(build(probe, ByteCodec(), hay, length, depth, i).prompt).decode()
+                question = prompt.rindex("\n")
+                assert prompt[question - 1] in " \n", (depth, prompt[question - 40:question + 1])
+                at = prompt.index(facts[probe])
+                assert at == 0 or prompt[at - 1] in " \n", (depth, prompt[at - 40:at + 20])
+
+
 def test_passkey_needle_and_multikey_formats(hay):
     s = build("passkey", ByteCodec(), hay, 400, 0.5, 1)
     assert re.fullmatch(r"\d{10}", s.answer_text)

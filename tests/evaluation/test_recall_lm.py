@@ -36,6 +36,21 @@ def test_recall_lm_retrieves_at_short_lengths(recall):
         assert forced >= 0.85 and forced >= 5 * rep.chance[probe], (probe, rep.teacher_forced[probe])
         assert rep.model.probe_mean(probe) >= 0.5, (probe, rep.retrieval[probe])  # whole answers, greedy
     assert rep.model.decode_disagreements == 0
+    # first-token accuracy against a plain forward per row (recall_lm misses some first bytes and copies
+    # the rest, so the first token and the answer's others tell different things here)
+    import torch
+
+    from attnopt.evaluation.codec import ByteCodec
+    from attnopt.evaluation.probes import Haystacks, build
+    from attnopt.samples import english_passages
+
+    hay = Haystacks(ByteCodec(), "\n\n".join(english_passages()))
+    for d in (0.0, 0.5, 1.0):
+        rows = [build("passkey", ByteCodec(), hay, 512, d, i) for i in range(2)]
+        with torch.no_grad():
+            pred = model(input_ids=torch.tensor([s.ids for s in rows])).logits.argmax(-1)
+        want = sum(int(pred[r, s.answer_start - 1]) == s.ids[s.answer_start] for r, s in enumerate(rows)) / 2
+        assert rep.first_token["passkey"][512][d] == want, d
 
 
 @pytest.mark.slow
