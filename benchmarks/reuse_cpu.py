@@ -20,7 +20,8 @@ conditions recorded beside it):
            block, so each round holds one refresh of the selection (it runs once per block). The
            original runs twice, with HF's DynamicCache (torch.cat per token) and with appending
            layers (attnopt.hf.cache.append_layers, as the reused model's cache): the goal's ratio
-           is against the faster of the two.
+           is against the faster of the two. Stored as `decode` at 2 threads, `decode_1thread` at
+           --threads 1 (the section records its thread count).
   quality  benchmarks/data/recall_lm (6-layer byte-level Llama, context 2048) with its middle layers
            reused: held-out perplexity and retrieval probes (attnopt.evaluation, scored by generate(),
            the original scored once on the same rows), and per-step logits of cached generate()
@@ -400,6 +401,15 @@ def minilm_section(policies) -> dict:
     return out
 
 
+def decode_key(threads: int) -> str:
+    """The decode section's name at a thread count: "decode" at 2 threads (this machine's cores, the
+    goal's run), "decode_1thread" and so on otherwise, so a run at one count keeps the other's."""
+    return "decode" if threads == 2 else f"decode_{threads}thread" + ("s" if threads > 1 else "")
+
+
+SECTIONS = ("op", "e2e", "decode", "decode_1thread", "quality", "minilm")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", default="op,e2e,decode,quality,minilm")
@@ -422,8 +432,9 @@ def main(argv=None) -> None:
     if "e2e" in sections:
         payload["e2e"] = _stamp(e2e_section((4096,) if quick else (16384,), args.repeats or (1 if quick else 3)))
     if "decode" in sections:
-        payload["decode"] = _stamp(decode_section(2048 if quick else 8192, 8 if quick else DECODE_STEPS,
-                                                  args.repeats or (2 if quick else 5)))
+        payload[decode_key(torch.get_num_threads())] = _stamp(
+            {**decode_section(2048 if quick else 8192, 8 if quick else DECODE_STEPS, args.repeats or (2 if quick else 5)),
+             "threads": torch.get_num_threads()})
     if "quality" in sections:
         payload["quality"] = _stamp(quality_section(QUALITY_POLICIES[:1] if quick else QUALITY_POLICIES,
                                                     [512] if quick else [1024, 2048], 1 if quick else 4))
@@ -439,7 +450,7 @@ def main(argv=None) -> None:
         earlier = result_path("reuse_cpu")
         if earlier.is_file():
             old = json.loads(earlier.read_text())
-            for name in ("op", "e2e", "decode", "quality", "minilm"):
+            for name in SECTIONS:
                 if name not in payload and name in old:
                     payload[name] = {**old[name], "measured_by": old[name].get("measured_by") or {
                         "commit": old["meta"].get("commit"), "dirty": old["meta"].get("dirty"),
