@@ -20,6 +20,9 @@ every 10th pydoc topic and every 10th docstring module (`heldout.txt`), and prob
 never used: key lengths 12 and 20 (never drawn), an upper-case-only and a Greek alphabet (never drawn),
 and a filler text of its own.
 
+`--size large --device cuda --minutes M` trains the larger model a GPU loan is for (benchmarks/README.md),
+for M minutes of wall time instead of a step count.
+
     python benchmarks/train_recall_lm.py --out /tmp/recall_lm_run1
     python benchmarks/train_recall_lm.py --init /tmp/recall_lm_run1 --out benchmarks/data/recall_lm \
         --phases 600:1024:8,1400:2048:4 --lr 1e-3 --copy-weight 2 --event-mix 0.55:0.20:0.25 --bare-keys 0.5
@@ -103,14 +106,21 @@ def corpus() -> tuple[str, str]:
     return "\n\n".join(train), "\n\n".join(held)
 
 
-def config():
-    """6 layers, hidden 128, 4 query / 2 key-value heads (GQA), RoPE, byte vocabulary, context 2048."""
+# (layers, hidden, query heads, key-value heads): `cpu` is the shipped recall_lm (the test fixture);
+# `large` the one a GPU loan trains (head size 32 in both, so the supervised heads mean the same).
+SIZES = {"cpu": (6, 128, 4, 2), "large": (8, 256, 8, 4)}
+
+
+def config(size: str = "cpu"):
+    """Llama-style GQA decoder (SIZES; `cpu`: 6 layers, hidden 128, 4 query / 2 key-value heads), RoPE, byte
+    vocabulary, context 2048."""
     import transformers
 
+    layers, hidden, heads, kv_heads = SIZES[size]
     return transformers.LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=SEQ_LEN, tie_word_embeddings=True, bos_token_id=None,
-        eos_token_id=None, pad_token_id=None,
+        vocab_size=256, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=SEQ_LEN,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
 
 
@@ -336,6 +346,12 @@ def attention_aux_loss(induction_BN):
     return sum(losses) if losses else None
 
 
+def _device_name(device) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+
+
 def perplexity(model, ids, seq_len: int, batch: int = 4) -> tuple[float, int]:
     """exp of the mean next-token cross-entropy over non-overlapping seq_len windows of `ids`; (ppl, windows)."""
     import torch
@@ -345,7 +361,7 @@ def perplexity(model, ids, seq_len: int, batch: int = 4) -> tuple[float, int]:
     total, count = 0.0, 0
     with torch.no_grad():
         for i in range(0, n, batch):
-            x = chunks[i:i + batch]
+            x = chunks[i:i + batch].to(model.device)
             logits = model(input_ids=x).logits[:, :-1]
             total += float(torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum"))
@@ -378,7 +394,7 @@ def recall_probe(model, held: bytes, *, alphabet: str, key_len: int, distance: i
         ctx[second:second + len(key)] = key
         x = torch.tensor([list(ctx)], dtype=torch.long)
         with torch.no_grad():
-            pred = model(input_ids=x).logits[0].argmax(-1)
+            pred = model(input_ids=x.to(model.device)).logits[0].argmax(-1).cpu()
         # pred[t] predicts token t+1; score tokens second+1 .. second+len(key)-1.
         idx = torch.arange(second + 1, second + len(key))
         hits += int((pred[idx - 1] == x[0, idx]).sum())
@@ -418,13 +434,29 @@ def main(argv=None) -> None:
     ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every phase's steps (smoke runs)")
     ap.add_argument("--phases", default=None, help="STEPS:LEN:BATCH,... instead of the built-in schedule")
     ap.add_argument("--init", default=None, help="continue training a saved recall_lm directory (its log is kept)")
+    ap.add_argument("--size", choices=sorted(SIZES), default="cpu",
+                    help="model size (SIZES): cpu, the shipped test fixture; large, for a GPU")
+    ap.add_argument("--device", default="cpu", help="torch device to train on (cuda on a GPU machine)")
+    ap.add_argument("--minutes", type=float, default=None,
+                    help="train for this wall time instead of a step count: the phases and the learning-rate "
+                         "schedule follow the elapsed share of it (a GPU loan's fixed minutes)")
     args = ap.parse_args(argv)
+    if args.minutes is not None and args.minutes <= 0:
+        ap.error(f"--minutes {args.minutes}: give a positive number of minutes")
 
     import torch
     import transformers
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    try:
+        device = torch.device(args.device)
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as e:
+        ap.error(f"--device {args.device!r} is not usable here ({str(e).splitlines()[0]}); give cpu or an available "
+                 "accelerator")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
     train_text, held_text = corpus()
     train_bytes, held_bytes = train_text.encode("utf-8"), held_text.encode("utf-8")
     try:
@@ -439,7 +471,8 @@ def main(argv=None) -> None:
         model = transformers.LlamaForCausalLM.from_pretrained(args.init)
         earlier = json.loads((Path(args.init) / "train_log.json").read_text())
     else:
-        model = transformers.LlamaForCausalLM(config())
+        model = transformers.LlamaForCausalLM(config(args.size))
+    model.to(device)
     transformers.AttentionInterface.register("recording_sdpa", recording_sdpa)
     model.config._attn_implementation = "recording_sdpa"
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
@@ -448,18 +481,27 @@ def main(argv=None) -> None:
     total_steps = sum(p[0] for p in phases)
     ends = [sum(p[0] for p in phases[:i + 1]) for i in range(len(phases))]
     start = time.perf_counter()
-    log, step = [], 0
-    while step < total_steps:
-        phase = next(i for i, end in enumerate(ends) if step < end)
+    budget = None if args.minutes is None else 60 * args.minutes
+
+    def progress() -> float:  # the share of training done: of the steps, or of the wall time given
+        return step / total_steps if budget is None else (time.perf_counter() - start) / budget
+
+    log, step, taken = [], 0, [0] * len(phases)
+    while progress() < 1:
+        done = progress()
+        at = step if budget is None else done * total_steps  # where in the step schedule training is
+        phase = next((i for i, end in enumerate(ends) if at < end), len(phases) - 1)
+        taken[phase] += 1
         _, seq_len, batch = phases[phase]
-        # Cosine from lr to lr/10 over all steps, after a short warm-up.
+        # Cosine from lr to lr/10 over all of training, after a short warm-up.
         warm = 1.0 if earlier else min(1.0, (step + 1) / 200)
-        lr = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / total_steps)))
+        lr = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
         for group in opt.param_groups:
             group["lr"] = lr
         # The first phase repeats whole windows half the time: induction forms there, and the longer
         # phases then stretch it over distance.
         x, induction = sampler.batch(batch, seq_len, repeat_share=0.5 if phase == 0 else 0.25)
+        x, induction = x.to(device), induction.to(device)
         model.train()
         logits = model(input_ids=x).logits[:, :-1]
         ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
@@ -495,7 +537,7 @@ def main(argv=None) -> None:
     probe_acc = probes(model, held_bytes, SEQ_LEN, args.probe_trials)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    model.to("cpu").save_pretrained(out, safe_serialization=True)
     byte_tokenizer().save_pretrained(out)
     (out / "heldout.txt").write_text(held_text, encoding="utf-8")
     command = "python benchmarks/train_recall_lm.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -507,7 +549,9 @@ def main(argv=None) -> None:
         "held_out": f"every {HELD_OUT_EVERY}th pydoc topic and every {HELD_OUT_EVERY}th docstring module "
                     "in sorted order (heldout.txt)",
         "train_bytes": len(train_bytes), "held_out_bytes": len(held_bytes), "seq_len": SEQ_LEN,
-        "phases": [{"steps": k, "seq_len": n, "batch": b} for k, n, b in phases],
+        "phases": [{"steps": k, "seq_len": n, "batch": b} for k, (_, n, b) in zip(taken, phases)],
+        "size": args.size, "device": str(device) if device.type == "cpu" else f"{device} ({_device_name(device)})",
+        "minutes": args.minutes,
         "attention_supervision": {"weight": args.aux_weight, "heads": {f"layer {k[0]}, query head {k[1]}": v
                                                                         for k, v in AUX_HEADS.items()},
                                   "repeat_contexts": list(REPEAT_CONTEXTS)},
