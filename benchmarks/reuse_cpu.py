@@ -20,8 +20,8 @@ conditions recorded beside it):
            block, so each round holds one refresh of the selection (it runs once per block). The
            original runs twice, with HF's DynamicCache (torch.cat per token) and with appending
            layers (attnopt.hf.cache.append_layers, as the reused model's cache): the goal's ratio
-           is against the faster of the two. Stored as `decode` at 2 threads, `decode_1thread` at
-           --threads 1 (the section records its thread count).
+           is against the faster of the two. Stored as `decode_1thread` at --threads 1, `decode`
+           otherwise (each section records its thread count).
   quality  benchmarks/data/recall_lm (6-layer byte-level Llama, context 2048) with its middle layers
            reused: held-out perplexity and retrieval probes (attnopt.evaluation, scored by generate(),
            the original scored once on the same rows), and per-step logits of cached generate()
@@ -402,9 +402,9 @@ def minilm_section(policies) -> dict:
 
 
 def decode_key(threads: int) -> str:
-    """The decode section's name at a thread count: "decode" at 2 threads (this machine's cores, the
-    goal's run), "decode_1thread" and so on otherwise, so a run at one count keeps the other's."""
-    return "decode" if threads == 2 else f"decode_{threads}thread" + ("s" if threads > 1 else "")
+    """The decode section's name: "decode_1thread" at one thread, "decode" otherwise (the section records
+    its count), so a run at one thread keeps the other's section and the other way round."""
+    return "decode_1thread" if threads == 1 else "decode"
 
 
 SECTIONS = ("op", "e2e", "decode", "decode_1thread", "quality", "minilm")

@@ -349,7 +349,7 @@ def attention_aux_loss(induction_BN):
 def _device_name(device) -> str:
     import torch
 
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def perplexity(model, ids, seq_len: int, batch: int = 4) -> tuple[float, int]:
@@ -434,13 +434,15 @@ def main(argv=None) -> None:
     ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every phase's steps (smoke runs)")
     ap.add_argument("--phases", default=None, help="STEPS:LEN:BATCH,... instead of the built-in schedule")
     ap.add_argument("--init", default=None, help="continue training a saved recall_lm directory (its log is kept)")
-    ap.add_argument("--size", choices=sorted(SIZES), default="cpu",
-                    help="model size (SIZES): cpu, the shipped test fixture; large, for a GPU")
+    ap.add_argument("--size", choices=sorted(SIZES), default=None,
+                    help="model size (SIZES; default cpu): cpu, the shipped test fixture; large, for a GPU")
     ap.add_argument("--device", default="cpu", help="torch device to train on (cuda on a GPU machine)")
     ap.add_argument("--minutes", type=float, default=None,
                     help="train for this wall time instead of a step count: the phases and the learning-rate "
                          "schedule follow the elapsed share of it (a GPU loan's fixed minutes)")
     args = ap.parse_args(argv)
+    if args.init and args.size:
+        ap.error(f"--size {args.size} with --init: a continued run keeps the size of {args.init}; drop --size")
     if args.minutes is not None and args.minutes <= 0:
         ap.error(f"--minutes {args.minutes}: give a positive number of minutes")
 
@@ -471,7 +473,7 @@ def main(argv=None) -> None:
         model = transformers.LlamaForCausalLM.from_pretrained(args.init)
         earlier = json.loads((Path(args.init) / "train_log.json").read_text())
     else:
-        model = transformers.LlamaForCausalLM(config(args.size))
+        model = transformers.LlamaForCausalLM(config(args.size or "cpu"))
     model.to(device)
     transformers.AttentionInterface.register("recording_sdpa", recording_sdpa)
     model.config._attn_implementation = "recording_sdpa"
@@ -550,7 +552,8 @@ def main(argv=None) -> None:
                     "in sorted order (heldout.txt)",
         "train_bytes": len(train_bytes), "held_out_bytes": len(held_bytes), "seq_len": SEQ_LEN,
         "phases": [{"steps": k, "seq_len": n, "batch": b} for k, (_, n, b) in zip(taken, phases)],
-        "size": args.size, "device": str(device) if device.type == "cpu" else f"{device} ({_device_name(device)})",
+        "size": args.size or ("cpu" if not args.init else earlier.get("size", "cpu")),
+        "device": str(device) if device.type == "cpu" else f"{device} ({_device_name(device)})",
         "minutes": args.minutes,
         "attention_supervision": {"weight": args.aux_weight, "heads": {f"layer {k[0]}, query head {k[1]}": v
                                                                         for k, v in AUX_HEADS.items()},
