@@ -158,11 +158,15 @@ def _bytes_to_unicode() -> dict[int, str]:
 class Sampler:
     """Training sequences: a window of real text with recall events written over it."""
 
-    def __init__(self, text: bytes, seed: int, event_mix=(0.45, 0.25, 0.30), bare_keys: float = 0.0):
+    def __init__(self, text: bytes, seed: int, event_mix=(0.45, 0.25, 0.30), bare_keys: float = 0.0,
+                 edges: float = 0.0):
         self.text = text
         self.rng = random.Random(seed)
         self.key_share, self.span_share = event_mix[0], event_mix[0] + event_mix[1]  # the rest: MQAR lists
         self.bare_keys = bare_keys  # share of key events written with no "the code is"-style prefix
+        # share of key copies and pass keys placed at the ends of the distance range: the later copy
+        # within EDGE bytes of the first, or the first in the row's first 1/8 and the later in its last
+        self.edges = edges
         self.copies: list[tuple[int, int, int]] = []  # (first copy's start, a later copy's start, length)
 
     def key(self) -> bytes:
@@ -187,6 +191,9 @@ class Sampler:
 
     def copy_event(self, seq: bytearray, chunk: bytes) -> None:
         """`chunk` written, then written again once or twice further on."""
+        if self.edges and self.rng.random() < self.edges:  # no draw at 0: earlier runs' streams stay
+            self.edge_copy(seq, chunk)
+            return
         first = at = self.place(seq, chunk, 0, len(seq) - len(chunk) - 1)
         for _ in range(self.rng.choice((1, 1, 1, 2))):
             if at is None:
@@ -194,6 +201,18 @@ class Sampler:
             at = self.place(seq, chunk, at + len(chunk), len(seq))
             if at is not None:
                 self.copies.append((first, at, len(chunk)))
+
+    def edge_copy(self, seq: bytearray, chunk: bytes) -> None:
+        """`chunk` and one later copy at an end of the distance range: right after it, or across the row."""
+        n, k = len(seq), len(chunk)
+        if self.rng.random() < 0.5:
+            first = self.place(seq, chunk, 0, n - 2 * k - 1)
+            later = None if first is None else self.place(seq, chunk, first + k, first + 2 * k + EDGE)
+        else:
+            first = self.place(seq, chunk, 0, n // 8 + k)
+            later = None if first is None else self.place(seq, chunk, max(first + k, n - n // 8 - k), n)
+        if later is not None:
+            self.copies.append((first, later, k))
 
     def mqar(self, seq: bytearray) -> None:
         """A key→value list, then some of its pairs asked again, in another order, further on."""
@@ -226,7 +245,10 @@ class Sampler:
         while len(filler) < n:
             filler += self.rng.choice(sentences).encode()
         seq = filler[: n - len(question)] + question
-        self.place(seq, needle, 0, n - len(question) - 1)
+        lo, hi = 0, n - len(question) - 1
+        if self.edges and self.rng.random() < self.edges:  # the key right before the question, or at the start
+            lo, hi = (max(0, hi - len(needle) - EDGE), hi) if self.rng.random() < 0.5 else (0, len(needle) + n // 8)
+        self.place(seq, needle, lo, hi)
         return seq[:n]
 
     def sequence(self, n: int, repeat_share: float = 0.15) -> bytes:
@@ -282,6 +304,7 @@ class Sampler:
         return torch.tensor(rows, dtype=torch.long), torch.tensor(targets, dtype=torch.long)
 
 
+EDGE = 96  # bytes: the most a "near" edge copy starts after its first copy ends
 REPEAT_CONTEXTS = (4, 8, 16)  # bytes of context a repeat target must match, shortest first
 
 
@@ -429,6 +452,9 @@ def main(argv=None) -> None:
                     help="KEYS:SPANS:MQAR shares of the recall events written over text")
     ap.add_argument("--bare-keys", type=float, default=0.0,
                     help="share of key events written bare, with no 'the code is'-style prefix before them")
+    ap.add_argument("--edges", type=float, default=0.0,
+                    help="share of key copies and pass keys placed at the ends of the distance range (a later copy "
+                         "right after the first, or the two across the whole row)")
     ap.add_argument("--copy-weight", type=float, default=0.0, help="extra weight of the next-byte loss inside later copies")
     ap.add_argument("--aux-weight", type=float, default=1.0, help="weight of the attention supervision loss")
     ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every phase's steps (smoke runs)")
@@ -467,7 +493,9 @@ def main(argv=None) -> None:
         mix = ()
     if len(mix) != 3 or abs(sum(mix) - 1) > 1e-6 or min(mix) < 0:
         ap.error(f"--event-mix {args.event_mix!r}: give three non-negative shares KEYS:SPANS:MQAR summing to 1")
-    sampler = Sampler(train_bytes, args.seed, event_mix=mix, bare_keys=args.bare_keys)
+    if not 0 <= args.edges <= 1:
+        ap.error(f"--edges {args.edges}: give a share between 0 and 1")
+    sampler = Sampler(train_bytes, args.seed, event_mix=mix, bare_keys=args.bare_keys, edges=args.edges)
     earlier = None
     if args.init:
         model = transformers.LlamaForCausalLM.from_pretrained(args.init)
