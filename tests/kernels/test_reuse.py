@@ -243,6 +243,26 @@ def test_prefill_and_decoding_select_the_same_blocks(split):
     assert torch.equal(torch.cat(got, dim=1), full.blocks_BQK)
 
 
+def test_decoding_keeps_block_bounds_and_a_crop_forgets_the_ones_it_cut():
+    # Decoding summarises each key block once (the state's bounds); a crop across a block start, then
+    # other keys there, must select what a prefill of the new sequence selects.
+    q, k = _anchor(2, 40, 17)
+    state, cols = select_call(q[:, :, :21], k[:, :, :21], None, RULE, 0.35, None)[1], 21
+    for _ in range(4):  # across the start of block 6 (position 24): the bounds of blocks 0..5 are kept
+        state = select_call(q[:, :, cols:cols + 1], k[:, :, :cols + 1], None, RULE, 0.35, state)[1]
+        cols += 1
+    assert state.lo_BHkvJD.shape[2] == 6
+    state = state.crop(3, RULE)  # back to 22 positions: block 5 (20..23) is cut
+    cols -= 3
+    q2, k2 = q.clone(), k.clone()
+    q2[:, :, cols:], k2[:, :, cols:] = torch.randn(2, 4, 40 - cols, 8), 4 * torch.randn(2, 2, 40 - cols, 8)
+    full, _ = select_call(q2, k2, None, RULE, 0.35, None)
+    for _ in range(40 - cols):
+        sel, state = select_call(q2[:, :, cols:cols + 1], k2[:, :, :cols + 1], None, RULE, 0.35, state)
+        assert torch.equal(sel.blocks_BQK, full.blocks_BQK[:, cols:cols + 1]), cols
+        cols += 1
+
+
 def test_a_left_padded_row_selects_what_it_selects_alone_and_crop_goes_back():
     q, k = _anchor(1, 30, 15)
     alone, _ = select_call(q, k, None, RULE, 0.35, None)

@@ -305,6 +305,11 @@ class SelectionState:
     stash_BHWD: Tensor  # queries at positions seen − W .. seen − 1 (zeros before position 0)
     history_BMK: Tensor  # long; row m: block m's selection (−1 rows for blocks not started)
     offsets_B: Tensor  # long
+    # The anchor's key bounds of blocks 0 .. J−1, kept between block starts so that each start
+    # summarises one new block instead of the whole cache (O(b) per block, not O(N)). Only while
+    # every key is real and no row is padded; None otherwise (each start then reads every key).
+    lo_BHkvJD: Optional[Tensor] = None
+    hi_BHkvJD: Optional[Tensor] = None
 
     def crop(self, tokens: int, rule: BlockRule) -> "SelectionState":
         """The state with the last `tokens` positions dropped (assisted decoding); at most CROP_TOKENS."""
@@ -321,7 +326,7 @@ class SelectionState:
         started = -(-seen // rule.block)  # blocks whose first position survives
         m = torch.arange(self.history_BMK.shape[1], device=seen.device)
         history = torch.where((m[None, :] < started[:, None])[..., None], self.history_BMK, -1)
-        return replace(self, seen_B=seen, stash_BHWD=stash, history_BMK=history)
+        return replace(self, seen_B=seen, stash_BHWD=stash, history_BMK=history, lo_BHkvJD=None, hi_BHkvJD=None)
 
 
 def stash_width(rule: BlockRule) -> int:
@@ -395,19 +400,39 @@ def _extend(q_a, k_a, keep_BN, rule, scale, state: SelectionState):
     starts = [(r, t) for r in range(B) for t in range(T) if (seen_list[r] + t) % b == 0]  # a block's first token
     if starts:
         history = history.clone()
+    # Every key real and no row padded: the rows' positions are their columns, and the bounds of the
+    # blocks already summarised stay valid (the anchor's cache only grows).
+    kept = keep_BN is None and not bool(state.offsets_B.any())
+    lo, hi = (state.lo_BHkvJD, state.hi_BHkvJD) if kept else (None, None)
     for r, t in starts:
         p0 = seen_list[r] + t
         m = p0 // b
+        bounds = None
+        if kept:
+            lo, hi = _bounds_upto(k_a, m, b, lo, hi)
+            bounds = (lo[r:r + 1, :, :m], hi[r:r + 1, :, :m])
         history[r, m] = _choose_at(stash[r:r + 1], W + t, p0, k_a[r:r + 1], keep_BN, r, int(state.offsets_B[r]),
-                                   m, rule, scale)
+                                   m, rule, scale, bounds)
     pos = state.seen_B[:, None] + torch.arange(T, device=q_a.device)
     queries = history.gather(1, (pos // b)[..., None].expand(B, T, rule.slots))
     seen = state.seen_B + T
     if bool((Nk - state.offsets_B < seen).any()):
         raise ValueError("reuse: the anchor's cache holds fewer keys than the positions decoded (was the cache edited?)")
-    new_state = SelectionState(seen, stash[:, :, -W:], history, state.offsets_B)
+    new_state = SelectionState(seen, stash[:, :, -W:], history, state.offsets_B, lo, hi)
     offsets = state.offsets_B if bool(state.offsets_B.any()) else None
     return Selection(queries, offsets), new_state
+
+
+def _bounds_upto(k_BHkvND: Tensor, m: int, block: int, lo: Optional[Tensor], hi: Optional[Tensor]):
+    """(lo, hi) covering at least key blocks 0 .. m−1 of every row: the ones given, extended by the
+    blocks they lack (whole blocks of real keys, positions = columns)."""
+    have = 0 if lo is None else lo.shape[2]
+    if have >= m:
+        return lo, hi
+    new_lo, new_hi, _ = key_bounds(k_BHkvND[:, :, have * block:m * block], None, block)
+    if lo is None:
+        return new_lo, new_hi
+    return torch.cat([lo, new_lo], dim=2), torch.cat([hi, new_hi], dim=2)
 
 
 def _one_token_inside_a_block(q_a, Nk: int, rule: BlockRule, state: SelectionState):
@@ -427,12 +452,14 @@ def _one_token_inside_a_block(q_a, Nk: int, rule: BlockRule, state: SelectionSta
         queries = state.history_BMK.gather(1, idx[:, None, None].expand(-1, 1, rule.slots))
     stash = torch.cat([state.stash_BHWD[:, :, 1:], q_a.to(state.stash_BHWD.dtype)], dim=2)
     # (the constructor, not dataclasses.replace: this runs per anchor and token)
-    return Selection(queries), SelectionState(state.seen_B + 1, stash, state.history_BMK, state.offsets_B)
+    return Selection(queries), SelectionState(state.seen_B + 1, stash, state.history_BMK, state.offsets_B,
+                                              state.lo_BHkvJD, state.hi_BHkvJD)
 
 
-def _choose_at(stash_1HXD, end, p0, k_1HkvND, keep_BN, r, offset, m, rule, scale):
+def _choose_at(stash_1HXD, end, p0, k_1HkvND, keep_BN, r, offset, m, rule, scale, bounds=None):
     """Block m's selection (its first position p0) from the P queries just before it (the stash's
-    slots end − P .. end − 1) and the anchor's keys at positions 0 .. p0 − 1."""
+    slots end − P .. end − 1) and the anchor's keys at positions 0 .. p0 − 1 (or `bounds`, their
+    (lo, hi) when every one is real)."""
     P, b = rule.probes, rule.block
     J = m + 1  # causal: the blocks up to its own
     m_BM = torch.tensor([[m]], device=stash_1HXD.device)
@@ -444,7 +471,10 @@ def _choose_at(stash_1HXD, end, p0, k_1HkvND, keep_BN, r, offset, m, rule, scale
     keep = None if keep_BN is None else keep_BN[r:r + 1, offset:offset + p0]
     if keep is not None:
         present = present & _probe_real(keep_BN[r], offset, pos)[None]
-    lo, hi, has_key = key_bounds(k_1HkvND[:, :, offset:offset + p0], keep, b)
+    if bounds is None:
+        lo, hi, has_key = key_bounds(k_1HkvND[:, :, offset:offset + p0], keep, b)
+    else:
+        (lo, hi), has_key = bounds, torch.ones(1, m, dtype=torch.bool, device=stash_1HXD.device)
     mass = bound_mass(stash_1HXD[:, :, end - P:end][:, :, None], present[:, None], lo, hi, has_key[:, None], scale)
     return choose_blocks(torch.nn.functional.pad(mass, (0, J - mass.shape[-1])), m_BM, n_blocks, rule, J)[0, 0]
 
