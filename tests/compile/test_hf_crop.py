@@ -54,7 +54,7 @@ def test_reuse_with_prompt_lookup_and_an_assistant_gives_greedy_tokens(llama, mo
     def counting_crop(self, tokens_to_remove):
         dropped.append(-tokens_to_remove)
         crop(self, tokens_to_remove)
-        assert bool((self.selection.seen_B == self.keys.shape[-2]).all())  # the selection state follows the keys
+        assert bool((self.selection.seen() == self.keys.shape[-2]).all())  # the selection state follows the keys
 
     monkeypatch.setattr(ReuseCacheLayer, "crop", counting_crop)
     with torch.no_grad():

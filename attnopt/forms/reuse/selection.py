@@ -301,8 +301,8 @@ class SelectionState:
     last P + CROP_TOKENS queries (the next block's probes, with room for a cache to drop up to
     CROP_TOKENS tokens), the selection of every block started so far, and the row's leading padding."""
 
-    seen_B: Tensor  # long
-    stash_BHWD: Tensor  # queries at positions seen − W .. seen − 1 (zeros before position 0)
+    seen_B: Tensor  # long; positions seen, less the pending ones
+    stash_BHWD: Tensor  # queries at positions seen_B − W .. seen_B − 1 (zeros before position 0)
     history_BMK: Tensor  # long; row m: block m's selection (−1 rows for blocks not started)
     offsets_B: Tensor  # long
     # The anchor's key bounds of blocks 0 .. J−1, kept between block starts so that each start
@@ -310,11 +310,27 @@ class SelectionState:
     # every key is real and no row is padded; None otherwise (each start then reads every key).
     lo_BHkvJD: Optional[Tensor] = None
     hi_BHkvJD: Optional[Tensor] = None
+    # Anchor queries [B, H, 1, D] of the one-token steps since the stash was last written, oldest
+    # first: a step inside a block only keeps a reference (no copy of the stash per token).
+    pending: tuple = ()
+
+    def seen(self) -> Tensor:
+        """Long [B]: the positions each row has seen, pending ones included."""
+        return self.seen_B + len(self.pending)
+
+    def folded(self) -> "SelectionState":
+        """The same state with the pending queries written into the stash and counted in seen_B."""
+        if not self.pending:
+            return self
+        stash = torch.cat([self.stash_BHWD, *(q.to(self.stash_BHWD.dtype) for q in self.pending)], dim=2)
+        return replace(self, seen_B=self.seen_B + len(self.pending), stash_BHWD=stash[:, :, -self.stash_BHWD.shape[2]:],
+                       pending=())
 
     def crop(self, tokens: int, rule: BlockRule) -> "SelectionState":
         """The state with the last `tokens` positions dropped (assisted decoding); at most CROP_TOKENS."""
         if tokens == 0:
             return self
+        self = self.folded()
         if tokens > CROP_TOKENS:
             raise ValueError(f"reuse: a cache can drop at most {CROP_TOKENS} tokens of a reused layer's selection "
                              f"state, not {tokens}; use fewer assistant or prompt-lookup tokens per step")
@@ -387,6 +403,7 @@ def _extend(q_a, k_a, keep_BN, rule, scale, state: SelectionState):
         got = _one_token_inside_a_block(q_a, Nk, rule, state)
         if got is not None:
             return got
+    state = state.folded()
     if keep_BN is not None and not bool(keep_BN[:, -T:].all()):
         raise ValueError("reuse: tokens after a prefill must all be real (no padding among the new tokens); "
                          "generate() never pads them")
@@ -438,7 +455,8 @@ def _bounds_upto(k_BHkvND: Tensor, m: int, block: int, lo: Optional[Tensor], hi:
 def _one_token_inside_a_block(q_a, Nk: int, rule: BlockRule, state: SelectionState):
     """`_extend` for the common decoding step: one token, no padding, no row starting a block (so no
     choice is made; each row reads its block's list). None where that does not hold."""
-    seen, offsets = state.seen_B.tolist(), state.offsets_B.tolist()
+    n = len(state.pending)
+    seen, offsets = [s + n for s in state.seen_B.tolist()], state.offsets_B.tolist()
     b = rule.block
     if any(s % b == 0 or s // b >= state.history_BMK.shape[1] for s in seen) or any(offsets):
         return None
@@ -450,10 +468,9 @@ def _one_token_inside_a_block(q_a, Nk: int, rule: BlockRule, state: SelectionSta
     else:
         idx = torch.tensor([s // b for s in seen], device=q_a.device)
         queries = state.history_BMK.gather(1, idx[:, None, None].expand(-1, 1, rule.slots))
-    stash = torch.cat([state.stash_BHWD[:, :, 1:], q_a.to(state.stash_BHWD.dtype)], dim=2)
-    # (the constructor, not dataclasses.replace: this runs per anchor and token)
-    return Selection(queries), SelectionState(state.seen_B + 1, stash, state.history_BMK, state.offsets_B,
-                                              state.lo_BHkvJD, state.hi_BHkvJD)
+    # (the constructor, not dataclasses.replace: this runs per anchor and token; no tensor is written)
+    return Selection(queries), SelectionState(state.seen_B, state.stash_BHWD, state.history_BMK, state.offsets_B,
+                                              state.lo_BHkvJD, state.hi_BHkvJD, state.pending + (q_a,))
 
 
 def _choose_at(stash_1HXD, end, p0, k_1HkvND, keep_BN, r, offset, m, rule, scale, bounds=None):
