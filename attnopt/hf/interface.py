@@ -207,40 +207,44 @@ def attention_forward(
     if site_module is None and _planner is not None and state is None:
         site_module = _planner(module, query, key, value, attention_mask, scaling, is_causal, kwargs)
         state = module.__dict__.get("_attnopt_state")
-    exact = state.original if state is not None else None  # None: resolved below only where it runs
-    exact = exact or original_attention(module)
     if state is not None and state.store_qk:
         state.call.set("qk", (query, key))
         state.call.set("selections", {})  # made by the first reuse site of each rule, read by the others
     if state is not None and state.recorder is not None:
-        out, weights = exact(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                             is_causal=is_causal, **kwargs)
+        out, weights = _exact_of(module, state)(module, query, key, value, attention_mask, dropout=dropout,
+                                                scaling=scaling, is_causal=is_causal, **kwargs)
         state.recorder.append(SiteCall(query, key, value, attention_mask, out.transpose(1, 2), x=state.call.get("x")))
         state.call_info.append(CallInfo.of(scaling, is_causal, kwargs))
         return out, weights
     if site_module is None or kwargs.get("softcap") is not None or has_bias(kwargs.get("position_bias")):
-        return exact(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
-                     **kwargs)
+        return _exact_of(module, state)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                        is_causal=is_causal, **kwargs)
     if layer is None and state is not None and state.cache_role is not None:
         layer = _taken(site_module, key)
     if layer is not None and layer.site_module is not site_module:
         layer = None  # another site's layer (a cache shared by mistake is refused when it is bound)
     if layer is not None and layer.decodes:  # decode from the site's own state
         if layer.exact_now:  # every column inside min_seq_len: the layer is a plain KV cache
-            return exact(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                         is_causal=is_causal, **kwargs)
+            return _exact_of(module, state)(module, query, key, value, attention_mask, dropout=dropout,
+                                            scaling=scaling, is_causal=is_causal, **kwargs)
         return layer.attend(query, key, value, attention_mask), None
     if (layer is None and not site_module.uses_anchor_qk
             and site_module.runs_exact(query.shape[-2], key.shape[-2])):
         # Below the site's threshold: the model's own attention, with no attnopt step in between.
-        return exact(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
-                     **kwargs)
+        return _exact_of(module, state)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                        is_causal=is_causal, **kwargs)
     if site_module.uses_anchor_qk:
         anchor = _anchor_selection(site_module, state, layer, attention_mask)
         out = site_module(query, key, value, attention_mask, anchor=anchor, slab=getattr(layer, "slab", None))
     else:
         out = site_module(query, key, value, attention_mask)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _exact_of(module: nn.Module, state: Optional[ModuleState]) -> Callable:
+    """The attention the site's module would run without attnopt (looked up only where it runs: a
+    decoding step of a rewritten site never needs it)."""
+    return (state.original if state is not None else None) or original_attention(module)
 
 
 def _anchor_selection(site_module: nn.Module, state: Optional[ModuleState], layer, attention_mask):

@@ -34,21 +34,25 @@ class BlockSlab:
         self.length = 0
         self.covered = 0  # cache columns the slab reflects (the last is the newest token's)
         self.block = -1  # the query block whose list it holds
+        self.source: Optional[tuple] = None  # (history, m) the list came from, when the selection said
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, ids_BK: Tensor, block: int, scale: float) -> Optional[Tensor]:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, ids_BK: Tensor, block: int, scale: float,
+               source: Optional[tuple] = None) -> Optional[Tensor]:
         """Attention of the last column's query q [B, H, 1, D] over the keys of the blocks ids_BK
         [B, K] lists (k, v: the whole cache, [B, Hkv, Nk, D], every column real, position = column);
         None where the slab cannot serve (rows list different numbers of blocks, or a list that does
-        not end with the query's own block): the caller takes the gathered path."""
+        not end with the query's own block): the caller takes the gathered path. `source`: the
+        Selection's (history, m) the list is row m of, when known (then no comparison is needed)."""
         Nk = k.shape[2]
         m = (Nk - 1) // block
         if not (self.block == m and self.covered == Nk - 1 and self.length < self.keys.shape[2]
-                and self.keys.shape[0] == q.shape[0] and torch.equal(self.ids_BK, ids_BK)):
+                and self.keys.shape[0] == q.shape[0] and self._holds(ids_BK, source)):
             if not self._gather(k, v, ids_BK, block, m, compute_dtype(q.dtype)):
                 return None
+            self.source = source
         else:  # the same list: the new token's column joins its block, the last in the slab
-            self.keys[:, :, self.length].copy_(k[:, :, Nk - 1])
-            self.values[:, :, self.length].copy_(v[:, :, Nk - 1])
+            self.keys.select(2, self.length).copy_(k.select(2, Nk - 1))
+            self.values.select(2, self.length).copy_(v.select(2, Nk - 1))
             self.length += 1
             self.covered = Nk
         n = self.length
@@ -56,6 +60,14 @@ class BlockSlab:
             q.to(self.keys.dtype), self.keys[:, :, :n], self.values[:, :, :n], scale=scale,
             enable_gqa=q.shape[1] != k.shape[1])
         return out.to(q.dtype)
+
+    def _holds(self, ids_BK: Tensor, source: Optional[tuple]) -> bool:
+        """Whether the slab holds the list ids_BK: the same row of the same history tensor (kept
+        alive by the slab, so never another one at its address), or equal contents."""
+        mine = self.source
+        if source is not None and mine is not None and source[0] is mine[0] and source[1] == mine[1]:
+            return True
+        return torch.equal(self.ids_BK, ids_BK)
 
     def _gather(self, k: Tensor, v: Tensor, ids_BK: Tensor, block: int, m: int, dtype) -> bool:
         """Copy the listed blocks before m, then block m's columns so far; False if no slab fits."""

@@ -138,7 +138,7 @@ class ReusedSite(SiteModule):
         out = None
         if slab is not None and not folded and isinstance(anchor, Selection) and q.shape[2] == 1 \
                 and (keep is None or bool(keep.all())) and anchor.offsets_B is None and not q.requires_grad and not self.rule.reads_everything(k.shape[-2]):
-            out = slab.attend(q, k, v, anchor.blocks_BQK[:, 0], self.rule.block, g.scale)
+            out = slab.attend(q, k, v, anchor.blocks_BQK[:, 0], self.rule.block, g.scale, anchor.source)
         if out is None:
             out = self._attend(q, k, v, keep, None if folded else mask, anchor)
         return out.reshape(-1, out.shape[-2], out.shape[-1]) if folded else out

@@ -113,6 +113,9 @@ class Selection:
 
     blocks_BQK: Tensor
     offsets_B: Optional[Tensor] = None
+    # (history, m): every row reads row m of `history`, a tensor never written after it is made (a
+    # decoding step inside a block says so; the slab then knows its list without comparing it).
+    source: Optional[tuple] = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,9 +325,10 @@ class SelectionState:
         """The same state with the pending queries written into the stash and counted in seen_B."""
         if not self.pending:
             return self
-        stash = torch.cat([self.stash_BHWD, *(q.to(self.stash_BHWD.dtype) for q in self.pending)], dim=2)
-        return replace(self, seen_B=self.seen_B + len(self.pending), stash_BHWD=stash[:, :, -self.stash_BHWD.shape[2]:],
-                       pending=())
+        W, n, dtype = self.stash_BHWD.shape[2], len(self.pending), self.stash_BHWD.dtype
+        kept = [self.stash_BHWD[:, :, n:]] if n < W else []
+        stash = torch.cat(kept + [q if q.dtype == dtype else q.to(dtype) for q in self.pending[-W:]], dim=2)
+        return replace(self, seen_B=self.seen_B + n, stash_BHWD=stash, pending=())
 
     def crop(self, tokens: int, rule: BlockRule) -> "SelectionState":
         """The state with the last `tokens` positions dropped (assisted decoding); at most CROP_TOKENS."""
@@ -464,12 +468,12 @@ def _one_token_inside_a_block(q_a, Nk: int, rule: BlockRule, state: SelectionSta
         raise ValueError("reuse: the anchor's cache holds fewer keys than the positions decoded (was the cache edited?)")
     m = seen[0] // b
     if all(s // b == m for s in seen):
-        queries = state.history_BMK[:, m:m + 1]
+        selection = Selection(state.history_BMK[:, m:m + 1], source=(state.history_BMK, m))
     else:
         idx = torch.tensor([s // b for s in seen], device=q_a.device)
-        queries = state.history_BMK.gather(1, idx[:, None, None].expand(-1, 1, rule.slots))
+        selection = Selection(state.history_BMK.gather(1, idx[:, None, None].expand(-1, 1, rule.slots)))
     # (the constructor, not dataclasses.replace: this runs per anchor and token; no tensor is written)
-    return Selection(queries), SelectionState(state.seen_B, state.stash_BHWD, state.history_BMK, state.offsets_B,
+    return selection, SelectionState(state.seen_B, state.stash_BHWD, state.history_BMK, state.offsets_B,
                                               state.lo_BHkvJD, state.hi_BHkvJD, state.pending + (q_a,))
 
 
