@@ -263,6 +263,37 @@ def test_decoding_keeps_block_bounds_and_a_crop_forgets_the_ones_it_cut():
         cols += 1
 
 
+@pytest.mark.parametrize("split", [[1] * 160, [9] + [1] * 151])
+def test_probes_as_long_as_a_block_decode_like_a_prefill(split):
+    # probes = block (the default): a block's first probe is the previous block's first query, which
+    # decoding wrote into its stash one block start earlier; the others it only held since then.
+    rule = BlockRule(block=4, top_k=1, window=0, sinks=1, probes=4, causal=True)
+    q, k = _anchor(2, 160, 19)
+    full, _ = select_call(q, k, None, rule, 0.35, None)
+    state, got, done = None, [], 0
+    for n in split:
+        sel, state = select_call(q[:, :, done:done + n], k[:, :, : done + n], None, rule, 0.35, state)
+        got.append(sel.blocks_BQK)
+        done += n
+    assert torch.equal(torch.cat(got, dim=1), full.blocks_BQK)
+
+
+def test_a_block_longer_than_the_stash_decodes_like_a_prefill():
+    # 160-token blocks, a stash of 4 probes + 128: decoding holds the queries of a block's steps and
+    # writes them into the stash once it would hold more than the stash (inside block 0), and at
+    # every block start after.
+    rule = BlockRule(block=160, top_k=1, window=0, sinks=1, probes=4, causal=True)
+    q, k = _anchor(1, 500, 18)
+    full, _ = select_call(q, k, None, rule, 0.35, None)
+    sel, state = select_call(q[:, :, :10], k[:, :, :10], None, rule, 0.35, None)
+    got = [sel.blocks_BQK]
+    for c in range(10, 500):
+        sel, state = select_call(q[:, :, c:c + 1], k[:, :, :c + 1], None, rule, 0.35, state)
+        got.append(sel.blocks_BQK)
+        assert len(state.pending) <= state.stash_BHWD.shape[2]
+    assert torch.equal(torch.cat(got, 1), full.blocks_BQK)
+
+
 def test_a_left_padded_row_selects_what_it_selects_alone_and_crop_goes_back():
     q, k = _anchor(1, 30, 15)
     alone, _ = select_call(q, k, None, RULE, 0.35, None)

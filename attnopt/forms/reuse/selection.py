@@ -459,6 +459,8 @@ def _bounds_upto(k_BHkvND: Tensor, m: int, block: int, lo: Optional[Tensor], hi:
 def _one_token_inside_a_block(q_a, Nk: int, rule: BlockRule, state: SelectionState):
     """`_extend` for the common decoding step: one token, no padding, no row starting a block (so no
     choice is made; each row reads its block's list). None where that does not hold."""
+    if len(state.pending) >= state.stash_BHWD.shape[2]:  # (a long block: hold at most a stash of references)
+        state = state.folded()
     n = len(state.pending)
     seen, offsets = [s + n for s in state.seen_B.tolist()], state.offsets_B.tolist()
     b = rule.block
@@ -474,7 +476,7 @@ def _one_token_inside_a_block(q_a, Nk: int, rule: BlockRule, state: SelectionSta
         selection = Selection(state.history_BMK.gather(1, idx[:, None, None].expand(-1, 1, rule.slots)))
     # (the constructor, not dataclasses.replace: this runs per anchor and token; no tensor is written)
     return selection, SelectionState(state.seen_B, state.stash_BHWD, state.history_BMK, state.offsets_B,
-                                              state.lo_BHkvJD, state.hi_BHkvJD, state.pending + (q_a,))
+                                     state.lo_BHkvJD, state.hi_BHkvJD, state.pending + (q_a,))
 
 
 def _choose_at(stash_1HXD, end, p0, k_1HkvND, keep_BN, r, offset, m, rule, scale, bounds=None):
