@@ -243,6 +243,43 @@ def test_decoding_from_the_gathered_slab_equals_the_full_forward_across_blocks(l
     assert (full - _forward(llama, gen.sequences, torch.ones_like(gen.sequences))[:, 20:-1]).abs().max() > 1e-2
 
 
+def test_left_padded_rows_decode_from_slabs_of_their_own(llama, small):
+    """Rows padded differently sit at different positions (their blocks start at different steps):
+    each keeps a slab of its own. Per-step logits equal the full forward, and each row its row alone."""
+    pads = [0, 5, 2]
+    ids, mask = _ids(3, 23, seed=11), torch.ones(3, 23, dtype=torch.long)
+    for r, p in enumerate(pads):
+        ids[r, :p], mask[r, :p] = 0, 0
+    with torch.no_grad():
+        gen = small.generate(input_ids=ids, attention_mask=mask, max_new_tokens=18, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+    slabs = [layer.slab for layer in gen.past_key_values.layers if getattr(layer, "slab", None) is not None]
+    assert len(slabs) == 2 and all(s.rows is not None and [r.covered for r in s.rows] == [23 + 17 - p for p in pads]
+                                   for s in slabs)  # the per-row slab path ran to the last step
+    steps = torch.stack(gen.logits, 1)
+    full_mask = torch.cat([mask, torch.ones(3, 18, dtype=torch.long)], 1)
+    full = _forward(small, gen.sequences, full_mask)[:, 22:-1]
+    assert (steps - full).abs().max() < 1e-4
+    for r, p in enumerate(pads):
+        alone = _forward(small, gen.sequences[r:r + 1, p:], full_mask[r:r + 1, p:])[:, 22 - p:-1]
+        assert (alone - full[r:r + 1]).abs().max() < 1e-4
+
+
+def test_a_pad_inside_the_prompt_keeps_decoding_off_the_slab_and_exact_to_the_forward(small):
+    # Keys real from the offset on is what lets a step read its slab; a masked column in the middle
+    # of a prompt is not, so those steps read the gathered blocks with the mask.
+    ids, mask = _ids(2, 23, seed=12), torch.ones(2, 23, dtype=torch.long)
+    mask[1, 9] = 0
+    with torch.no_grad():
+        gen = small.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+    slabs = [layer.slab for layer in gen.past_key_values.layers if getattr(layer, "slab", None) is not None]
+    assert slabs and all(s.block == -1 and s.rows is None for s in slabs)
+    full_mask = torch.cat([mask, torch.ones(2, 10, dtype=torch.long)], 1)
+    full = _forward(small, gen.sequences, full_mask)[:, 22:-1]
+    assert (torch.stack(gen.logits, 1) - full).abs().max() < 1e-4
+
+
 def test_the_slab_attends_over_exactly_the_listed_blocks():
     """BlockSlab against an fp64 softmax over the listed keys, written here: lists change at block starts,
     a list may skip blocks, and the own block grows column by column."""

@@ -35,14 +35,19 @@ class BlockSlab:
         self.covered = 0  # cache columns the slab reflects (the last is the newest token's)
         self.block = -1  # the query block whose list it holds
         self.source: Optional[tuple] = None  # (history, m) the list came from, when the selection said
+        self.rows: Optional[list] = None  # one slab per row, for rows with leading padding
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, ids_BK: Tensor, block: int, scale: float,
-               source: Optional[tuple] = None) -> Optional[Tensor]:
+               source: Optional[tuple] = None, offsets_B: Optional[Tensor] = None) -> Optional[Tensor]:
         """Attention of the last column's query q [B, H, 1, D] over the keys of the blocks ids_BK
         [B, K] lists (k, v: the whole cache, [B, Hkv, Nk, D], every column real, position = column);
         None where the slab cannot serve (rows list different numbers of blocks, or a list that does
         not end with the query's own block): the caller takes the gathered path. `source`: the
-        Selection's (history, m) the list is row m of, when known (then no comparison is needed)."""
+        Selection's (history, m) the list is row m of, when known (then no comparison is needed).
+        `offsets_B`: leading pad columns per row (every column after them real); each row then keeps
+        a slab of its own, over its columns from the offset on (rows sit at different positions)."""
+        if offsets_B is not None:
+            return self._attend_rows(q, k, v, ids_BK, block, scale, offsets_B)
         Nk = k.shape[2]
         m = (Nk - 1) // block
         if not (self.block == m and self.covered == Nk - 1 and self.length < self.keys.shape[2]
@@ -60,6 +65,18 @@ class BlockSlab:
             q.to(self.keys.dtype), self.keys[:, :, :n], self.values[:, :, :n], scale=scale,
             enable_gqa=q.shape[1] != k.shape[1])
         return out.to(q.dtype)
+
+    def _attend_rows(self, q, k, v, ids_BK, block, scale, offsets_B) -> Optional[Tensor]:
+        if self.rows is None or len(self.rows) != q.shape[0]:
+            self.clear()
+            self.rows = [BlockSlab() for _ in range(q.shape[0])]
+        outs = []
+        for r, (slab, o) in enumerate(zip(self.rows, offsets_B.tolist())):
+            out = slab.attend(q[r:r + 1], k[r:r + 1, :, o:], v[r:r + 1, :, o:], ids_BK[r:r + 1], block, scale)
+            if out is None:
+                return None
+            outs.append(out)
+        return torch.cat(outs, dim=0)
 
     def _holds(self, ids_BK: Tensor, source: Optional[tuple]) -> bool:
         """Whether the slab holds the list ids_BK: the same row of the same history tensor (kept

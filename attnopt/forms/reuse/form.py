@@ -130,17 +130,19 @@ class ReusedSite(SiteModule):
         folded = q.dim() == 3
         if folded:
             q, k, v = self.unfold_heads(q), self.unfold_heads(k), self.unfold_heads(v)
+        if (slab is not None and not folded and isinstance(anchor, Selection) and q.shape[2] == 1 and anchor.dense
+                and not q.requires_grad and not self.rule.reads_everything(k.shape[-2])):
+            # A decoding step whose keys are real from each row's offset on: the listed blocks' slab.
+            out = slab.attend(q, k, v, anchor.blocks_BQK[:, 0], self.rule.block, g.scale, anchor.source,
+                              anchor.offsets_B)
+            if out is not None:
+                return out
         keep = None
         if mask is not None:
             keep = key_keep(mask, g.keep_when, q.shape[0], k.shape[-2], rank=3 if folded else 4)
             if folded and keep is not None and keep.shape[0] != q.shape[0]:
                 keep = keep.reshape(q.shape[0], -1, k.shape[-2])[:, 0]
-        out = None
-        if slab is not None and not folded and isinstance(anchor, Selection) and q.shape[2] == 1 \
-                and (keep is None or bool(keep.all())) and anchor.offsets_B is None and not q.requires_grad and not self.rule.reads_everything(k.shape[-2]):
-            out = slab.attend(q, k, v, anchor.blocks_BQK[:, 0], self.rule.block, g.scale, anchor.source)
-        if out is None:
-            out = self._attend(q, k, v, keep, None if folded else mask, anchor)
+        out = self._attend(q, k, v, keep, None if folded else mask, anchor)
         return out.reshape(-1, out.shape[-2], out.shape[-1]) if folded else out
 
     def _attend(self, q, k, v, keep, mask, anchor):

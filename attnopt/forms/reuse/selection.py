@@ -116,6 +116,9 @@ class Selection:
     # (history, m): every row reads row m of `history`, a tensor never written after it is made (a
     # decoding step inside a block says so; the slab then knows its list without comparing it).
     source: Optional[tuple] = None
+    # Every key column from a row's offset on is real (padding only leads the rows): a decoding step
+    # may then read the key blocks as positions = columns − offset without a key mask.
+    dense: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,6 +319,8 @@ class SelectionState:
     # Anchor queries [B, H, 1, D] of the one-token steps since the stash was last written, oldest
     # first: a step inside a block only keeps a reference (no copy of the stash per token).
     pending: tuple = ()
+    # Every column from a row's offset on is real (what generate() makes: padding only leads a row).
+    dense: bool = True
 
     def seen(self) -> Tensor:
         """Long [B]: the positions each row has seen, pending ones included."""
@@ -383,7 +388,8 @@ def _prefill(q_a, k_a, keep_BN, rule, scale):
     got = q_pos.gather(2, idx.clamp(0, N - 1)[:, None, :, None].expand(B, H, W, D))
     stash = torch.where((idx >= 0)[:, None, :, None], got, stash)
     off = offsets if offsets is not None else torch.zeros(B, dtype=torch.long, device=q_a.device)
-    state = SelectionState(seen, stash, _history(blocks, seen, rule), off)
+    dense = keep_pos is None or bool((keep_pos | (torch.arange(N, device=q_a.device) >= N - off[:, None])).all())
+    state = SelectionState(seen, stash, _history(blocks, seen, rule), off, dense=dense)
     return Selection(queries, offsets), state
 
 
@@ -403,7 +409,7 @@ def _history(blocks_BMK: Tensor, seen_B: Tensor, rule: BlockRule) -> Tensor:
 def _extend(q_a, k_a, keep_BN, rule, scale, state: SelectionState):
     B, H, T, D = q_a.shape
     Nk = k_a.shape[2]
-    if T == 1 and keep_BN is None:
+    if T == 1 and (keep_BN is None or bool(keep_BN[:, -1].all())):
         got = _one_token_inside_a_block(q_a, Nk, rule, state)
         if got is not None:
             return got
@@ -439,9 +445,9 @@ def _extend(q_a, k_a, keep_BN, rule, scale, state: SelectionState):
     seen = state.seen_B + T
     if bool((Nk - state.offsets_B < seen).any()):
         raise ValueError("reuse: the anchor's cache holds fewer keys than the positions decoded (was the cache edited?)")
-    new_state = SelectionState(seen, stash[:, :, -W:], history, state.offsets_B, lo, hi)
+    new_state = SelectionState(seen, stash[:, :, -W:], history, state.offsets_B, lo, hi, dense=state.dense)
     offsets = state.offsets_B if bool(state.offsets_B.any()) else None
-    return Selection(queries, offsets), new_state
+    return Selection(queries, offsets, dense=state.dense), new_state
 
 
 def _bounds_upto(k_BHkvND: Tensor, m: int, block: int, lo: Optional[Tensor], hi: Optional[Tensor]):
@@ -457,26 +463,28 @@ def _bounds_upto(k_BHkvND: Tensor, m: int, block: int, lo: Optional[Tensor], hi:
 
 
 def _one_token_inside_a_block(q_a, Nk: int, rule: BlockRule, state: SelectionState):
-    """`_extend` for the common decoding step: one token, no padding, no row starting a block (so no
+    """`_extend` for the common decoding step: one real token per row, no row starting a block (so no
     choice is made; each row reads its block's list). None where that does not hold."""
     if len(state.pending) >= state.stash_BHWD.shape[2]:  # (a long block: hold at most a stash of references)
         state = state.folded()
     n = len(state.pending)
     seen, offsets = [s + n for s in state.seen_B.tolist()], state.offsets_B.tolist()
     b = rule.block
-    if any(s % b == 0 or s // b >= state.history_BMK.shape[1] for s in seen) or any(offsets):
+    if any(s % b == 0 or s // b >= state.history_BMK.shape[1] for s in seen):
         return None
-    if any(Nk < s + 1 for s in seen):
+    if any(Nk - o < s + 1 for s, o in zip(seen, offsets)):
         raise ValueError("reuse: the anchor's cache holds fewer keys than the positions decoded (was the cache edited?)")
     m = seen[0] // b
+    padded = state.offsets_B if any(offsets) else None
     if all(s // b == m for s in seen):
-        selection = Selection(state.history_BMK[:, m:m + 1], source=(state.history_BMK, m))
+        selection = Selection(state.history_BMK[:, m:m + 1], padded, (state.history_BMK, m), state.dense)
     else:
         idx = torch.tensor([s // b for s in seen], device=q_a.device)
-        selection = Selection(state.history_BMK.gather(1, idx[:, None, None].expand(-1, 1, rule.slots)))
+        selection = Selection(state.history_BMK.gather(1, idx[:, None, None].expand(-1, 1, rule.slots)), padded,
+                              dense=state.dense)
     # (the constructor, not dataclasses.replace: this runs per anchor and token; no tensor is written)
     return selection, SelectionState(state.seen_B, state.stash_BHWD, state.history_BMK, state.offsets_B,
-                                     state.lo_BHkvJD, state.hi_BHkvJD, state.pending + (q_a,))
+                                     state.lo_BHkvJD, state.hi_BHkvJD, state.pending + (q_a,), state.dense)
 
 
 def _choose_at(stash_1HXD, end, p0, k_1HkvND, keep_BN, r, offset, m, rule, scale, bounds=None):
