@@ -687,6 +687,11 @@ def reuse_cpu_block(machine: str, r: dict) -> str:
         noise = next((k for k in dec["vs_original"] if "noise" in k), None)
         if noise:  # both with the DynamicCache
             rows.append(["the original's deep copy ÷ the original (noise)", both(dec["vs_original"][noise]), "—", "—"])
+        padded = dec.get("padded_batch")
+        if padded:
+            rows.append([f"the same, a batch of {padded['batch']} with the second row left-padded by "
+                         f"{padded['leading_pads'][-1]} ({padded['rounds']} rounds) ÷ the original's ({padded['baseline']})",
+                         both(padded["vs_baseline"][dec["policy"]]), "—", "—"])
     for policy, row in ((r.get("quality") or {}).get("policies") or {}).items():
         ppl, hid = row.get("perplexity_ratio"), (row.get("hidden_probe_ratio") or {}).get("overall")
         reused = sum(f == "reuse" for f in row["forms"])
