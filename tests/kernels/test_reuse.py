@@ -231,16 +231,21 @@ def test_prefill_selection_reads_only_earlier_probes():
     assert 2 not in select_positions(q, k, None, RULE, 0.35)[0, 9].tolist()
 
 
+def _in_calls(q, k, rule, split):
+    """The blocks select_call gives the queries of calls of `split` tokens each, after each other."""
+    state, got, done = None, [], 0
+    for n in split:
+        sel, state = select_call(q[:, :, done:done + n], k[:, :, : done + n], None, rule, 0.35, state)
+        got.append(sel.blocks_BQK)
+        done += n
+    return torch.cat(got, dim=1)
+
+
 @pytest.mark.parametrize("split", [[40], [17, 1, 1, 1, 20], [1] * 40, [4, 4, 32]])
 def test_prefill_and_decoding_select_the_same_blocks(split):
     q, k = _anchor(2, 40, 14)
     full, _ = select_call(q, k, None, RULE, 0.35, None)
-    state, got, done = None, [], 0
-    for n in split:
-        sel, state = select_call(q[:, :, done:done + n], k[:, :, : done + n], None, RULE, 0.35, state)
-        got.append(sel.blocks_BQK)
-        done += n
-    assert torch.equal(torch.cat(got, dim=1), full.blocks_BQK)
+    assert torch.equal(_in_calls(q, k, RULE, split), full.blocks_BQK)
 
 
 def test_decoding_keeps_block_bounds_and_a_crop_forgets_the_ones_it_cut():
@@ -270,12 +275,7 @@ def test_probes_as_long_as_a_block_decode_like_a_prefill(split):
     rule = BlockRule(block=4, top_k=1, window=0, sinks=1, probes=4, causal=True)
     q, k = _anchor(2, 160, 19)
     full, _ = select_call(q, k, None, rule, 0.35, None)
-    state, got, done = None, [], 0
-    for n in split:
-        sel, state = select_call(q[:, :, done:done + n], k[:, :, : done + n], None, rule, 0.35, state)
-        got.append(sel.blocks_BQK)
-        done += n
-    assert torch.equal(torch.cat(got, dim=1), full.blocks_BQK)
+    assert torch.equal(_in_calls(q, k, rule, split), full.blocks_BQK)
 
 
 def test_a_block_longer_than_the_stash_decodes_like_a_prefill():
