@@ -294,7 +294,10 @@ def _position_limit(model: nn.Module) -> Optional[int]:
 def build_report(*, model_name, policy, found, plans, outcomes, end_to_end, timings, notes, counts, budget_steps=(),
                  thresholds=None, mechanism="", installs=None, forward_time=None, conditions=None, head_selection=None):
     """The report is assembled from exactly what the passes returned; only costs are computed here."""
-    example_len = next((s.q_len for s in found.sites if isinstance(s.q_len, int)), None)
+    # A captured graph with dynamic shapes has symbolic lengths: cost them at the length the sites saw
+    # on the verification input.
+    example_len = next((s.q_len for s in found.sites if isinstance(s.q_len, int)),
+                       getattr(forward_time, "length", None))
     records = []
     for site, plan, outcome in zip(found.sites, plans, outcomes):
         n = site.q_len if isinstance(site.q_len, int) else example_len

@@ -61,6 +61,11 @@ def test_every_site_rewritten_and_model_runs_at_other_shapes(policy, form):
     assert all(r.site.causal for r in rep.sites)
     # The classifier softmax is not attention.
     assert len(rep.near_misses) == 1
+    # The graph takes any length (symbolic at the sites): costs are counted at the length verified.
+    assert not isinstance(rep.sites[0].site.q_len, int) and rep.forward_time.length == N
+    exact = 2 * B * H * (N * N / 2) * 2 * (C // H)  # causal: half the QK^T and PV multiply-adds, 2 FLOPs each
+    assert rep.totals["flops_before"][0] == 3 * exact
+    assert 0 < rep.totals["flops_after"][0] and not any("cost not computed" in n for n in rep.notes)
     out = opt(_x(n=50, b=3, seed=2))  # dynamic batch and length
     assert set(out) == {"probs", "hidden"} and out["hidden"].shape == (3, 50, C)
     assert torch.isfinite(out["hidden"]).all()
