@@ -11,6 +11,11 @@ class SiteUnsupported(ValueError):
     """A planned form cannot be built for this site by this rewrite mechanism; the message says why."""
 
 
+class KeptByPlan(SiteUnsupported):
+    """The form's own plan keeps this site exact (a reuse anchor, or a layer its measurement leaves
+    exact): the site is kept on purpose, not refused; the message says what it does instead."""
+
+
 class CaptureError(RuntimeError):
     """The model could not be traced into a graph; the message says why and what to try."""
 

@@ -13,7 +13,7 @@ class Status(str, enum.Enum):
     """What became of a site. A str, so reports and JSON read the plain word."""
 
     REWRITTEN = "rewritten"  # the planned form runs, verified within tolerance
-    KEPT = "kept"  # the plan chose exact
+    KEPT = "kept"  # the plan chose exact (a policy rule, or the form's own plan: a reuse anchor)
     REVERTED = "reverted"  # the form was built and verified, and failed its tolerance
     UNSUPPORTED = "unsupported"  # the form cannot serve this site (the reason says why): exact
     UNVERIFIED = "unverified"  # the form changes nothing on any verification input: kept exact
@@ -31,6 +31,7 @@ class Verdict(str, enum.Enum):
     UNSUPPORTED = "unsupported"  # the form could not be built here (SiteUnsupported)
     FAILED = "failed"  # building or running it raised
     UNVERIFIED = "unverified"  # no verification input is long enough for the form to act
+    KEPT_BY_PLAN = "kept_by_plan"  # the form's own plan keeps the site exact (KeptByPlan: a reuse anchor)
 
     def __str__(self) -> str:
         return self.value

@@ -88,5 +88,8 @@ def _rule_plan(site, sites, rule, index) -> SitePlan:
     if why is not None:
         return SitePlan(site.id, rule.form, dict(rule.params), text, f"rule {index} chose {rule.form}, but {why}",
                         unsupported=True)
+    kept = forms.get(rule.form).keeps_exact(site, rule.params, sites)
+    if kept is not None:  # the form's own plan for this site is exact attention (a reuse anchor)
+        return SitePlan(site.id, rule.form, dict(rule.params), text, f"rule {index} chose {rule.form}; {kept}")
     return SitePlan(site.id, rule.form, dict(rule.params), text, f"rule {index} ({text})",
                     ((rule.form, dict(rule.params)),))

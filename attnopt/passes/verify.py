@@ -18,7 +18,7 @@ from attnopt.forms.common.base import BuildContext
 from attnopt.forms.common.fitting import fit_progress
 from attnopt.forms.common.mixed_heads import build_site, fit_site
 from attnopt.ir.calls import SiteCall
-from attnopt.ir.errors import SiteUnsupported
+from attnopt.ir.errors import KeptByPlan, SiteUnsupported
 from attnopt.ir.outcomes import (
     Attempt,
     Drift,
@@ -125,6 +125,8 @@ def try_form(site, form: str, params: dict, context: BuildContext, tol: float,
             fit = fit_site(spec, module, calls[:1])
         anchor_calls = context.calls.get(module.anchor_id) if module.uses_anchor_qk else None
         d = site_drift(module, [calls[i] for i in acting], [anchor_calls[i] for i in acting] if anchor_calls else None)
+    except KeptByPlan as exc:
+        return Attempt(form, params, None, Verdict.KEPT_BY_PLAN, f"kept exact: {exc}", tol), None
     except SiteUnsupported as exc:
         return Attempt(form, params, None, Verdict.UNSUPPORTED, f"unsupported: {exc}", tol), None
     except Exception as exc:  # a failed rewrite leaves the site exact, and says why
@@ -175,8 +177,8 @@ def verify_sites(sites, plans, context: BuildContext, policy, tolerance: Optiona
 def _decide(site, plan, context, policy, tolerance, on_fit_step=None) -> tuple[SiteOutcome, Any]:
     if plan.unsupported:
         return SiteOutcome(site.id, plan.form, "exact", plan.params, Status.UNSUPPORTED, plan.reason), None
-    if not plan.candidates:  # planned exact, or auto with nothing cheaper
-        return SiteOutcome(site.id, "exact", "exact", plan.params, Status.KEPT, plan.reason), None
+    if not plan.candidates:  # planned exact (by a rule, or by the form's own plan), or auto with nothing cheaper
+        return SiteOutcome(site.id, plan.form, "exact", plan.params, Status.KEPT, plan.reason), None
     first_form, first_params = plan.candidates[0]
     if not context.calls.get(site.id):
         return SiteOutcome(site.id, first_form, "exact", first_params, Status.UNSUPPORTED,
@@ -196,8 +198,8 @@ def _decide(site, plan, context, policy, tolerance, on_fit_step=None) -> tuple[S
         status = Status.UNVERIFIED if all(t.verdict is Verdict.UNVERIFIED for t in tried) else Status.REVERTED
         reason = "auto: no form within tolerance (" + "; ".join(f"{t.form}: {t.reason}" for t in tried) + "): kept exact"
     else:
-        status = {Verdict.UNSUPPORTED: Status.UNSUPPORTED, Verdict.UNVERIFIED: Status.UNVERIFIED}.get(
-            last.verdict, Status.REVERTED)
+        status = {Verdict.UNSUPPORTED: Status.UNSUPPORTED, Verdict.UNVERIFIED: Status.UNVERIFIED,
+                  Verdict.KEPT_BY_PLAN: Status.KEPT}.get(last.verdict, Status.REVERTED)
         reason = last.reason
     return SiteOutcome(site.id, first_form, "exact", first_params, status, reason, last.tolerance, last.drift,
                        tuple(tried)), None

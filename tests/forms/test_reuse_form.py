@@ -5,6 +5,8 @@ bad input's one-line error."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -51,8 +53,11 @@ def _forward(model, ids, mask):
 
 def test_every_third_layer_anchors_and_the_others_read_its_blocks(small):
     rep = small.attnopt_report
-    assert [str(r.outcome.status) for r in rep.sites] == ["kept", "rewritten", "unsupported", "rewritten", "kept"]
+    # An anchor is kept exact by the form's own plan, on purpose: kept, not unsupported.
+    assert [str(r.outcome.status) for r in rep.sites] == ["kept", "rewritten", "kept", "rewritten", "kept"]
     assert "layer 2 is an anchor (every 2)" in rep.sites[2].outcome.reason
+    assert (rep.sites[2].outcome.planned_form, rep.sites[2].outcome.final_form) == ("reuse", "exact")
+    assert rep.totals["unsupported"] == 0
     anchors = {m.geometry.site_id: m.anchor_id for m in small.modules() if isinstance(m, attnopt.forms.SiteModule)}
     ids = [r.site.id for r in rep.sites]
     assert anchors == {ids[1]: ids[0], ids[3]: ids[2]}
@@ -112,11 +117,33 @@ def test_the_measured_plan_is_in_the_report_and_in_the_modules(measured):
     modules = {m.geometry.site_id: m.anchor_id for m in measured.modules() if isinstance(m, attnopt.forms.SiteModule)}
     assert modules == plan["reuse"]
     for r in rep.sites[1:-1]:
-        if r.site.id not in plan["reuse"]:
-            assert "measured plan" in r.outcome.reason
+        if r.site.id not in plan["reuse"]:  # an anchor, or a layer no earlier one serves: kept on purpose
+            assert "measured plan" in r.outcome.reason and str(r.outcome.status) == "kept"
     page = rep.to_html()
     assert "Cross-layer block overlap" in page and page.count('stroke="#e8590c"') == len(plan["reuse"])
     assert rep.from_dict(rep.to_dict()).counts["verify"]["plans"]["reuse"]["overlap"] == overlap
+
+
+RECALL = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "recall_lm"
+
+
+@pytest.mark.skipif(not (RECALL / "model.safetensors").is_file(), reason="benchmarks/data/recall_lm is not trained yet")
+def test_layers_a_measured_plan_keeps_exact_are_kept_not_unsupported():
+    # recall_lm's layers attend to different blocks at 256 tokens: its measured plan keeps layer 1 exact
+    # (no earlier layer serves it) and makes layer 2 the anchor of layers 3 and 4.
+    model = transformers.LlamaForCausalLM.from_pretrained(RECALL).eval()
+    ids = transformers.AutoTokenizer.from_pretrained(RECALL)((RECALL / "heldout.txt").read_text()[:2000],
+                                                             return_tensors="pt").input_ids[:, :256]
+    opt = attnopt.compile(model, "reuse+block:16", example_inputs={"input_ids": ids, "use_cache": False},
+                          e2e_tolerance=None)
+    rep = opt.attnopt_report
+    plan = rep.counts["verify"]["plans"]["reuse"]
+    assert [str(r.outcome.status) for r in rep.sites] == ["kept", "kept", "kept", "rewritten", "rewritten", "kept"]
+    assert set(plan["reuse"].values()) == {rep.sites[2].site.id} and rep.totals["unsupported"] == 0
+    assert "measured plan keeps it exact" in rep.sites[1].outcome.reason
+    assert "an anchor in the measured plan" in rep.sites[2].outcome.reason
+    for r in rep.sites[1:3]:
+        assert r.outcome.planned_form == "reuse" and [str(t.verdict) for t in r.outcome.tried] == ["kept_by_plan"]
 
 
 def test_a_measured_plan_comes_back_from_disk(measured, tmp_path):

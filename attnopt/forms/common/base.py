@@ -515,6 +515,12 @@ class Form(abc.ABC):
     def check_site(self, site: AttentionSite, params: Mapping[str, Any], sites: Sequence[AttentionSite]) -> Optional[str]:
         """The form's own conditions on a site (after the checks shared by all forms)."""
 
+    def keeps_exact(self, site: AttentionSite, params: Mapping[str, Any],
+                    sites: Sequence[AttentionSite]) -> Optional[str]:
+        """Why the form's own plan keeps a site it could serve exact (reuse: an anchor), or None. Such a
+        site is kept, not unsupported. `build` raises KeptByPlan where this is decided only then."""
+        return None
+
     def acts_at(self, site: AttentionSite, params: Mapping[str, Any], q_len: int, kv_len: int) -> bool:
         """Whether the form computes anything different from exact attention at these lengths.
 

@@ -19,7 +19,7 @@ from attnopt.forms.common.base import CostAt, Form, Param, SiteModule, io_elemen
 from attnopt.forms.reuse.plan import measured_plan, plan_report
 from attnopt.forms.reuse.reference import block_sparse_attention
 from attnopt.forms.reuse.selection import BlockRule, Selection, probe_cost, select_call
-from attnopt.ir.errors import PolicyError, SiteUnsupported
+from attnopt.ir.errors import KeptByPlan, PolicyError, SiteUnsupported
 from attnopt.ir.masks import key_keep
 from attnopt.ir.site import AttentionSite
 
@@ -220,14 +220,17 @@ class ReuseForm(Form):
         if str(site.q_len) != str(site.kv_len):
             return "a block selection needs self-attention (queries and keys at the same positions); this is cross-attention"
         layer = anchor_layer(site, params)
-        if layer is None:
+        if layer is None or layer == site.layer and params["every"] is not None:  # measured, or an anchor
             return None
-        if params["every"] is not None and layer == site.layer:
-            return f"layer {site.layer} is an anchor (every {params['every']}): it attends exactly and selects blocks"
         if layer < 0 or layer >= site.layer:
             return f"anchor layer {layer} is not an earlier layer than {site.layer}"
         if find_site(site, sites, layer) is None:
             return f"no site at layer {layer} runs over the same positions (lengths and causality) to anchor it"
+        return None
+
+    def keeps_exact(self, site, params, sites):
+        if params["every"] is not None and anchor_layer(site, params) == site.layer:
+            return f"layer {site.layer} is an anchor (every {params['every']}): it attends exactly and selects blocks"
         return None
 
     def acts_at(self, site, params, q_len, kv_len):
@@ -250,6 +253,9 @@ class ReuseForm(Form):
                       if s.layer < site.layer and same_sequence(site, s)}
         layer = anchor_layer(site, params)
         anchor = None
+        kept = self.keeps_exact(site, params, context.sites)
+        if kept is not None:
+            raise KeptByPlan(kept)
         if layer is not None:
             anchor = find_site(site, context.sites, layer)
             if anchor is None:
@@ -257,8 +263,8 @@ class ReuseForm(Form):
         elif context.calls:
             plan = measured_plan(context, params)
             anchor_id = plan.reuse.get(site.id)
-            if anchor_id is None:
-                raise SiteUnsupported(plan.why_not(site.id))
+            if anchor_id is None:  # an anchor, or a layer no earlier one serves: exact by the measured plan
+                raise (KeptByPlan if site.id in plan.site_ids else SiteUnsupported)(plan.why_not(site.id))
             anchor = next(s for s in context.sites if s.id == anchor_id)
         # No calls: a saved model is being loaded; its anchor_layer buffer arrives with its tensors.
         return ReusedSite(site, params, anchor, candidates)
