@@ -74,11 +74,9 @@ MODEL_MARGIN = 0.25
 # 2 cores, the linear step took 14.4 µs timed alone and about 45 µs per layer in the decode
 # benchmark's model, HF's KV step 28 and 52 µs at 1k, so an op-level near tie loses in the model.
 DECODE_WIN = 0.9
-# Forms with a fixed threshold, and why they are not timed.
-FIXED = {
-    "reuse": "a reused layer runs exact attention itself while every block is read, and its speed depends on "
-             "its anchor's selection, which a timing of the site alone cannot give: always the form (0)",
-}
+# Forms with a fixed threshold, and why they are not timed (none today: a reused layer is timed with
+# its own q and k standing in for its anchor's, the selection included, see ReusedSite.timed_attend).
+FIXED: dict = {}
 # The parameters that cannot change an op's speed stay out of the cache key.
 UNTIMED_PARAMS = ("min_seq_len", "tolerance", "seed", "fit_steps")
 
@@ -191,7 +189,9 @@ def device_name(device: torch.device) -> str:
 # 3: the causal linear scan's chunk follows the feature count; a decoding step must win by DECODE_WIN.
 # 4: native (C) token steps on CPU; the key also says whether they are on ("native"), since the torch
 #    step they stand in for is 2-4x dearer.
-TIMED_CODE_REVISION = 4
+# 5: only the lengths where a form acts are timed (reuse, which computes exact attention until it
+#    has more blocks than it reads, is timed).
+TIMED_CODE_REVISION = 5
 
 
 def cache_key(form: str, params: Mapping, geometry: Geometry) -> str:
@@ -392,7 +392,8 @@ def module_timer(module: torch.nn.Module, geometry: Geometry, repeats: int = REP
         q_BHND = torch.randn(1, geometry.heads, n, geometry.head_dim, generator=gen, device=device).to(dtype)
         k_BHkvND = torch.randn(1, geometry.kv_heads, n, geometry.head_dim, generator=gen, device=device).to(dtype)
         v_BHkvND = torch.randn(1, geometry.kv_heads, n, geometry.v_head_dim, generator=gen, device=device).to(dtype)
-        best = _time_ops({"form": lambda: module.attend(q_BHND, k_BHkvND, v_BHkvND, None, None, None),
+        attend = getattr(module, "timed_attend", None) or (lambda q, k, v: module.attend(q, k, v, None, None, None))
+        best = _time_ops({"form": lambda: attend(q_BHND, k_BHkvND, v_BHkvND),
                           "exact": lambda: module.exact(q_BHND, k_BHkvND, v_BHkvND, None)}, device, repeats)
         return best["form"], best["exact"]
 
@@ -417,6 +418,10 @@ def measure_entry(module, geometry: Geometry, site, params: Mapping, lengths: Se
     """A cache entry: the prefill crossover (timed again once when it contradicts the cost model),
     the decoding crossover for sites that decode from a state, and the load they were taken under."""
     load, mark = load_average(), machine_load.cpu_mark()
+    # Only where the form acts: below that it computes exact attention, and a tie there would read as
+    # a win (reuse reads every block up to (sinks + window + 1 + top_k) blocks).
+    acting = tuple(n for n in lengths if forms.get(form).acts_at(site, {**params, "min_seq_len": 0}, n, n))
+    lengths = acting or tuple(lengths)[-1:]
     value, detail, timings = measure(timer(module, geometry), lengths)
     if contradicts_model(forms.get(form), site, params, timings):
         step(f"timing {form} again: it lost at {timings[-1][0]} tokens, which the cost model rules out")

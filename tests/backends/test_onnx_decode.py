@@ -562,7 +562,7 @@ def test_a_folder_path_decodes_by_default_and_a_file_path_stays_a_prefill_file(w
 # here Qwen2 gets linear+window on every layer, and reuse (which reads an exact anchor) runs on both.
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, policy", [("qwen2", "linear+window:16+sinks:2"), ("qwen2", REUSE),
-                                          ("llama", REUSE)])
+                                          ("llama", REUSE), ("llama", REUSE + "+min_seq_len:20")])
 def test_each_policy_and_architecture_decodes_like_torch(kind, policy, tmp_path_factory):
     opt, folder, result = exported(tmp_path_factory, f"{kind}-{policy}", kind, policy, 3)
     assert_decodes_like_torch(opt, folder)

@@ -140,6 +140,35 @@ def test_compile_measures_caches_and_reports_the_threshold(llama, cache, monkeyp
     assert [(r.threshold.min_seq_len, r.threshold.source) for r in opt2.attnopt_report.sites] == [(256, "cached")] * 2
 
 
+def test_reuse_is_timed_only_where_it_reads_fewer_blocks_than_it_could(cache, monkeypatch):
+    # Blocks of 32, 4 read per query block: up to 128 tokens reuse is exact attention, so 64 and 128
+    # are not timed (a tie there would read as a win); it loses at 256 and wins at 512 and 1024.
+    timer = FakeTimer(cross=512)
+    monkeypatch.setattr(crossover, "module_timer", timer)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=4,
+                                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    opt = attnopt.compile(model, "reuse:1+block:32+anchor:-1", example_inputs={"input_ids": _ids(300), "use_cache": False},
+                          tolerance=10.0, e2e_tolerance=None)
+    report = opt.attnopt_report
+    assert timer.lengths == [256, 512, 1024]
+    assert [(r.threshold.min_seq_len, r.threshold.source) for r in report.sites if r.threshold] == \
+        [(512, "measured"), (512, "cached")]
+    short, long = _ids(500, seed=2), _ids(600, seed=3)
+    assert torch.equal(_logits(opt, short), _logits(model, short))  # below it: the original, exactly
+    assert not torch.allclose(_logits(opt, long)[:, -1], _logits(model, long)[:, -1], atol=1e-4)
+    # What the real timer times of a reused layer: its selection from its own q and k, then the form
+    # (not the threshold's exact rows), no anchor needed.
+    site = opt.model.layers[1].self_attn.attnopt_site
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, h, 160, 8, generator=g) for h in (6, 2, 2))
+    with torch.no_grad():
+        timed = site.timed_attend(q, k, v)
+        site.min_seq_len = 0
+        assert torch.equal(timed, site(q, k, v, anchor=(q, k)))
+
+
 def test_given_and_off_thresholds_time_nothing(llama, cache, monkeypatch):
     timer = FakeTimer(cross=256)
     monkeypatch.setattr(crossover, "module_timer", timer)

@@ -12,6 +12,7 @@ import torch
 
 import attnopt
 from attnopt import PolicyError
+from attnopt.forms.reuse.form import ReusedSite
 from attnopt.forms.reuse.heatmap import overlap_heatmap_html
 from attnopt.forms.reuse.plan import MISSED_TARGET, choose_anchors, overlap_matrix
 from attnopt.forms.reuse.selection import BlockRule, select_positions
@@ -77,6 +78,44 @@ def test_cached_decoding_equals_the_full_forward_step_by_step_with_left_padding(
     assert (full - _forward(llama, gen.sequences, full_mask)[:, 29:-1]).abs().max() > 1e-2
     alone = _forward(small, gen.sequences[1:, 5:], full_mask[1:, 5:])[:, 24:-1]
     assert (alone - full[1:]).abs().max() < 1e-4
+
+
+def test_below_min_seq_len_the_reused_model_is_the_original_and_decoding_crosses_it_like_a_prefill(llama):
+    # Every layer is exact up to each row's T-th real token (anchors always, reused layers by the
+    # threshold): those logits are the original's. Past T the reused layers read their lists, and
+    # decoding from a prompt shorter than T, across T and several block starts, equals the full forward.
+    T = 22  # (the plain form reads every block up to position 16: 4 slots of 4)
+    opt = attnopt.compile(llama, SMALL + f"+min_seq_len:{T}", example_inputs={"input_ids": _ids(2, 40),
+                          "use_cache": False}, tolerance=10.0, e2e_tolerance=None)
+    assert all(m.min_seq_len == T and m.rule.exact_below == T for m in opt.modules() if hasattr(m, "rule"))
+    ids, mask = _ids(2, 9, seed=5), torch.ones(2, 9, dtype=torch.long)
+    ids[1, :3], mask[1, :3] = 0, 0  # row 1: 3 leading pads, so its T-th real token is 3 columns later
+    with torch.no_grad():
+        gen = opt.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0,
+                           output_logits=True, return_dict_in_generate=True)
+    steps = torch.stack(gen.logits, 1)
+    full_mask = torch.cat([mask, torch.ones(2, 24, dtype=torch.long)], 1)
+    full = _forward(opt, gen.sequences, full_mask)
+    assert (steps - full[:, 8:-1]).abs().max() < 1e-4
+    original = _forward(llama, gen.sequences, full_mask)
+    for row, lead in enumerate((0, 3)):
+        inside, past = slice(lead, lead + T), slice(lead + T, None)
+        assert (full[row, inside] - original[row, inside]).abs().max() < 1e-4
+        assert (full[row, past] - original[row, past]).abs().max() > 1e-2
+    # One reused layer: its rows below T are exact attention (an fp64 oracle), the rest the form's rows.
+    site = next(m for m in opt.modules() if isinstance(m, ReusedSite))
+    g = torch.Generator().manual_seed(9)
+    q, k, v, q_a, k_a = (torch.randn(2, h, 33, 8, generator=g) for h in (6, 2, 2, 6, 2))
+    with torch.no_grad():
+        got = site(q, k, v, anchor=(q_a, k_a))
+        site.min_seq_len = 0
+        form = site(q, k, v, anchor=(q_a, k_a))
+        site.min_seq_len = T
+    s = (q.double() @ k.double().repeat_interleave(3, 1).transpose(-1, -2)) * site.geometry.scale
+    s = s.masked_fill(torch.ones(33, 33, dtype=torch.bool).triu(1), float("-inf"))
+    exact = s.softmax(-1) @ v.double().repeat_interleave(3, 1)
+    assert (got[:, :, :T].double() - exact[:, :, :T]).abs().max() < 1e-5
+    assert torch.equal(got[:, :, T:], form[:, :, T:]) and (form[:, :, :T].double() - exact[:, :, :T]).abs().max() > 1e-2
 
 
 def test_a_chunked_prefill_and_beam_reordering_keep_the_selection(small):
@@ -210,7 +249,6 @@ def test_overlap_is_the_share_of_a_layer_s_rows_whose_target_its_anchor_s_blocks
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("reuse+min_seq_len:64", "min_seq_len does not apply"),
     ("reuse+anchor:0+every:2", "give anchor or every, not both"),
     ("reuse+block:8+probes:16", "probes 16 > block 8"),
     ("reuse:-1", "must be >= 0"),
@@ -248,6 +286,19 @@ def test_minilm_keeps_its_embeddings_on_passages_compile_never_saw(minilm):
         w = batch["attention_mask"][..., None].double()
         cos = torch.nn.functional.cosine_similarity((a.double() * w).sum(1), (b.double() * w).sum(1), -1)
         assert float(cos.min()) >= 0.98, cos
+    # Bidirectional under min_seq_len: a call shorter than it is exact attention, one as long the form.
+    sites = [m for m in opt.modules() if isinstance(m, ReusedSite)]
+    with torch.no_grad():
+        form = opt(**enc[2]).last_hidden_state
+        for m in sites:
+            m.min_seq_len = 513
+        exact = opt(**enc[2]).last_hidden_state
+        for m in sites:
+            m.min_seq_len = 512
+        at_threshold = opt(**enc[2]).last_hidden_state
+        original = model(**enc[2]).last_hidden_state
+    assert (exact - original).abs().max() < 1e-4 < (form - original).abs().max()
+    assert torch.equal(at_threshold, form)
 
 
 @pytest.mark.parametrize("batch", [1, 3])

@@ -11,6 +11,7 @@ layers exact.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
@@ -41,10 +42,10 @@ REUSE_PARAMS = {
 }
 
 
-def rule_of(params: Mapping[str, Any], causal: bool) -> BlockRule:
+def rule_of(params: Mapping[str, Any], causal: bool, exact_below: int = 0) -> BlockRule:
     probes = params["block"] if params["probes"] is None else params["probes"]
     return BlockRule(block=params["block"], top_k=params["top_k"], window=params["window"], sinks=params["sinks"],
-                     probes=probes, causal=bool(causal), mass=params["mass"])
+                     probes=probes, causal=bool(causal), mass=params["mass"], exact_below=int(exact_below))
 
 
 def anchor_layer(site: AttentionSite, params: Mapping[str, Any]) -> Optional[int]:
@@ -81,7 +82,7 @@ class ReusedSite(SiteModule):
     def __init__(self, site: AttentionSite, params: Mapping[str, Any], anchor: Optional[AttentionSite],
                  candidates: Mapping[int, tuple]):
         super().__init__(site, params)
-        self.rule = rule_of(params, site.causal)
+        self._rule = rule_of(params, site.causal, self.min_seq_len)
         # layer -> (site id, scale, heads, head dim) of the sites this one may read
         self.anchor_candidates = dict(candidates)
         # The anchor's layer, saved with the module (a measured plan cannot be measured again at load),
@@ -93,6 +94,15 @@ class ReusedSite(SiteModule):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if prefix + "anchor_layer" in state_dict:
             self._anchor = int(state_dict[prefix + "anchor_layer"])
+
+    @property
+    def rule(self) -> BlockRule:
+        """The selection rule, with the positions below min_seq_len (set by dispatch after the build)
+        left unscored: they attend exactly."""
+        rule = self._rule
+        if rule.exact_below != self.min_seq_len:
+            rule = self._rule = rule_of(self.params, rule.causal, self.min_seq_len)
+        return rule
 
     @property
     def anchor_id(self) -> Optional[str]:  # type: ignore[override]
@@ -125,13 +135,19 @@ class ReusedSite(SiteModule):
         return self.select(q_a, k_a, keep, state)
 
     def forward(self, q, k, v, mask=None, x=None, anchor=None, slab=None):
-        """`slab`: a decoding cache layer's BlockSlab (decoding.py), where a one-token step reads its blocks."""
+        """`slab`: a decoding cache layer's BlockSlab (decoding.py), where a one-token step reads its blocks.
+        Under min_seq_len = T the queries among each row's first T real tokens attend exactly (as
+        SiteModule.forward does); the selection still advances, so decoding past T reads its lists."""
         g = self.geometry
+        T = self.min_seq_len
+        if T and not g.causal and q.shape[-2] < T:
+            return self.exact(q, k, v, mask)
         folded = q.dim() == 3
         if folded:
             q, k, v = self.unfold_heads(q), self.unfold_heads(k), self.unfold_heads(v)
         if (slab is not None and not folded and isinstance(anchor, Selection) and q.shape[2] == 1 and anchor.dense
-                and not q.requires_grad and not self.rule.reads_everything(k.shape[-2])):
+                and not q.requires_grad and not self.rule.reads_everything(k.shape[-2])
+                and (not T or self._past_threshold(k.shape[-2], anchor.offsets_B))):
             # A decoding step whose keys are real from each row's offset on: the listed blocks' slab.
             out = slab.attend(q, k, v, anchor.blocks_BQK[:, 0], self.rule.block, g.scale, anchor.source,
                               anchor.offsets_B)
@@ -142,8 +158,26 @@ class ReusedSite(SiteModule):
             keep = key_keep(mask, g.keep_when, q.shape[0], k.shape[-2], rank=3 if folded else 4)
             if folded and keep is not None and keep.shape[0] != q.shape[0]:
                 keep = keep.reshape(q.shape[0], -1, k.shape[-2])[:, 0]
-        out = self._attend(q, k, v, keep, None if folded else mask, anchor)
+        mask4 = None if folded else mask
+        exact_q, all_exact = None, False
+        if T and g.causal:
+            all_exact = k.shape[-2] <= T  # (from the shapes where they suffice: no data-dependent branch)
+            if not all_exact:
+                exact_q = self.exact_queries(q, k, keep)
+                all_exact = bool(exact_q.all())
+        if all_exact:
+            out = self.exact(q, k, v, mask4) if keep is None or mask4 is not None else self._exact_keep(q, k, v, keep)
+        else:
+            out = self._attend(q, k, v, keep, mask4, anchor)
+            if exact_q is not None and bool(exact_q.any()):
+                out = self._with_exact_prefix(out, q, k, v, keep, mask4, exact_q)
         return out.reshape(-1, out.shape[-2], out.shape[-1]) if folded else out
+
+    def _past_threshold(self, Nk: int, offsets_B) -> bool:
+        """Whether a one-token step's query is at or past min_seq_len in every row (position = its
+        column less the row's leading padding)."""
+        lead = 0 if offsets_B is None else int(offsets_B.max())
+        return Nk - 1 - lead >= self.min_seq_len
 
     def _attend(self, q, k, v, keep, mask, anchor):
         g = self.geometry
@@ -173,6 +207,14 @@ class ReusedSite(SiteModule):
                                                                enable_gqa=k.shape[1] != q.shape[1])
         return torch.where(visible.any(-1, keepdim=True), out, 0.0)
 
+    def timed_attend(self, q, k, v):
+        """The op dispatch times against exact attention (passes/crossover.py): the selection made from
+        this layer's own q and k, standing in for its anchor's (same cost; the anchor's is shared by the
+        layers that read it, so this errs slow), then the block-sparse attention: every block scored,
+        whatever min_seq_len is."""
+        selection, _ = select_call(q, k, None, replace(self.rule, exact_below=0), self.anchor_scale, None)
+        return self._attend(q, k, v, None, None, selection)
+
     def attend(self, q, k, v, keep, mask, x):  # SiteModule's contract; forward above takes the anchor
         raise ValueError(f"site {self.geometry.site_id}: a reused layer is called through forward(..., anchor=)")
 
@@ -198,9 +240,6 @@ class ReuseForm(Form):
                               "of queries probes")
         if params["anchor"] is not None and params["every"] is not None:
             raise PolicyError("form 'reuse': give anchor or every, not both")
-        if params["min_seq_len"]:
-            raise PolicyError("form 'reuse': min_seq_len does not apply; a reused layer already runs exact attention "
-                              "while every block is read (up to (sinks + window + 1 + top_k) blocks)")
 
     def preset_rule(self, params):
         # First and last layers exact: the seed's observation, and what the measured plan assumes.

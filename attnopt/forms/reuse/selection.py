@@ -54,12 +54,16 @@ class BlockRule:
     probes: int
     causal: bool
     mass: Optional[float] = None  # stop choosing once the blocks read hold this share of the probes' mass
+    # The site's min_seq_len: causal, the positions below it attend exactly, so a block wholly below
+    # it is not scored (its list, sinks, window and the earliest candidates, is never read);
+    # bidirectional, a call shorter than it is exact, so none of its blocks is.
+    exact_below: int = 0
 
     def __post_init__(self):
         for name in ("block", "probes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"BlockRule: {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("top_k", "window", "sinks"):
+        for name in ("top_k", "window", "sinks", "exact_below"):
             if getattr(self, name) < 0:
                 raise ValueError(f"BlockRule: {name} must be >= 0, got {getattr(self, name)}")
         if self.probes > self.block:
@@ -74,6 +78,12 @@ class BlockRule:
 
     def blocks(self, n: int) -> int:
         return -(-n // self.block)
+
+    def scores(self, m: int, J: int) -> bool:
+        """Whether query block m's list is chosen by mass (of J blocks): it has more candidates than
+        fit, and some query that reads it (`exact_below`)."""
+        read = (m + 1) * self.block > self.exact_below if self.causal else J * self.block >= self.exact_below
+        return read and self.candidates(m, J) > self.fits
 
     def reads_everything(self, n: int) -> bool:
         """Whether at `n` positions every query block reads every block it can see (no choice is left:
@@ -212,7 +222,7 @@ def bound_mass(q_BHCPD: Tensor, present_BCP: Tensor, lo: Tensor, hi: Tensor, vis
 def choose_blocks(mass_BMJ: Optional[Tensor], m_BM: Tensor, n_blocks_B: Tensor, rule: BlockRule, J: int) -> Tensor:
     """Long [B, M, K]: the blocks query blocks m_BM read (sorted, −1 padded): sinks, window and the
     top candidates by `mass_BMJ` (ties: the earlier block). mass None: every block has no mass (only
-    for blocks whose candidates all fit)."""
+    for blocks whose candidates all fit, or that no row reads: `BlockRule.scores`)."""
     B, M = m_BM.shape
     j = torch.arange(J, device=m_BM.device)
     m = m_BM[..., None]
@@ -265,7 +275,7 @@ def select_positions(q_BHND: Tensor, k_BHkvND: Tensor, keep_BN: Optional[Tensor]
     M, b, P = rule.blocks(N), rule.block, rule.probes
     m_BM = torch.arange(M, device=q_BHND.device).expand(B, M)
     n_blocks = _n_blocks(keep_BN, B, N, rule, q_BHND.device)
-    chooses = [m for m in range(M) if rule.candidates(m, M) > rule.fits]
+    chooses = [m for m in range(M) if rule.scores(m, M)]
     if not chooses:
         return choose_blocks(None, m_BM, n_blocks, rule, M)
     lo, hi, has_key = key_bounds(k_BHkvND, keep_BN, b)
@@ -435,7 +445,7 @@ def _extend(q_a, k_a, keep_BN, rule, scale, state: SelectionState):
         p0 = seen_list[r] + t
         m = p0 // b
         bounds = None
-        if kept:
+        if kept and rule.scores(m, m + 1):
             lo, hi = _bounds_upto(k_a, m, b, lo, hi)
             bounds = (lo[r:r + 1, :, :m], hi[r:r + 1, :, :m])
         history[r, m] = _choose_at(stash[r:r + 1], W + t, p0, k_a[r:r + 1], keep_BN, r, int(state.offsets_B[r]),
@@ -495,7 +505,7 @@ def _choose_at(stash_1HXD, end, p0, k_1HkvND, keep_BN, r, offset, m, rule, scale
     J = m + 1  # causal: the blocks up to its own
     m_BM = torch.tensor([[m]], device=stash_1HXD.device)
     n_blocks = torch.tensor([J], device=stash_1HXD.device)
-    if rule.candidates(m, J) <= rule.fits:
+    if not rule.scores(m, J):
         return choose_blocks(None, m_BM, n_blocks, rule, J)[0, 0]
     pos = p0 - P + torch.arange(P, device=stash_1HXD.device)
     present = (pos >= 0)[None]
