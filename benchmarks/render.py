@@ -647,7 +647,7 @@ def reuse_cpu_block(machine: str, r: dict) -> str:
     head = (f"`reuse_cpu`, `{machine}`, commit `{short(r['meta'].get('commit'))}`, 2 threads unless a row says "
             "otherwise, best of interleaved rounds")
     by = {name: (r[name].get("measured_by") or {}).get("commit")
-          for name in ("op", "e2e", "decode", "decode_1thread", "quality", "minilm") if r.get(name)}
+          for name in ("op", "e2e", "decode", "decode_1thread", "quality", "minilm", "dispatch") if r.get(name)}
     earlier = sorted({c for c in by.values() if c and c != r["meta"].get("commit")})
     for c in earlier:
         head += f"; sections {', '.join(n for n, x in by.items() if x == c)} measured at commit `{short(c)}`"
@@ -707,6 +707,14 @@ def reuse_cpu_block(machine: str, r: dict) -> str:
                      f"{row['key_share']:.3g} of the keys), held-out cosine", f"{c:.4f}", "≥ 0.98",
                      "met" if c >= 0.98 and reused else ("reads every key" if not reused or row["key_share"] >= 1
                                                          else "missed")])
+    disp = r.get("dispatch")
+    if disp:
+        T = disp["threshold"]["min_seq_len"]
+        for n, row in disp["lengths"].items():
+            vs = row["vs_original"]
+            rows.append([f"forward at {int(n):,}, `{disp['policy']}` (8 layers, hidden 128) ÷ the original's: the form "
+                         f"at every length / with the threshold dispatch measured ({T:,})",
+                         f"{vs['form_every_length']['best']:.2f}× / {vs['measured_threshold']['best']:.2f}×", "—", "—"])
     return head + "\n\n" + table(["measure", "value", "goal", "verdict"], rows)
 
 

@@ -29,6 +29,9 @@ conditions recorded beside it):
            trained.
   minilm   all-MiniLM-L6-v2 at 512 tokens (bidirectional): mean-pooled embedding cosine on passages
            compile never saw.
+  dispatch the decode section's model, a forward at a short and a long input: original against
+           `reuse+every:3` with the form at every length (dispatch off) and with the threshold dispatch
+           measures in this run (a fresh crossover cache), below which a reused layer attends exactly.
 
 Every policy row says the share of the keys its reused layers read at that length (`key_share`):
 the default `reuse` (top_k 16 of 64-token blocks) reads every key up to about 1.2k tokens, so a
@@ -181,6 +184,47 @@ def e2e_section(lengths, repeats: int) -> dict:
                  "median": rows["median_s"]["original"] / rows["median_s"][E2E_POLICY]}
         out["lengths"][n] = {"key_share": key_share(E2E_POLICY, n, True), **rows, "speedup": speed}
         print(f"e2e N={n}: speedup {speed}", flush=True)
+    return out
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def dispatch_section(lengths, repeats: int) -> dict:
+    import os
+    import tempfile
+
+    model = _decoder(max(lengths))
+    vocab = model.config.vocab_size
+    ids = torch.randint(1, vocab, (1, 64), generator=torch.Generator().manual_seed(1))
+    compiled = {}
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        saved = os.environ.get("ATTNOPT_CROSSOVER_CACHE")
+        os.environ["ATTNOPT_CROSSOVER_CACHE"] = str(Path(tmp) / "crossover.json")  # measured in this run
+        try:
+            for mode in ("off", "auto"):
+                compiled[mode] = attnopt.compile(model, E2E_POLICY, example_inputs={"input_ids": ids, "use_cache": False},
+                                                 e2e_tolerance=None, tolerance=10.0, dispatch=mode)
+        finally:
+            if saved is None:
+                os.environ.pop("ATTNOPT_CROSSOVER_CACHE")
+            else:
+                os.environ["ATTNOPT_CROSSOVER_CACHE"] = saved
+    th = next(r.threshold for r in compiled["auto"].attnopt_report.sites if r.threshold)
+    out = {"model": "the decode section's: 8 layers, hidden 128, 4/2 heads, random weights", "policy": E2E_POLICY,
+           "threshold": {"min_seq_len": th.min_seq_len, "detail": th.detail, "timings": [list(t) for t in th.timings]},
+           "lengths": {}}
+    for n in lengths:
+        x = torch.randint(1, vocab, (1, n), generator=torch.Generator().manual_seed(n))
+        runs = {name: timed(lambda m=m: m(input_ids=x, use_cache=False)) for name, m in
+                (("original", model), ("form_every_length", compiled["off"]), ("measured_threshold", compiled["auto"]))}
+        with torch.inference_mode():
+            turns = take_turns(runs, repeats, warmups=1, rotate=True)
+        rows = _rounds(turns)
+        out["lengths"][n] = {**rows, "vs_original": _ratios(rows, "original")}
+        print(f"dispatch N={n}: " + ", ".join(f"{k} {v['best']:.3f}" for k, v in out["lengths"][n]["vs_original"].items()),
+              flush=True)
     return out
 
 
@@ -423,12 +467,12 @@ def decode_key(threads: int) -> str:
     return "decode_1thread" if threads == 1 else "decode"
 
 
-SECTIONS = ("op", "e2e", "decode", "decode_1thread", "quality", "minilm")
+SECTIONS = ("op", "e2e", "decode", "decode_1thread", "quality", "minilm", "dispatch")
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sections", default="op,e2e,decode,quality,minilm")
+    ap.add_argument("--sections", default="op,e2e,decode,quality,minilm,dispatch")
     ap.add_argument("--quick", action="store_true", help="short lengths and few rounds: checks the script runs")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--keep", action="store_true",
@@ -456,6 +500,9 @@ def main(argv=None) -> None:
                                                     [512] if quick else [1024, 2048], 1 if quick else 4))
     if "minilm" in sections:
         payload["minilm"] = _stamp(minilm_section(MINILM_POLICIES[:2] if quick else MINILM_POLICIES))
+    if "dispatch" in sections:
+        payload["dispatch"] = _stamp(dispatch_section((2048, 4096) if quick else (2048, 8192), args.repeats or
+                                                      (1 if quick else 5)))
     payload["conditions_after"] = Conditions.now().to_dict()
     if quick:
         print(json.dumps(payload, indent=1, default=str)[:4000])
