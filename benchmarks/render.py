@@ -712,9 +712,12 @@ def reuse_cpu_block(machine: str, r: dict) -> str:
         T = disp["threshold"]["min_seq_len"]
         for n, row in disp["lengths"].items():
             vs = row["vs_original"]
-            rows.append([f"forward at {int(n):,}, `{disp['policy']}` (8 layers, hidden 128) ÷ the original's: the form "
+            rows.append([f"forward time at {int(n):,}, `{disp['policy']}` (8 layers, hidden 128) ÷ the original's: the form "
                          f"at every length / with the threshold dispatch measured ({T:,})",
                          f"{vs['form_every_length']['best']:.2f}× / {vs['measured_threshold']['best']:.2f}×", "—", "—"])
+            if "noise_original_copy" in vs:
+                rows.append([f"the original's deep copy ÷ the original at {int(n):,} (noise)",
+                             f"{vs['noise_original_copy']['best']:.2f}×", "—", "—"])
     return head + "\n\n" + table(["measure", "value", "goal", "verdict"], rows)
 
 

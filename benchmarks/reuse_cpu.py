@@ -212,13 +212,15 @@ def dispatch_section(lengths, repeats: int) -> dict:
             else:
                 os.environ["ATTNOPT_CROSSOVER_CACHE"] = saved
     th = next(r.threshold for r in compiled["auto"].attnopt_report.sites if r.threshold)
+    twin = copy.deepcopy(model)  # the same model again: how far two runs of one model differ
     out = {"model": "the decode section's: 8 layers, hidden 128, 4/2 heads, random weights", "policy": E2E_POLICY,
            "threshold": {"min_seq_len": th.min_seq_len, "detail": th.detail, "timings": [list(t) for t in th.timings]},
            "lengths": {}}
     for n in lengths:
         x = torch.randint(1, vocab, (1, n), generator=torch.Generator().manual_seed(n))
         runs = {name: timed(lambda m=m: m(input_ids=x, use_cache=False)) for name, m in
-                (("original", model), ("form_every_length", compiled["off"]), ("measured_threshold", compiled["auto"]))}
+                (("original", model), ("form_every_length", compiled["off"]), ("measured_threshold", compiled["auto"]),
+                 ("noise_original_copy", twin))}
         with torch.inference_mode():
             turns = take_turns(runs, repeats, warmups=1, rotate=True)
         rows = _rounds(turns)

@@ -228,9 +228,9 @@ def attention_forward(
             return _exact_of(module, state)(module, query, key, value, attention_mask, dropout=dropout,
                                             scaling=scaling, is_causal=is_causal, **kwargs)
         return layer.attend(query, key, value, attention_mask), None
-    if (layer is None and not site_module.uses_anchor_qk
-            and site_module.runs_exact(query.shape[-2], key.shape[-2])):
-        # Below the site's threshold: the model's own attention, with no attnopt step in between.
+    if layer is None and site_module.runs_exact(query.shape[-2], key.shape[-2]):
+        # Below the site's threshold: the model's own attention, with no attnopt step in between (a
+        # reuse site too: without a cache layer no selection state is kept, so none is made).
         return _exact_of(module, state)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         is_causal=is_causal, **kwargs)
     if site_module.uses_anchor_qk:

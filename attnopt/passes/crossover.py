@@ -487,7 +487,8 @@ def resolve_thresholds(sites: Sequence, outcomes: Sequence, modules: Mapping, mo
                 store(key, entry, path)
                 source = "measured"
             known[key] = entry
-            t = Threshold(outcome.site_id, form, int(entry["min_seq_len"]), source, entry["detail"],
+            value, why = forms.get(form).dispatch_threshold(site, int(entry["min_seq_len"]))
+            t = Threshold(outcome.site_id, form, value, source, entry["detail"] + why,
                           tuple(tuple(x) for x in entry["timings"]), entry.get("decode"),
                           tuple(tuple(x) for x in entry.get("decode_timings", ())), entry.get("load"),
                           is_loaded(entry.get("load"), entry.get("others")), entry.get("others"))

@@ -142,7 +142,8 @@ def test_compile_measures_caches_and_reports_the_threshold(llama, cache, monkeyp
 
 def test_reuse_is_timed_only_where_it_reads_fewer_blocks_than_it_could(cache, monkeypatch):
     # Blocks of 32, 4 read per query block: up to 128 tokens reuse is exact attention, so 64 and 128
-    # are not timed (a tie there would read as a win); it loses at 256 and wins at 512 and 1024.
+    # are not timed (a tie there would read as a win); it loses at 256 and wins at 512 and 1024. A
+    # reused row costs the same at any position, an exact one grows with it: rows from 256 on reuse.
     timer = FakeTimer(cross=512)
     monkeypatch.setattr(crossover, "module_timer", timer)
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=4,
@@ -154,13 +155,16 @@ def test_reuse_is_timed_only_where_it_reads_fewer_blocks_than_it_could(cache, mo
     report = opt.attnopt_report
     assert timer.lengths == [256, 512, 1024]
     assert [(r.threshold.min_seq_len, r.threshold.source) for r in report.sites if r.threshold] == \
-        [(512, "measured"), (512, "cached")]
-    short, long = _ids(500, seed=2), _ids(600, seed=3)
-    assert torch.equal(_logits(opt, short), _logits(model, short))  # below it: the original, exactly
+        [(256, "measured"), (256, "cached")]
+    assert "half the crossover" in report.sites[1].threshold.detail
+    short, long = _ids(256, seed=2), _ids(600, seed=3)
+    site = opt.model.layers[1].self_attn.attnopt_site
+    with monkeypatch.context() as patch:  # a call without a cache below it makes no selection at all
+        patch.setattr(type(site), "select", lambda *a, **k: pytest.fail("a selection was made below the threshold"))
+        assert torch.equal(_logits(opt, short), _logits(model, short))  # below it: the original, exactly
     assert not torch.allclose(_logits(opt, long)[:, -1], _logits(model, long)[:, -1], atol=1e-4)
     # What the real timer times of a reused layer: its selection from its own q and k, then the form
     # (not the threshold's exact rows), no anchor needed.
-    site = opt.model.layers[1].self_attn.attnopt_site
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, h, 160, 8, generator=g) for h in (6, 2, 2))
     with torch.no_grad():

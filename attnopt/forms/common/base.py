@@ -528,6 +528,11 @@ class Form(abc.ABC):
         T = int(params.get("min_seq_len", 0) or 0)
         return (kv_len > T) if site.causal and T else q_len >= T
 
+    def dispatch_threshold(self, site: AttentionSite, crossover: int) -> tuple[int, str]:
+        """(min_seq_len, why) from the length at which the form, timed over whole inputs, starts to win
+        (passes/crossover.py): that length itself, unless a form's rows cost otherwise."""
+        return crossover, ""
+
     def acting_length(self, site: AttentionSite, params: Mapping[str, Any]) -> int:
         """A sequence length at which to verify the form when the example inputs are too short for it
         to act: where it acts, and long enough for its approximation to show."""

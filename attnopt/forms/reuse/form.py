@@ -272,6 +272,15 @@ class ReuseForm(Form):
             return f"layer {site.layer} is an anchor (every {params['every']}): it attends exactly and selects blocks"
         return None
 
+    def dispatch_threshold(self, site, crossover):
+        # Causal, the threshold is per position: a reused row reads about the same keys wherever it is,
+        # an exact row as many as its position. Over a whole input of N rows exact reads N²/2 keys, so
+        # where the two cost the same at N, they cost the same per row at about position N/2.
+        if not site.causal or crossover <= 0:
+            return crossover, ""
+        return crossover // 2, (f"; rows from position {crossover // 2} on (half the crossover: a reused row reads "
+                                "a fixed number of keys, an exact row as many as its position)")
+
     def acts_at(self, site, params, q_len, kv_len):
         return not rule_of(params, site.causal).reads_everything(kv_len)
 
