@@ -81,8 +81,7 @@ class ReusedSite(SiteModule):
 
     def __init__(self, site: AttentionSite, params: Mapping[str, Any], anchor: Optional[AttentionSite],
                  candidates: Mapping[int, tuple]):
-        super().__init__(site, params)
-        self._rule = rule_of(params, site.causal, self.min_seq_len)
+        super().__init__(site, params)  # (sets min_seq_len, and so the rule)
         # layer -> (site id, scale, heads, head dim) of the sites this one may read
         self.anchor_candidates = dict(candidates)
         # The anchor's layer, saved with the module (a measured plan cannot be measured again at load),
@@ -96,13 +95,15 @@ class ReusedSite(SiteModule):
             self._anchor = int(state_dict[prefix + "anchor_layer"])
 
     @property
-    def rule(self) -> BlockRule:
-        """The selection rule, with the positions below min_seq_len (set by dispatch after the build)
-        left unscored: they attend exactly."""
-        rule = self._rule
-        if rule.exact_below != self.min_seq_len:
-            rule = self._rule = rule_of(self.params, rule.causal, self.min_seq_len)
-        return rule
+    def min_seq_len(self) -> int:
+        return self._min_seq_len
+
+    @min_seq_len.setter
+    def min_seq_len(self, value: int) -> None:
+        """Dispatch sets it after the build: the selection rule follows, leaving the positions below it
+        unscored (they attend exactly)."""
+        self._min_seq_len = int(value)
+        self.rule = rule_of(self.params, self.geometry.causal, self._min_seq_len)
 
     @property
     def anchor_id(self) -> Optional[str]:  # type: ignore[override]
