@@ -233,8 +233,14 @@ class SiteModule(nn.Module, abc.ABC):
             if folded and keep is not None and keep.shape[0] != q.shape[0]:
                 keep = keep.reshape(q.shape[0], -1, k.shape[-2])[:, 0]
         mask4 = None if folded else mask
+        out = self._by_threshold(q, k, v, keep, mask, folded, lambda: self.attend(q, k, v, keep, mask4, x))
+        return out.reshape(-1, out.shape[-2], out.shape[-1]) if folded else out
+
+    def _by_threshold(self, q, k, v, keep, mask, folded: bool, form: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Causal under min_seq_len: the rows among each row's first T real tokens exact, the rest
+        `form()` (4-D q, k, v; `mask` the caller's, `folded` whether it came as [B·H, N, D])."""
         exact_q, all_exact = None, False
-        if self.min_seq_len and g.causal:
+        if self.min_seq_len and self.geometry.causal:
             # Decided from the shapes when they suffice (a real position never exceeds its column), so
             # torch.export sees no data-dependent branch for inputs shorter than the threshold.
             all_exact = k.shape[-2] <= self.min_seq_len
@@ -242,12 +248,11 @@ class SiteModule(nn.Module, abc.ABC):
                 exact_q = self.exact_queries(q, k, keep)
                 all_exact = bool(exact_q.all())
         if all_exact:  # short input: exactly the original attention
-            out = self.exact(q, k, v, mask) if not folded else self._exact_rows(q, k, v, keep, q.shape[-2])
-        else:
-            out = self.attend(q, k, v, keep, mask4, x)
-            if exact_q is not None and bool(exact_q.any()):
-                out = self._with_exact_prefix(out, q, k, v, keep, mask4, exact_q)
-        return out.reshape(-1, out.shape[-2], out.shape[-1]) if folded else out
+            return self.exact(q, k, v, mask) if not folded else self._exact_rows(q, k, v, keep, q.shape[-2])
+        out = form()
+        if exact_q is not None and bool(exact_q.any()):
+            out = self._with_exact_prefix(out, q, k, v, keep, None if folded else mask, exact_q)
+        return out
 
     def exact_queries(self, q: torch.Tensor, k: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
         """Bool [B, Nq]: the queries that attend exactly under `min_seq_len` -- those among the first

@@ -160,18 +160,7 @@ class ReusedSite(SiteModule):
             if folded and keep is not None and keep.shape[0] != q.shape[0]:
                 keep = keep.reshape(q.shape[0], -1, k.shape[-2])[:, 0]
         mask4 = None if folded else mask
-        exact_q, all_exact = None, False
-        if T and g.causal:
-            all_exact = k.shape[-2] <= T  # (from the shapes where they suffice: no data-dependent branch)
-            if not all_exact:
-                exact_q = self.exact_queries(q, k, keep)
-                all_exact = bool(exact_q.all())
-        if all_exact:
-            out = self.exact(q, k, v, mask4) if keep is None or mask4 is not None else self._exact_keep(q, k, v, keep)
-        else:
-            out = self._attend(q, k, v, keep, mask4, anchor)
-            if exact_q is not None and bool(exact_q.any()):
-                out = self._with_exact_prefix(out, q, k, v, keep, mask4, exact_q)
+        out = self._by_threshold(q, k, v, keep, mask, folded, lambda: self._attend(q, k, v, keep, mask4, anchor))
         return out.reshape(-1, out.shape[-2], out.shape[-1]) if folded else out
 
     def _past_threshold(self, Nk: int, offsets_B) -> bool:
