@@ -251,17 +251,31 @@ APPENDING = "original, appending cache"
 
 @contextlib.contextmanager
 def reused_attention_free(model, on: bool):
-    """While `on`, every reused site of `model` returns zeros from its attention (timing only)."""
+    """While `on`, every reused site of `model` returns zeros from its attention (timing only); its
+    selection still advances, on the decoding hot path (`step`) as on the general one."""
     from attnopt.forms.reuse.form import ReusedSite
+    from attnopt.forms.reuse.selection import in_block_step
+
+    def free_step(site):
+        def step(q, k, v, q_a, k_a, held, slab, new=None, made=None):
+            key = ("step", id(held))  # shared by the layers reading one state, as ReusedSite.step shares it
+            got = (made or {}).get(key) or in_block_step(q_a, k_a.shape[2], site.rule, held)
+            if got is None:
+                return None
+            if made is not None:
+                made[key] = got
+            return q.new_zeros(*q.shape[:-1], v.shape[-1]), got[1]
+        return step
 
     sites = [m for m in model.modules() if isinstance(m, ReusedSite)] if on else []
     for site in sites:
         site.forward = lambda q, k, v, mask=None, x=None, anchor=None, slab=None: q.new_zeros(*q.shape[:-1], v.shape[-1])
+        site.step = free_step(site)
     try:
         yield
     finally:
         for site in sites:
-            del site.forward
+            del site.forward, site.step
 
 
 def decode_section(context: int, steps: int, repeats: int) -> dict:

@@ -55,6 +55,7 @@ class SiteCacheLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     decodes = True  # the attention function decodes from this layer (attnopt.hf.interface)
+    steps = False  # (ReuseCacheLayer's hot path)
 
     def __init__(self, site_module: nn.Module, refusal: str = "", **kwargs):
         super().__init__()
@@ -255,6 +256,7 @@ class AppendingLayer(DynamicLayer):
     HF's crop, reorder, select and repeat work unchanged (a replaced tensor is copied in again)."""
 
     decodes = False
+    steps = False  # ReuseCacheLayer: `step` serves a decoding token inside a block (attnopt.hf.interface)
     site_module = None  # no site: a plain K/V layer (the attention function's checks read these)
 
     def __init__(self, **kwargs):
@@ -305,16 +307,36 @@ class ReuseCacheLayer(AppendingLayer):
     far, attnopt.forms.reuse.selection): reuse saves compute, not memory, so the keys stay. The
     state is cropped, reordered and repeated with the keys."""
 
+    steps = True
+
     def __init__(self, site_module: nn.Module, **kwargs):
         super().__init__()
         self.site_module = site_module
         self.selection = None  # SelectionState after the tokens held (None before the first call)
         self.slab = BlockSlab()  # the current query block's listed blocks, gathered (decoding steps read them)
+        self._new = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         keys, values = super().update(key_states, value_states, *args, **kwargs)
+        self._new = (key_states, value_states)  # the step's token, read by `step` when keys is self.keys
         hand_over(self, kwargs, keys)
         return keys, values
+
+    def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, anchor_qk,
+             made: Optional[dict] = None) -> Optional[torch.Tensor]:
+        """The site's output [B, H, 1, Dv] for a one-token decoding step inside a block its slab serves,
+        advancing the selection state; None elsewhere (the attention function then takes the path
+        every other call takes; nothing has changed). `made`: the anchor's per-call selections, where
+        the layers reading one state share the state after (so they share the next block's choice)."""
+        held = self.selection
+        if held is None or anchor_qk is None or query.shape[2] != 1 or query.requires_grad:
+            return None
+        new = self._new if key is self.keys and self._new[0].shape[-2] == 1 else None
+        got = self.site_module.step(query, key, value, anchor_qk[0], anchor_qk[1], held, self.slab, new, made)
+        if got is None:
+            return None
+        self.selection = got[1]
+        return got[0]
 
     def crop(self, tokens_to_remove: int) -> None:
         before = self.get_seq_length()

@@ -204,6 +204,15 @@ def attention_forward(
         return exact(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
                      **kwargs)
     site_module = module._modules.get("attnopt_site")
+    if layer is not None and layer.steps and attention_mask is None and layer.site_module is site_module and (
+            state is not None and state.anchor is not None and not state.store_qk and state.recorder is None
+            and not site_module._forward_hooks and not site_module._forward_pre_hooks):
+        # A reuse site's decoding token inside a block (its slab, no padding): the same output the
+        # path below makes, without the per-call checks that held at the block's first token.
+        call = state.anchor.call
+        out = layer.step(query, key, value, call.get("qk"), call.get("selections"))
+        if out is not None:
+            return out.transpose(1, 2), None
     if site_module is None and _planner is not None and state is None:
         site_module = _planner(module, query, key, value, attention_mask, scaling, is_causal, kwargs)
         state = module.__dict__.get("_attnopt_state")

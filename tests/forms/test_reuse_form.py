@@ -321,6 +321,71 @@ def test_decoding_from_the_gathered_slab_equals_the_full_forward_across_blocks(l
     assert (full - _forward(llama, gen.sequences, torch.ones_like(gen.sequences))[:, 20:-1]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_decoding_hot_path_serves_every_step_inside_a_block_and_equals_the_general_path(small, batch,
+                                                                                           monkeypatch):
+    """A token inside a block whose list the slab holds skips the attention function's general path
+    (ReuseCacheLayer.step): it must serve exactly those steps, and give the general path's logits bit
+    for bit. A forward hook on the site sends every step back through the module."""
+    from attnopt.hf.cache import ReuseCacheLayer
+
+    served = []
+    step = ReuseCacheLayer.step
+
+    def spy(self, query, key, value, *rest):
+        out = step(self, query, key, value, *rest)
+        if out is not None:
+            served.append((id(self), key.shape[2] - 1))
+        return out
+
+    monkeypatch.setattr(ReuseCacheLayer, "step", spy)
+    ids = _ids(batch, 21, seed=9)
+
+    def generate():
+        with torch.no_grad():
+            return small.generate(input_ids=ids, max_new_tokens=18, do_sample=False, pad_token_id=0,
+                                  output_logits=True, return_dict_in_generate=True)
+
+    hot = generate()
+    # Steps at positions 21 .. 37, blocks of 4: the first step gathers the slab, each block start
+    # (24, 28, 32, 36) gathers it again; every other step is served, in both reused layers.
+    expected = [p for p in range(22, 38) if p % 4]
+    assert len({layer for layer, _ in served}) == 2
+    assert sorted(p for _, p in served) == sorted(expected * 2)
+    monkeypatch.setattr(ReuseCacheLayer, "steps", False)
+    served.clear()
+    general = generate()
+    assert not served
+    assert torch.equal(hot.sequences, general.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(hot.logits, general.logits))
+    monkeypatch.setattr(ReuseCacheLayer, "steps", True)
+    site = next(m for m in small.modules() if isinstance(m, ReusedSite))
+    calls = []
+    handle = site.register_forward_hook(lambda mod, args, out: calls.append(args[0].shape[2]))
+    try:
+        hooked = generate()
+    finally:
+        handle.remove()
+    assert calls == [21] + [1] * 17 and torch.equal(hooked.sequences, hot.sequences)
+
+
+def test_layers_reading_one_anchor_share_its_selection_state_on_the_hot_path(llama):
+    """Layers 1 and 2 read anchor 0: a block's choice is made once for both, so their states must stay
+    one object through the steps inside a block (each making its own would double every choice)."""
+    from attnopt.hf.cache import make_cache
+
+    opt = attnopt.compile(llama, "reuse:1+block:4+every:3+probes:2", example_inputs={"input_ids": _ids(1, 30),
+                                                                                     "use_cache": False},
+                          tolerance=10.0, e2e_tolerance=None)
+    cache = make_cache(opt)
+    with torch.no_grad():
+        opt.generate(input_ids=_ids(1, 21, seed=9), max_new_tokens=10, do_sample=False, pad_token_id=0,
+                     past_key_values=cache)
+    reused = [layer for layer in cache.layers if getattr(layer, "slab", None) is not None]
+    assert len(reused) == 2 and reused[0].slab.covered == 30
+    assert reused[0].selection is reused[1].selection
+
+
 def test_left_padded_rows_decode_from_slabs_of_their_own(llama, small):
     """Rows padded differently sit at different positions (their blocks start at different steps):
     each keeps a slab of its own. Per-step logits equal the full forward, and each row its row alone."""

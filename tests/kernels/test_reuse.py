@@ -17,6 +17,7 @@ from attnopt.forms.reuse.selection import (
     bound_mass,
     key_bounds,
     choose_blocks,
+    in_block_step,
     select_call,
     select_positions,
     select_span,
@@ -266,6 +267,35 @@ def test_decoding_keeps_block_bounds_and_a_crop_forgets_the_ones_it_cut():
         sel, state = select_call(q2[:, :, cols:cols + 1], k2[:, :, :cols + 1], None, RULE, 0.35, state)
         assert torch.equal(sel.blocks_BQK, full.blocks_BQK[:, cols:cols + 1]), cols
         cols += 1
+
+
+def test_the_hot_path_step_reads_the_row_select_call_would_and_steps_aside_elsewhere():
+    """in_block_step (decoding's hot path): inside a block, the history row select_call's own list is
+    and the same state after; at a block start, past a crop's columns, or with a padded row, None."""
+    q, k = _anchor(2, 40, 21)
+    state = select_call(q[:, :, :21], k[:, :, :21], None, RULE, 0.35, None)[1]
+    for c in range(21, 40):
+        got = in_block_step(q[:, :, c:c + 1], c + 1, RULE, state)
+        sel, after = select_call(q[:, :, c:c + 1], k[:, :, :c + 1], None, RULE, 0.35, state)
+        if c % RULE.block == 0:
+            assert got is None, c
+        else:
+            m, hot = got
+            assert m == c // RULE.block and torch.equal(state.history_BMK[:, m:m + 1], sel.blocks_BQK)
+            assert len(hot.pending) == len(after.pending) and all(torch.equal(a, b) for a, b in zip(hot.pending, after.pending))
+            assert torch.equal(hot.seen(), after.seen()) and hot.history_BMK is after.history_BMK
+            assert in_block_step(q[:, :, c:c + 1], c + 2, RULE, state) is None  # the cache is a column ahead
+        state = after
+    state = state.crop(6, RULE)  # back to 34 positions: the history keeps rows for blocks 8 and 9, emptied
+    assert state.history_BMK.shape[1] == 10
+    for c in (34, 35):
+        got = in_block_step(q[:, :, c:c + 1], c + 1, RULE, state)
+        assert got is not None and got[0] == 8
+        state = got[1]
+    assert in_block_step(q[:, :, 36:37], 37, RULE, state) is None  # block 9 starts: a choice to make
+    padded = select_call(q[:, :, :21], k[:, :, :21], torch.arange(21) >= torch.tensor([[0], [3]]), RULE, 0.35,
+                         None)[1]
+    assert in_block_step(q[:, :, 21:22], 22, RULE, padded) is None
 
 
 @pytest.mark.parametrize("split", [[1] * 160, [9] + [1] * 151])

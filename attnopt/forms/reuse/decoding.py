@@ -9,6 +9,11 @@ cache. The keys are the same, in the same order, as the gathered path's (referen
 Measured on the 8-layer, hidden-128 decoder at 8k (benchmarks/reuse_cpu.py, decode): the gathered
 step cost ~120 µs per reused layer inside the model, where the cold cache dominated the 17 block
 copies; the slab step is an append and one SDPA call over memory that stays warm.
+
+A step inside a block takes the hot path: the attention function hands it to the cache layer
+(attnopt.hf.cache.ReuseCacheLayer.step), which advances the selection (selection.in_block_step) and
+calls `BlockSlab.step`, skipping the per-call checks that held at the block's first token. It gives
+the general path's output bit for bit (tests/forms/test_reuse_form.py).
 """
 
 from __future__ import annotations
@@ -34,6 +39,10 @@ class BlockSlab:
         self.length = 0
         self.covered = 0  # cache columns the slab reflects (the last is the newest token's)
         self.block = -1  # the query block whose list it holds
+        self.block_size = 1  # positions per block, and the slab's batch and columns (ints: checked per step)
+        self.batch = -1
+        self.room = 0
+        self.own_start, self.key_columns, self.value_columns = 0, (), ()
         self.source: Optional[tuple] = None  # (history, m) the list came from, when the selection said
         self.rows: Optional[list] = None  # one slab per row, for rows with leading padding
 
@@ -48,23 +57,50 @@ class BlockSlab:
         a slab of its own, over its columns from the offset on (rows sit at different positions)."""
         if offsets_B is not None:
             return self._attend_rows(q, k, v, ids_BK, block, scale, offsets_B)
-        Nk = k.shape[2]
-        m = (Nk - 1) // block
-        if not (self.block == m and self.covered == Nk - 1 and self.length < self.keys.shape[2]
-                and self.keys.shape[0] == q.shape[0] and self._holds(ids_BK, source)):
-            if not self._gather(k, v, ids_BK, block, m, compute_dtype(q.dtype)):
+        if not (self._continues(k) and self._holds(ids_BK, source)):
+            if not self._gather(k, v, ids_BK, block, (k.shape[2] - 1) // block, compute_dtype(q.dtype)):
                 return None
             self.source = source
-        else:  # the same list: the new token's column joins its block, the last in the slab
-            self.keys.select(2, self.length).copy_(k.select(2, Nk - 1))
-            self.values.select(2, self.length).copy_(v.select(2, Nk - 1))
-            self.length += 1
-            self.covered = Nk
-        n = self.length
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.to(self.keys.dtype), self.keys[:, :, :n], self.values[:, :, :n], scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1])
-        return out.to(q.dtype)
+        else:
+            self._append(k, v)
+        return self._read(q, scale)
+
+    def step(self, q: Tensor, k: Tensor, v: Tensor, history_BMK: Tensor, m: int, scale: float,
+             new: Optional[tuple] = None) -> Optional[Tensor]:
+        """`attend` for the next column of block m, when the slab holds row m of `history_BMK` (the
+        decoding hot path: one append and one SDPA call); None where the slab does not follow on.
+        `new`: the cache's newest column of keys and values [B, Hkv, 1, D], when the caller has it."""
+        mine = self.source
+        if mine is None or mine[0] is not history_BMK or mine[1] != m or not self._continues(k):
+            return None
+        if new is None:
+            self._append(k, v)
+        else:  # straight into the slab's column views
+            i = self.length - self.own_start
+            self.key_columns[i].copy_(new[0])
+            self.value_columns[i].copy_(new[1])
+            self.length, self.covered = self.length + 1, self.covered + 1
+        return self._read(q, scale)
+
+    def _continues(self, k: Tensor) -> bool:
+        """Whether the cache k [B, Hkv, Nk, D] is the slab's columns plus one new one of its block."""
+        Nk = k.shape[2]
+        return (self.covered == Nk - 1 and self.block == (Nk - 1) // self.block_size and self.length < self.room
+                and self.batch == k.shape[0])
+
+    def _append(self, k: Tensor, v: Tensor) -> None:
+        """The newest cache column joins its block, the last in the slab."""
+        n, last = self.length, k.shape[2] - 1
+        self.keys.select(2, n).copy_(k.select(2, last))
+        self.values.select(2, n).copy_(v.select(2, last))
+        self.length, self.covered = n + 1, last + 1
+
+    def _read(self, q: Tensor, scale: float) -> Tensor:
+        n, keys = self.length, self.keys
+        qc = q if q.dtype == keys.dtype else q.to(keys.dtype)
+        out = torch.nn.functional.scaled_dot_product_attention(qc, keys.narrow(2, 0, n), self.values.narrow(2, 0, n),
+                                                               scale=scale, enable_gqa=q.shape[1] != keys.shape[1])
+        return out if out.dtype == q.dtype else out.to(q.dtype)
 
     def _attend_rows(self, q, k, v, ids_BK, block, scale, offsets_B) -> Optional[Tensor]:
         if self.rows is None or len(self.rows) != q.shape[0]:
@@ -111,4 +147,9 @@ class BlockSlab:
         self.keys[:, :, w:w + own].copy_(k[:, :, m * block:])
         self.values[:, :, w:w + own].copy_(v[:, :, m * block:])
         self.ids_BK, self.length, self.covered, self.block = ids_BK.clone(), w + own, Nk, m
+        self.block_size, self.batch, self.room = block, B, self.keys.shape[2]
+        # The own block's columns as views [B, Hkv, 1, D]: a step copies its token into one (`step`).
+        self.own_start = w
+        self.key_columns = self.keys.narrow(2, w, block).split(1, dim=2)
+        self.value_columns = self.values.narrow(2, w, block).split(1, dim=2)
         return True

@@ -19,7 +19,7 @@ import torch
 from attnopt.forms.common.base import CostAt, Form, Param, SiteModule, io_elements, no_arbitrary_mask
 from attnopt.forms.reuse.plan import measured_plan, plan_report
 from attnopt.forms.reuse.reference import block_sparse_attention
-from attnopt.forms.reuse.selection import BlockRule, Selection, probe_cost, select_call
+from attnopt.forms.reuse.selection import BlockRule, Selection, SelectionState, in_block_step, probe_cost, select_call
 from attnopt.ir.errors import KeptByPlan, PolicyError, SiteUnsupported
 from attnopt.ir.masks import key_keep
 from attnopt.ir.site import AttentionSite
@@ -162,6 +162,26 @@ class ReusedSite(SiteModule):
         mask4 = None if folded else mask
         out = self._by_threshold(q, k, v, keep, mask, folded, lambda: self._attend(q, k, v, keep, mask4, anchor))
         return out.reshape(-1, out.shape[-2], out.shape[-1]) if folded else out
+
+    def step(self, q, k, v, q_a, k_a, held: SelectionState, slab, new: Optional[tuple] = None,
+             made: Optional[dict] = None) -> Optional[tuple]:
+        """The decoding hot path, (out, state after) or None where it does not apply: a one-token step
+        inside a block whose list the slab already serves (so every check `forward` makes held at the
+        block's first token, and holds for its rest), no padding. None leaves everything as it was.
+        `new`: the newest column of k and v, [B, Hkv, 1, D], when the caller has it; `made`: a dict
+        per call where the sites reading the same state share the state after."""
+        key = ("step", id(held))
+        got = None if made is None else made.get(key)
+        if got is None:
+            got = in_block_step(q_a, k_a.shape[2], self.rule, held)
+            if got is None:
+                return None
+        out = slab.step(q, k, v, held.history_BMK, got[0], self.geometry.scale, new)
+        if out is None:
+            return None
+        if made is not None:
+            made[key] = got
+        return out, got[1]
 
     def _past_threshold(self, Nk: int, offsets_B) -> bool:
         """Whether a one-token step's query is at or past min_seq_len in every row (position = its

@@ -457,7 +457,11 @@ def _extend(q_a, k_a, keep_BN, rule, scale, state: SelectionState):
         raise ValueError("reuse: the anchor's cache holds fewer keys than the positions decoded (was the cache edited?)")
     new_state = SelectionState(seen, stash[:, :, -W:], history, state.offsets_B, lo, hi, dense=state.dense)
     offsets = state.offsets_B if bool(state.offsets_B.any()) else None
-    return Selection(queries, offsets, dense=state.dense), new_state
+    # One token at the same position in every row: each reads row m of `history` (a tensor never
+    # written from here on), which the slab of a reused layer then recognises without a comparison.
+    same = T == 1 and seen_list.count(seen_list[0]) == B
+    source = (history, seen_list[0] // b) if same else None
+    return Selection(queries, offsets, source, dense=state.dense), new_state
 
 
 def _bounds_upto(k_BHkvND: Tensor, m: int, block: int, lo: Optional[Tensor], hi: Optional[Tensor]):
@@ -495,6 +499,23 @@ def _one_token_inside_a_block(q_a, Nk: int, rule: BlockRule, state: SelectionSta
     # (the constructor, not dataclasses.replace: this runs per anchor and token; no tensor is written)
     return selection, SelectionState(state.seen_B, state.stash_BHWD, state.history_BMK, state.offsets_B,
                                      state.lo_BHkvJD, state.hi_BHkvJD, state.pending + (q_a,), state.dense)
+
+
+def in_block_step(q_a: Tensor, Nk: int, rule: BlockRule, state: SelectionState) -> Optional[tuple[int, SelectionState]]:
+    """(m, state after) for a one-token decoding step inside query block m of every row, the anchor's
+    cache holding Nk columns and no row padded: each row then reads row m of `state.history_BMK`.
+    None where that does not hold (`select_call` then). The `_one_token_inside_a_block` of the
+    decoding hot path: no Selection is made, and no tensor is read but the rows' positions."""
+    n = len(state.pending)
+    if n >= state.stash_BHWD.shape[2] or not state.dense:
+        return None
+    seen = state.seen_B.tolist()
+    s = seen[0] + n  # the new token's position, in every row; its column Nk − 1 says no row is padded
+    if s + 1 != Nk or s % rule.block == 0 or s // rule.block >= state.history_BMK.shape[1] \
+            or (len(seen) > 1 and seen.count(seen[0]) != len(seen)):
+        return None
+    return s // rule.block, SelectionState(state.seen_B, state.stash_BHWD, state.history_BMK, state.offsets_B,
+                                           state.lo_BHkvJD, state.hi_BHkvJD, state.pending + (q_a,), True)
 
 
 def _choose_at(stash_1HXD, end, p0, k_1HkvND, keep_BN, r, offset, m, rule, scale, bounds=None):
