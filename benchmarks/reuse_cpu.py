@@ -113,8 +113,11 @@ def _stamp(section: dict) -> dict:
     and command that measured it (a --keep run carries earlier sections over with theirs)."""
     from resultfile import commit
 
+    from resultfile import fingerprint
+
     return {**section, "conditions_after": Conditions.now().to_dict(), "measured_by": {
-        **commit(), "command": "python " + " ".join(["benchmarks/reuse_cpu.py", *sys.argv[1:]])}}
+        **commit(), "command": "python " + " ".join(["benchmarks/reuse_cpu.py", *sys.argv[1:]]),
+        "fingerprint": fingerprint()}}
 
 
 # ---------------------------------------------------------------- op
@@ -245,6 +248,7 @@ def _decoder(max_len: int):
 # The physical ceiling of the decode goal: the reused model with its reused layers' attention costing
 # nothing (zeros, no K/V read, no selection use); the rest of every step is what reuse cannot save.
 CEILING = "ceiling: reused layers' attention free"
+GENERAL = "reuse+every:3, general path (no decoding hot path)"
 PADDED_ROW = 5  # leading pads of the second row of the padded batch
 APPENDING = "original, appending cache"
 
@@ -278,6 +282,21 @@ def reused_attention_free(model, on: bool):
             del site.forward, site.step
 
 
+@contextlib.contextmanager
+def general_path(on: bool):
+    """While `on`, reused layers decode every token through the attention function's general path."""
+    from attnopt.hf.cache import ReuseCacheLayer
+
+    if not on:
+        yield
+        return
+    ReuseCacheLayer.steps = False
+    try:
+        yield
+    finally:
+        ReuseCacheLayer.steps = True
+
+
 def decode_section(context: int, steps: int, repeats: int) -> dict:
     from transformers.cache_utils import DynamicCache
 
@@ -292,13 +311,15 @@ def decode_section(context: int, steps: int, repeats: int) -> dict:
     # The original twice: with the DynamicCache generate() makes (torch.cat of the whole cache per
     # token and layer) and with attnopt's appending layers (the strongest baseline here; the reused
     # model's own cache appends in every layer, so the cache is not what the ratio measures).
+    # The reused model twice more: with its reused layers' attention free (the ceiling), and with every
+    # step through the attention function's general path (what the decoding hot path saves).
     subjects = {"original": model, APPENDING: model, "original, deep copy (noise control)": copy.deepcopy(model),
-                E2E_POLICY: opt, CEILING: opt}
+                E2E_POLICY: opt, CEILING: opt, GENERAL: opt}
     prompt = torch.randint(1, 1000, (1, context), generator=torch.Generator().manual_seed(2))
 
-    def run(m, free_reuse: bool = False, appending: bool = False, ids=prompt, mask=None):
+    def run(m, free_reuse: bool = False, appending: bool = False, ids=prompt, mask=None, general: bool = False):
         def go():
-            with reused_attention_free(m, free_reuse):
+            with reused_attention_free(m, free_reuse), general_path(general):
                 return steps_time()
 
         def steps_time():
@@ -324,7 +345,8 @@ def decode_section(context: int, steps: int, repeats: int) -> dict:
                 return (time.perf_counter() - t) / steps
         return go
 
-    turns = take_turns({k: run(m, k == CEILING, k == APPENDING) for k, m in subjects.items()}, repeats, rotate=True)
+    turns = take_turns({k: run(m, k == CEILING, k == APPENDING, general=k == GENERAL) for k, m in subjects.items()},
+                       repeats, rotate=True)
     rows = _rounds(turns)
     # A batch as generate() pads it: two rows, the second left-padded, so their blocks start at different
     # steps (each reused layer keeps a slab per row). Fewer rounds: no goal rides on it.
@@ -531,9 +553,11 @@ def main(argv=None) -> None:
             old = json.loads(earlier.read_text())
             for name in SECTIONS:
                 if name not in payload and name in old:
-                    payload[name] = {**old[name], "measured_by": old[name].get("measured_by") or {
-                        "commit": old["meta"].get("commit"), "dirty": old["meta"].get("dirty"),
-                        "command": old["meta"].get("command")}}
+                    by = old[name].get("measured_by") or {"commit": old["meta"].get("commit"),
+                                                          "dirty": old["meta"].get("dirty"),
+                                                          "command": old["meta"].get("command")}
+                    # (sections older than per-section fingerprints ran on the machine the file's meta names)
+                    payload[name] = {**old[name], "measured_by": {"fingerprint": old["meta"].get("fingerprint"), **by}}
     print("wrote", write_result("reuse_cpu", payload))
 
 
