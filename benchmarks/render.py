@@ -651,17 +651,17 @@ def reuse_cpu_block(machine: str, r: dict) -> str:
     earlier = sorted({c for c in by.values() if c and c != r["meta"].get("commit")})
     for c in earlier:
         head += f"; sections {', '.join(n for n, x in by.items() if x == c)} measured at commit `{short(c)}`"
-    # A section measured on another VM of the machine type: its own fingerprint, when it differs from the file's.
-    fp = r["meta"].get("fingerprint") or {}
+    # Sections measured on different VMs of the machine type (a run records one fingerprint): each group
+    # with its fingerprint, so no ratio is read against a VM it was not measured on.
     keys = ("python_loop_ns_per_iter", "small_op_us", "sgemm_512_gflops")
-    others: dict = {}
+    groups: dict = {}
     for name in by:
-        theirs = (r[name].get("measured_by") or {}).get("fingerprint")
-        if theirs and any(theirs.get(k) != fp.get(k) for k in keys):
-            others.setdefault(tuple(theirs.get(k) for k in keys), []).append(name)
-    for (loop, op, gemm), names in others.items():
-        head += (f"; sections {', '.join(names)} on another VM (Python loop {loop} ns/iter, small op {op} µs, "
-                 f"sgemm {gemm} GFLOP/s)")
+        fp = (r[name].get("measured_by") or {}).get("fingerprint") or r["meta"].get("fingerprint") or {}
+        groups.setdefault(tuple(fp.get(k) for k in keys), []).append(name)
+    if len(groups) > 1:
+        head += "; on different VMs: " + "; ".join(
+            f"sections {', '.join(names)} with Python loop {loop} ns/iter, small op {op} µs, sgemm {gemm} GFLOP/s"
+            for (loop, op, gemm), names in groups.items())
     head += ":"
     rows = []
     for n, row in (r.get("op") or {}).get("lengths", {}).items():

@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import statistics
@@ -113,11 +114,18 @@ def _stamp(section: dict) -> dict:
     and command that measured it (a --keep run carries earlier sections over with theirs)."""
     from resultfile import commit
 
-    from resultfile import fingerprint
-
     return {**section, "conditions_after": Conditions.now().to_dict(), "measured_by": {
         **commit(), "command": "python " + " ".join(["benchmarks/reuse_cpu.py", *sys.argv[1:]]),
-        "fingerprint": fingerprint()}}
+        "fingerprint": _run_fingerprint()}}
+
+
+@functools.cache
+def _run_fingerprint() -> dict:
+    """The machine's fingerprint, once per run: its figures are themselves measured, so the sections of
+    one run share one reading (and differ from another run's only where the machine does)."""
+    from resultfile import fingerprint
+
+    return fingerprint()
 
 
 # ---------------------------------------------------------------- op
