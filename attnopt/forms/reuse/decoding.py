@@ -73,13 +73,7 @@ class BlockSlab:
         mine = self.source
         if mine is None or mine[0] is not history_BMK or mine[1] != m or not self._continues(k):
             return None
-        if new is None:
-            self._append(k, v)
-        else:  # straight into the slab's column views
-            i = self.length - self.own_start
-            self.key_columns[i].copy_(new[0])
-            self.value_columns[i].copy_(new[1])
-            self.length, self.covered = self.length + 1, self.covered + 1
+        self._append(k, v, new)
         return self._read(q, scale)
 
     def _continues(self, k: Tensor) -> bool:
@@ -88,12 +82,15 @@ class BlockSlab:
         return (self.covered == Nk - 1 and self.block == (Nk - 1) // self.block_size and self.length < self.room
                 and self.batch == k.shape[0])
 
-    def _append(self, k: Tensor, v: Tensor) -> None:
-        """The newest cache column joins its block, the last in the slab."""
-        n, last = self.length, k.shape[2] - 1
-        self.keys.select(2, n).copy_(k.select(2, last))
-        self.values.select(2, n).copy_(v.select(2, last))
-        self.length, self.covered = n + 1, last + 1
+    def _append(self, k: Tensor, v: Tensor, new: Optional[tuple] = None) -> None:
+        """The newest cache column (`new`, when the caller has it as [B, Hkv, 1, D]) joins its block,
+        the last in the slab, through the column views `_gather` made."""
+        last = k.shape[2] - 1
+        k_new, v_new = new if new is not None else (k.narrow(2, last, 1), v.narrow(2, last, 1))
+        i = self.length - self.own_start
+        self.key_columns[i].copy_(k_new)
+        self.value_columns[i].copy_(v_new)
+        self.length, self.covered = self.length + 1, last + 1
 
     def _read(self, q: Tensor, scale: float) -> Tensor:
         n, keys = self.length, self.keys
