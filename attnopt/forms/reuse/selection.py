@@ -336,6 +336,12 @@ class SelectionState:
         """Long [B]: the positions each row has seen, pending ones included."""
         return self.seen_B + len(self.pending)
 
+    def with_query(self, q_a: Tensor) -> "SelectionState":
+        """The state after a one-token step inside a block: its anchor query held by reference (no copy
+        of the stash per token; the constructor, not dataclasses.replace: this runs per anchor and token)."""
+        return SelectionState(self.seen_B, self.stash_BHWD, self.history_BMK, self.offsets_B, self.lo_BHkvJD,
+                              self.hi_BHkvJD, self.pending + (q_a,), self.dense)
+
     def folded(self) -> "SelectionState":
         """The same state with the pending queries written into the stash and counted in seen_B."""
         if not self.pending:
@@ -496,9 +502,7 @@ def _one_token_inside_a_block(q_a, Nk: int, rule: BlockRule, state: SelectionSta
         idx = torch.tensor([s // b for s in seen], device=q_a.device)
         selection = Selection(state.history_BMK.gather(1, idx[:, None, None].expand(-1, 1, rule.slots)), padded,
                               dense=state.dense)
-    # (the constructor, not dataclasses.replace: this runs per anchor and token; no tensor is written)
-    return selection, SelectionState(state.seen_B, state.stash_BHWD, state.history_BMK, state.offsets_B,
-                                     state.lo_BHkvJD, state.hi_BHkvJD, state.pending + (q_a,), state.dense)
+    return selection, state.with_query(q_a)
 
 
 def in_block_step(q_a: Tensor, Nk: int, rule: BlockRule, state: SelectionState) -> Optional[tuple[int, SelectionState]]:
@@ -514,8 +518,7 @@ def in_block_step(q_a: Tensor, Nk: int, rule: BlockRule, state: SelectionState) 
     if s + 1 != Nk or s % rule.block == 0 or s // rule.block >= state.history_BMK.shape[1] \
             or (len(seen) > 1 and seen.count(seen[0]) != len(seen)):
         return None
-    return s // rule.block, SelectionState(state.seen_B, state.stash_BHWD, state.history_BMK, state.offsets_B,
-                                           state.lo_BHkvJD, state.hi_BHkvJD, state.pending + (q_a,), True)
+    return s // rule.block, state.with_query(q_a)
 
 
 def _choose_at(stash_1HXD, end, p0, k_1HkvND, keep_BN, r, offset, m, rule, scale, bounds=None):
