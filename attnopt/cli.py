@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from typing import Optional
 
 import typer
@@ -166,13 +167,13 @@ def _guarded(command: str, fn):
 
 
 def _load(spec: str, quiet: bool = False, **text_opts):
-    from attnopt.models import ModelSpecError, load_model
+    with progress(f"loading {spec} ...", quiet):
+        from attnopt.models import ModelSpecError, load_model  # torch: seconds on a cold start, after the line
 
-    try:
-        with progress(f"loading {spec} ...", quiet):
+        try:
             return load_model(spec, **text_opts)
-    except ModelSpecError as exc:
-        raise CliError(f"bad MODEL: {exc}", EXIT_BAD_ARGUMENT) from exc
+        except ModelSpecError as exc:
+            raise CliError(f"bad MODEL: {exc}", EXIT_BAD_ARGUMENT) from exc
 
 
 @app.command(
@@ -191,10 +192,10 @@ def inspect_command(
 
 
 def run_inspect(spec: str, as_json: bool, method: str, static: bool) -> int:
+    model, args, kwargs, description = _load(spec, quiet=as_json)  # the line first: torch takes seconds cold
     from attnopt.inspection import inspect
     from attnopt.ir.errors import CaptureError
 
-    model, args, kwargs, description = _load(spec, quiet=as_json)
     try:
         with progress(f"capturing {description} ...", as_json):
             result = inspect(model, *args, method=method, dynamic=not static, **kwargs)
@@ -391,7 +392,10 @@ def compile_or_fail(model, policy, example_inputs, description: str, quiet: bool
 
     try:
         # The policy's name ("window:64+sinks:4", a file's stem), not its multi-line description.
-        with step_bar(f"compiling {description} with {getattr(policy, 'name', policy)}", quiet) as update:
+        with step_bar(f"compiling {description} with {getattr(policy, 'name', policy)}", quiet) as update, \
+                warnings.catch_warnings():
+            # The CLI says "no attention found" itself, once, as its error (exit 4).
+            warnings.filterwarnings("ignore", message=r"attnopt\.compile\(.*\): found no attention")
             opt = attnopt_compile(model, policy, example_inputs=example_inputs, name=description, progress=update,
                                   **options)
     except CaptureError as exc:

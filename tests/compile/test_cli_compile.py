@@ -38,7 +38,7 @@ def test_compile_prints_a_short_summary_and_writes_the_full_report_to_files(tmp_
     # stderr is not a terminal here: plain progress lines, one per step at most every 2 s
     err = shown.err.splitlines()
     assert err and all(PROGRESS_LINE.match(line) for line in err), err
-    assert err[0] == f"attnopt compile: [0:00] loading {EXAMPLE}:build ..."
+    assert PROGRESS_LINE.sub("", err[0]) == f"loading {EXAMPLE}:build ...", err  # the clock is the machine's
     assert any(line.endswith(f"] compiling {name} with window:16+sinks:2") for line in err), err
     assert main(["compile", f"{EXAMPLE}:build", "--policy", "window:16+sinks:2", "--tolerance", "0.99",
                  "--html", str(html), "--quiet"]) == 0

@@ -63,6 +63,44 @@ def histogram(model) -> dict:
     return dict(sorted(counts.items()))
 
 
+def to_onnx(program, table: dict, opset: Optional[int]):
+    """torch.onnx.export of a torch.export program with `table`'s lowerings, then onnxscript's
+    optimizer without its pattern rewriter: constant folding, dead nodes, shared constants and
+    subexpressions. The rewriter's rules (no-op casts, reshape chains, conv and batch-norm fusions) are
+    ones ORT and TensorRT apply themselves when they load a graph; skipping them is a sixth of the
+    export's time. The opset-23 fusions (RMSNormalization, RotaryEmbedding) still run."""
+    import torch
+
+    onnx_program = torch.onnx.export(program, dynamo=True, custom_translation_table=table, opset_version=opset,
+                                     verbose=False, optimize=False)
+    optimize_without_rewrites(onnx_program.model)
+    return onnx_program
+
+
+def optimize_without_rewrites(model) -> None:
+    """onnxscript.optimizer.optimize_ir's passes, in its order, less the RewritePass; in place."""
+    import onnx_ir as ir
+    import onnx_ir.passes.common as common
+    from onnxscript.optimizer import _constant_folding
+    from onnxscript.rewriter import onnx_fusions
+
+    fold = _constant_folding.FoldConstantsPass(
+        shape_inference=True, input_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
+        output_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT)
+    ir.passes.Sequential(
+        common.InlinePass(),
+        ir.passes.PassManager([fold, common.RemoveUnusedNodesPass(), common.RemoveUnusedFunctionsPass(),
+                               common.RemoveUnusedOpsetsPass()], steps=2, early_stop=True),
+        common.RemoveUnusedNodesPass(),
+        common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+        common.LiftSubgraphInitializersToMainGraphPass(),
+        common.DeduplicateInitializersPass(),
+        common.CommonSubexpressionEliminationPass(),
+        common.OutputFixPass(),
+        common.NameFixPass(),
+    )(model)
+    onnx_fusions.fuse(model)
+
 
 # ---------------------------------------------------------------- argument checks
 

@@ -50,6 +50,7 @@ from attnopt.backends.onnx.common import (
     quiet_export,
     require_packages,
     translation_table,
+    to_onnx,
 )
 from attnopt.backends.onnx.graph_model import CannotGenerate, DecoderGraph, Layout, context_of, graph_copy, probe
 from attnopt.forms.common.mixed_heads import step_forms
@@ -216,8 +217,7 @@ def trace(twin: nn.Module, layout: Layout, table: dict, opset):
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise RuntimeError(f"torch.export cannot trace the model's decode graph: {type(exc).__name__}: "
                                f"{first[:300]}") from exc
-        return torch.onnx.export(program, dynamo=True, custom_translation_table=table, opset_version=opset,
-                                 verbose=False)
+        return to_onnx(program, table, opset)
 
 
 # ---------------------------------------------------------------- names, dims, contract
@@ -374,8 +374,7 @@ def localise(twin: nn.Module, layout: Layout, prompt, table: dict, opset, messag
 
     def step_alone(plan, ins: tuple, extra: dict, want) -> float:
         with quiet_export():
-            program = torch.onnx.export(torch.export.export(_StepAlone(plan, extra), ins, strict=False),
-                                        dynamo=True, custom_translation_table=table, opset_version=opset, verbose=False)
+            program = to_onnx(torch.export.export(_StepAlone(plan, extra), ins, strict=False), table, opset)
         return _ort_rel_rms(program.model_proto, ins, want)
 
     trials = ((f"{plan.site_id} ({plan.form})", functools.partial(step_alone, plan, ins + _flat(extra), extra, want))

@@ -42,6 +42,7 @@ from attnopt.backends.onnx.common import (  # noqa: F401  (check_target, histogr
     require_packages,
     run_time_switches,
     translation_table,
+    to_onnx,
 )
 from attnopt.backends.onnx.graph_model import key_masks
 from attnopt.forms.common.base import SiteModule
@@ -195,8 +196,7 @@ def _to_onnx(wrapper: nn.Module, args: tuple, dynamic_shapes, table: dict, opset
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
             program = torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes, strict=False)
-            return torch.onnx.export(program, dynamo=True, custom_translation_table=table, opset_version=opset,
-                                     verbose=False)
+            return to_onnx(program, table, opset)
     finally:
         quiet.setLevel(level)
 
