@@ -756,6 +756,8 @@ STAND_IN = {"triton": "Triton interpreter on CPU; never run on a GPU",
 def capability(form, column: str) -> Optional[bool]:
     """What the registry says of a form for a column; None where the registry has no hook for it."""
     if column == "onnx_prefill":
+        if form.onnx_prefill_refusal:
+            return False
         return form.onnx_lowering() is not None or form.name == "exact"  # exact exports as the model would
     if column == "onnx_decode":
         return form.graph_step() is not None

@@ -284,6 +284,20 @@ def test_a_site_with_a_run_time_exact_switch_is_refused(tmp_path):
     assert "min_seq_len=16" in _one_line(e) and "layers.0#0 (linear)" in str(e.value)
 
 
+def test_a_reuse_site_is_refused_by_the_prefill_file_in_one_line(llama, tmp_path):
+    """reuse's anchor chooses blocks with data-dependent code: the prefill file names the site and the
+    way out (a decode folder) instead of torch.export's traceback, and writes nothing."""
+    model, _, ids = llama
+    opt = attnopt.compile(model, "reuse:1+block:4+anchor:-1+window:0+sinks:0", example_inputs={"input_ids": ids},
+                          dispatch="off", tolerance=10.0, e2e_tolerance=None)
+    assert [r.outcome.final_form for r in opt.attnopt_report.sites][1] == "reuse"
+    with pytest.raises(ValueError) as e:
+        attnopt.export_onnx(opt, tmp_path / "m.onnx", {"input_ids": ids}, decode=False)
+    said = _one_line(e)
+    assert "site model.layers.1.self_attn#0 (reuse)" in said and "decode=True" in said
+    assert not (tmp_path / "m.onnx").exists()
+
+
 def test_policy_compiles_an_original_model_first(tmp_path):
     net, x = _net_and_x()
     result = attnopt.export_onnx(net, tmp_path / "p.onnx", (x,), policy="ssm", baseline=False, check_lengths=[24, 9])

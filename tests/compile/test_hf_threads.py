@@ -45,17 +45,19 @@ def _compile(base, policy):
     return opt
 
 
-def _in_threads(model, module_path, work):
+def _in_threads(model, module_paths, work):
     """Run work(i) in THREADS threads that all meet at a barrier inside the attention function of
-    `module_path` on every call; returns the results by thread (or raises the first error)."""
-    target = model.get_submodule(module_path)
+    each module of `module_paths` (one path or several) on every call; returns the results by thread
+    (or raises the first error)."""
+    paths = [module_paths] if isinstance(module_paths, str) else module_paths
+    targets = {id(model.get_submodule(p)) for p in paths}
     barrier = threading.Barrier(THREADS, timeout=60)
     waits = [0] * THREADS
     index = {}
 
     def gated(module, *args, **kwargs):
         i = index.get(threading.get_ident())
-        if module is target and i is not None:
+        if id(module) in targets and i is not None:
             waits[i] += 1
             barrier.wait()
         return attention_forward(module, *args, **kwargs)
@@ -101,6 +103,33 @@ def test_threads_generating_from_decode_states_equal_the_serial_runs(llama):
         assert torch.equal(seq, seq_t)
         assert torch.equal(logits, logits_t)
     # The prompts differ, so a thread reading another's state could not pass by luck.
+    assert not torch.equal(serial[0][1], serial[1][1])
+
+
+# Every form that decodes from a state of its own, one per layer of one model.
+STATE_FORMS = [("ssm", {}), ("window", {"window": 4, "sinks": 1}), ("linear+window", {"window": 4}),
+               ("gla", {}), ("gla+window", {"window": 4}), ("delta", {})]
+
+
+def test_threads_generating_every_state_form_equal_the_serial_runs():
+    """ssm, window, linear+window, gla, gla+window and delta, a layer each, with every thread meeting
+    the others inside every layer's attention at every step: each thread's tokens and logits are its
+    serial run's, bit for bit."""
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=len(STATE_FORMS), num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=128)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(cfg).eval()
+    policy = {"rules": [{"layers": str(i), "form": form, "tolerance": 10.0, **params}
+                        for i, (form, params) in enumerate(STATE_FORMS)]}
+    opt = _compile(base, policy)
+    assert [r.outcome.final_form for r in opt.attnopt_report.sites] == [f for f, _ in STATE_FORMS]
+    prompts = _prompts()
+    serial = [_generate(opt, ids) for ids in prompts]
+    layers = [f"model.layers.{i}.self_attn" for i in range(len(STATE_FORMS))]
+    threaded = _in_threads(opt, layers, lambda i: _generate(opt, prompts[i]))
+    for (seq, logits), (seq_t, logits_t) in zip(serial, threaded):
+        assert torch.equal(seq, seq_t) and torch.equal(logits, logits_t)
     assert not torch.equal(serial[0][1], serial[1][1])
 
 

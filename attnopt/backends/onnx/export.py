@@ -86,6 +86,7 @@ def export_onnx(model: nn.Module, path, example_inputs: Any = None, *, decode: O
                       "decode from); to generate, export a folder: export_onnx(model, 'out_dir') or decode=True "
                       "(decode=False says this file is what you want)", stacklevel=2)
     opt = compiled_for_export(model, policy, example_inputs)
+    refuse_prefill_forms(opt.attnopt_report)
     dropped = run_time_switches(opt.attnopt_report)
     with dispatch_dropped(opt, dropped):
         result = _export(opt, out_path, example_inputs, target, opset, dynamic, check_lengths, baseline)
@@ -93,6 +94,19 @@ def export_onnx(model: nn.Module, path, example_inputs: Any = None, *, decode: O
     result.seconds = time.perf_counter() - started
     opt.attnopt_report.exports.append(result.to_dict())
     return result
+
+
+def refuse_prefill_forms(report) -> None:
+    """One line naming the first rewritten site whose form a prefill file cannot carry, and why."""
+    from attnopt import forms
+
+    for record in report.sites:
+        form = record.outcome.final_form
+        if record.outcome.status.value == "rewritten" and form in forms.registry():
+            why = forms.get(form).onnx_prefill_refusal
+            if why:
+                raise ValueError(f"export_onnx: site {record.site.id} ({form}) cannot go into a one-file prefill "
+                                 f"export: {why}")
 
 
 def _export(opt, out_path, example_inputs, target, opset, dynamic, check_lengths, baseline) -> "OnnxExport":

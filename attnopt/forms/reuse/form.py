@@ -243,6 +243,9 @@ class ReuseForm(Form):
     default_tolerance = 0.8
     cost_rank = 3
     auto_params = {"anchor": -1}  # auto: read the previous layer's selection
+    onnx_prefill_refusal = ("its anchor chooses the key blocks in PyTorch, with data-dependent steps torch.export "
+                            "cannot trace into a prefill file; export a decode folder (decode=True, a causal LM), "
+                            "whose graph chooses them in ONNX ops, or compile this layer with another form")
 
     def check_params(self, params):
         if params["probes"] is not None and params["probes"] > params["block"]:
