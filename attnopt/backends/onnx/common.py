@@ -78,19 +78,27 @@ def to_onnx(program, table: dict, opset: Optional[int]):
 
 
 def optimize_without_rewrites(model) -> None:
-    """onnxscript.optimizer.optimize_ir's passes, in its order, less the RewritePass; in place."""
-    import onnx_ir as ir
-    import onnx_ir.passes.common as common
-    from onnxscript.optimizer import _constant_folding
-    from onnxscript.rewriter import onnx_fusions
+    """onnxscript.optimizer.optimize_ir's passes, in its order, less the RewritePass; in place. An
+    onnxscript without these public pieces runs its whole optimizer instead."""
+    import onnxscript.optimizer as optimizer
 
-    fold = _constant_folding.FoldConstantsPass(
-        shape_inference=True, input_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
-        output_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT)
+    try:
+        import onnx_ir as ir
+        import onnx_ir.passes.common as common
+        from onnxscript.optimizer import fold_constants_ir, remove_unused_functions, remove_unused_nodes
+        from onnxscript.rewriter import onnx_fusions
+    except ImportError:
+        optimizer.optimize_ir(model)
+        return
+    common.InlinePass()(model)
+    for _ in range(2):  # as optimize_ir: fold, drop what folding freed, once more if anything changed
+        folded = fold_constants_ir(model, onnx_shape_inference=True)
+        remove_unused_nodes(model)
+        remove_unused_functions(model)
+        common.RemoveUnusedOpsetsPass()(model)
+        if not folded.modified:
+            break
     ir.passes.Sequential(
-        common.InlinePass(),
-        ir.passes.PassManager([fold, common.RemoveUnusedNodesPass(), common.RemoveUnusedFunctionsPass(),
-                               common.RemoveUnusedOpsetsPass()], steps=2, early_stop=True),
         common.RemoveUnusedNodesPass(),
         common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
         common.LiftSubgraphInitializersToMainGraphPass(),
