@@ -10,6 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
+import torch
 from torch import nn
 
 from attnopt import forms
@@ -69,8 +70,6 @@ def to_onnx(program, table: dict, opset: Optional[int]):
     subexpressions. The rewriter's rules (no-op casts, reshape chains, conv and batch-norm fusions) are
     ones ORT and TensorRT apply themselves when they load a graph; skipping them is a sixth of the
     export's time. The opset-23 fusions (RMSNormalization, RotaryEmbedding) still run."""
-    import torch
-
     onnx_program = torch.onnx.export(program, dynamo=True, custom_translation_table=table, opset_version=opset,
                                      verbose=False, optimize=False)
     optimize_without_rewrites(onnx_program.model)
@@ -130,6 +129,17 @@ def require_packages() -> None:
         except ImportError:
             raise ImportError(f"attnopt.export_onnx needs {module} ({why}); install it with "
                               f"pip install 'attnopt[onnx]'") from None
+
+
+def refuse_prefill_forms(report) -> None:
+    """One line naming the first rewritten site whose form a prefill file cannot carry, and why."""
+    for record in report.sites:
+        form = record.outcome.final_form
+        if record.outcome.status.value == "rewritten" and form in forms.registry():
+            why = forms.get(form).onnx_prefill_refusal
+            if why:
+                raise ValueError(f"export_onnx: site {record.site.id} ({form}) cannot go into a one-file prefill "
+                                 f"export: {why}")
 
 
 def run_time_switches(report) -> dict:
@@ -245,8 +255,6 @@ def quiet_export():
     """torch.onnx's loggers and warnings ("torchvision is not installed" and friends) off while exporting."""
     import logging
     import warnings
-
-    import torch
 
     log = logging.getLogger("torch.onnx")
     level = log.level

@@ -49,8 +49,8 @@ from attnopt.backends.onnx.common import (
     histogram,
     quiet_export,
     require_packages,
-    translation_table,
     to_onnx,
+    translation_table,
 )
 from attnopt.backends.onnx.graph_model import CannotGenerate, DecoderGraph, Layout, context_of, graph_copy, probe
 from attnopt.forms.common.mixed_heads import step_forms

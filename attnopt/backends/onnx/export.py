@@ -39,10 +39,11 @@ from attnopt.backends.onnx.common import (  # noqa: F401  (check_target, histogr
     dispatch_dropped,
     first_failing_site,
     histogram,
+    refuse_prefill_forms,
     require_packages,
     run_time_switches,
-    translation_table,
     to_onnx,
+    translation_table,
 )
 from attnopt.backends.onnx.graph_model import key_masks
 from attnopt.forms.common.base import SiteModule
@@ -94,19 +95,6 @@ def export_onnx(model: nn.Module, path, example_inputs: Any = None, *, decode: O
     result.seconds = time.perf_counter() - started
     opt.attnopt_report.exports.append(result.to_dict())
     return result
-
-
-def refuse_prefill_forms(report) -> None:
-    """One line naming the first rewritten site whose form a prefill file cannot carry, and why."""
-    from attnopt import forms
-
-    for record in report.sites:
-        form = record.outcome.final_form
-        if record.outcome.status.value == "rewritten" and form in forms.registry():
-            why = forms.get(form).onnx_prefill_refusal
-            if why:
-                raise ValueError(f"export_onnx: site {record.site.id} ({form}) cannot go into a one-file prefill "
-                                 f"export: {why}")
 
 
 def _export(opt, out_path, example_inputs, target, opset, dynamic, check_lengths, baseline) -> "OnnxExport":
