@@ -46,6 +46,7 @@ from attnopt.ir.outcomes import Status
 from attnopt.passes.capture import capture_export, without_cache
 from attnopt.passes.detect import detect_all
 from attnopt.targets.base import Installed, LongerBatch, Target, read_site_state, restore_site, site_entries
+from attnopt.targets.detection_memo import detected
 
 __all__ = ["HfTarget", "is_hf_model"]
 
@@ -78,15 +79,19 @@ class HfTarget(Target):
             # folded into one mask, its own heads); a graph of the inline math proves less.
             return Detection(capture="hf", notes=[])
         args, kwargs = batches[0]
+        kwargs = without_cache(self.model, kwargs)
+
+        def capture_and_detect() -> Detection:
+            found = detect_all([capture_export(self.model, args, kwargs, dynamic=False)], "export")
+            found.capture, found.notes = "export+hf", []
+            return found
+
         try:
-            captured = capture_export(self.model, args, without_cache(self.model, kwargs), dynamic=False)
-            found = detect_all([captured], "export")
+            return detected(self.model, args, kwargs, capture_and_detect)  # a second compile reuses the first's
         except Exception as exc:  # the attention interface still shows every site; say why export failed
             return Detection(capture="hf", notes=[
                 f"torch.export capture failed ({type(exc).__name__}: {str(exc)[:300]}); sites were described "
                 "from the attention interface calls"])
-        found.capture, found.notes = "export+hf", []
-        return found
 
     def record(self, found: Detection, batches: list) -> Recording:
         """Record every attention call on every batch; fills `found.sites` when export showed none."""

@@ -168,14 +168,16 @@ def test_detection_survives_a_cache_output_and_falls_back_to_interface_sites(lla
 
 
 def test_interface_sites_when_export_fails(llama, monkeypatch):
+    import attnopt.targets.detection_memo as detection_memo
     import attnopt.targets.hf as hf_target
 
     def broken(*a, **k):
         raise RuntimeError("simulated export failure")
 
     # The transformers mechanism's capture (the sites then come from the attention calls, and are
-    # planned as recorded).
+    # planned as recorded); nothing kept from an earlier compile of this model stands in for it.
     monkeypatch.setattr(hf_target, "capture_export", broken)
+    monkeypatch.setattr(detection_memo, "_kept", type(detection_memo._kept)())
     opt = attnopt.compile(llama, "window:8", example_inputs={"input_ids": _ids(), "use_cache": False}, tolerance=0.99, e2e_tolerance=None)
     rep = opt.attnopt_report
     assert "simulated export failure" in rep.notes[0]

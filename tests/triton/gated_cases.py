@@ -27,7 +27,7 @@ from gated_oracles import delta_oracle, gla_oracle, gla_window_oracle  # noqa: E
 torch.set_num_threads(1)
 F64 = torch.float64
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
-SHAPE = dict(B=2, H=6, Hkv=3, Nq=29, Nk=37, D=12, Dv=10)
+SHAPE = dict(B=2, H=4, Hkv=2, Nq=29, Nk=37, D=12, Dv=10)
 
 
 def _problem(B, H, Hkv, Nq, Nk, D, Dv, seed=0, gate="channel", shift=2.0):
@@ -197,7 +197,7 @@ def dispatch_from_reference_ops():
                                                key_mask=keep), torch.float32)["out"]
     n_fast = len(launched)
     rl.gated_linear_attention(q, k, v, g.requires_grad_())  # needs a backward: PyTorch path
-    rd.gated_delta_attention(q, kn, v, g[..., 0].detach(), beta, state=torch.zeros(2, 3, 12, 10))  # a state: PyTorch path
+    rd.gated_delta_attention(q, kn, v, g[..., 0].detach(), beta, state=torch.zeros(SHAPE["B"], SHAPE["Hkv"], SHAPE["D"], SHAPE["Dv"]))  # a state: PyTorch path
     # g needs a backward: the PyTorch op, whose forward (run without autograd, as custom ops are) still
     # hands its gated half to the GLA kernel; the backward recomputes on the PyTorch path.
     rw.gla_window_attention(q, k, v, fq, fk, g, window=4)
