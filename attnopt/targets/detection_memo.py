@@ -4,9 +4,10 @@ Compiling one model again with another policy (the usual way to compare policies
 torch.export of the whole model, most of a small model's compile time and minutes for a large one.
 Detection is pure data (sites by module path and graph node name, near misses), so it is kept here,
 keyed by everything a static capture reads: the model class and config, every module's path and
-class (and that class's `forward`, so a patched method misses), its hooks, every parameter's and
-buffer's shape and dtype, and the example inputs' shapes, dtypes and plain values. Weights are not
-in the key: a capture does not read them. Inputs holding anything else are not kept.
+class (and that class's `forward`, so a patched method misses), every parameter's and buffer's
+shape and dtype, and the example inputs' shapes, dtypes and plain values. Weights are not in the
+key: a capture does not read them. A model with forward hooks, or inputs holding anything else,
+are not kept.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ def detection_key(model: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple
         config_text = "" if config is None else config.to_json_string(use_diff=False)
     except Exception:  # a config that cannot say itself: nothing is kept
         return None
-    modules = tuple((name, type(m).__module__, type(m).__qualname__, id(type(m).forward),
-                     tuple(map(id, m._forward_pre_hooks.values())), tuple(map(id, m._forward_hooks.values())))
-                    for name, m in model.named_modules())
+    named = list(model.named_modules())
+    if any(m._forward_pre_hooks or m._forward_hooks for _, m in named) or _global_hooks():
+        return None  # a hook may change what the capture sees, and its identity outlives it only by id
+    modules = tuple((name, type(m).__module__, type(m).__qualname__, type(m).forward) for name, m in named)
     tensors = tuple((name, tuple(t.shape), str(t.dtype), t.device.type)
                     for name, t in [*model.named_parameters(), *model.named_buffers()])
     return (type(model).__module__, type(model).__qualname__, config_text,
@@ -72,6 +74,13 @@ def forget() -> None:
     """Drop every kept detection."""
     with _lock:
         _kept.clear()
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as torch_module
+
+    return bool(getattr(torch_module, "_global_forward_hooks", None)
+                or getattr(torch_module, "_global_forward_pre_hooks", None))
 
 
 def _signature(value: Any):

@@ -65,7 +65,8 @@ def test_anything_a_capture_reads_makes_it_capture_again(monkeypatch):
         patch.setattr(attention, "forward", lambda self, *a, **k: original(self, *a, **k))
         assert not reused(compiled(model))  # a patched forward
     handle = model.model.layers[1].register_forward_hook(lambda module, args, out: None)
-    assert not reused(compiled(model))  # a hook
+    assert memo.detection_key(model, (), {"input_ids": IDS}) is None  # a model with hooks is never kept
+    assert not reused(compiled(model)) and not reused(compiled(model))
     handle.remove()
     assert reused(compiled(model))
     model.config.rms_norm_eps = 1e-3
