@@ -28,8 +28,9 @@ _lock = threading.Lock()
 
 
 def detection_key(model: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
-    """The key a detection of `model(*args, **kwargs)` is kept under; None when an input is neither
-    a tensor, a container of them, nor a plain value."""
+    """The key a detection of `model(*args, **kwargs)` is kept under; None (nothing kept) when an
+    input is neither a tensor, a container of them, nor a plain value, when the config cannot be
+    written out, or when any forward hook is registered."""
     inputs = _signature((tuple(args), dict(kwargs)))
     if inputs is None:
         return None
