@@ -647,7 +647,7 @@ def reuse_cpu_block(machine: str, r: dict) -> str:
     head = (f"`reuse_cpu`, `{machine}`, commit `{short(r['meta'].get('commit'))}`, 2 threads unless a row says "
             "otherwise, best of interleaved rounds")
     by = {name: (r[name].get("measured_by") or {}).get("commit")
-          for name in ("op", "e2e", "decode", "decode_1thread", "quality", "minilm", "dispatch") if r.get(name)}
+          for name in ("op", "e2e", "decode", "decode_1thread", "quality", "minilm", "dispatch", "onnx") if r.get(name)}
     earlier = sorted({c for c in by.values() if c and c != r["meta"].get("commit")})
     for c in earlier:
         head += f"; sections {', '.join(n for n, x in by.items() if x == c)} measured at commit `{short(c)}`"
@@ -733,6 +733,12 @@ def reuse_cpu_block(machine: str, r: dict) -> str:
             if "noise_original_copy" in vs:
                 rows.append([f"the original's deep copy ÷ the original at {int(n):,} (noise)",
                              f"{vs['noise_original_copy']['best']:.2f}×", "—", "—"])
+    onnx = r.get("onnx")
+    for n, row in ((onnx or {}).get("lengths") or {}).items():
+        vs = row["vs_exact"][onnx["policy"]]
+        rows.append([f"ONNX Runtime prefill at {int(n):,}, `{onnx['policy']}` (8 layers, hidden 128, "
+                     f"{row['key_share']:.3g} of the keys) ÷ the all-exact file", f"{vs['best']:.2f}× (median "
+                     f"{vs['median']:.2f}×)", "—", "—"])
     return head + "\n\n" + table(["measure", "value", "goal", "verdict"], rows)
 
 
@@ -756,8 +762,6 @@ STAND_IN = {"triton": "Triton interpreter on CPU; never run on a GPU",
 def capability(form, column: str) -> Optional[bool]:
     """What the registry says of a form for a column; None where the registry has no hook for it."""
     if column == "onnx_prefill":
-        if form.onnx_prefill_refusal:
-            return False
         return form.onnx_lowering() is not None or form.name == "exact"  # exact exports as the model would
     if column == "onnx_decode":
         return form.graph_step() is not None

@@ -32,6 +32,9 @@ conditions recorded beside it):
   dispatch the decode section's model, a forward at a short and a long input: original against
            `reuse+every:3` with the form at every length (dispatch off) and with the threshold dispatch
            measures in this run (a fresh crossover cache), below which a reused layer attends exactly.
+  onnx     the decode section's model written as one prefill file twice (export_onnx(decode=False),
+           target ort): every layer exact, and `reuse+every:3`, whose reused layers choose their blocks
+           and attend in standard ops; ONNX Runtime CPU times a forward at 2k, 4k and 8k.
 
 Every policy row says the share of the keys its reused layers read at that length (`key_share`):
 the default `reuse` (top_k 16 of 64-token blocks) reads every key up to about 1.2k tokens, so a
@@ -195,6 +198,48 @@ def e2e_section(lengths, repeats: int) -> dict:
                  "median": rows["median_s"]["original"] / rows["median_s"][E2E_POLICY]}
         out["lengths"][n] = {"key_share": key_share(E2E_POLICY, n, True), **rows, "speedup": speed}
         print(f"e2e N={n}: speedup {speed}", flush=True)
+    return out
+
+
+# ---------------------------------------------------------------- onnx
+
+
+def onnx_section(lengths, repeats: int) -> dict:
+    """One prefill file each (export_onnx(decode=False), target ort) of the decode section's model
+    as the original (every layer exact) and as `reuse+every:3`, timed in ONNX Runtime (CPU, as many
+    intra-op threads as torch has) in turns."""
+    import tempfile
+
+    import onnxruntime as ort
+
+    model = _decoder(max(lengths))
+    vocab = model.config.vocab_size
+    ids = torch.randint(1, vocab, (1, 512), generator=torch.Generator().manual_seed(1))
+    out = {"model": "the decode section's: 8 layers, hidden 128, 4/2 heads, random weights, batch 1",
+           "policy": E2E_POLICY, "runtime": f"onnxruntime {ort.__version__}, CPUExecutionProvider", "files": {},
+           "lengths": {}}
+    sessions = {}
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in ("exact", E2E_POLICY):
+            opt = attnopt.compile(model, name, example_inputs={"input_ids": ids}, e2e_tolerance=None, tolerance=10.0,
+                                  dispatch="off")
+            path = Path(tmp) / f"{len(sessions)}.onnx"
+            t = time.perf_counter()
+            record = attnopt.export_onnx(opt, path, {"input_ids": ids}, decode=False, baseline=False,
+                                         check_lengths=[512, 1400])
+            out["files"][name] = {"forms": [r.outcome.final_form for r in opt.attnopt_report.sites],
+                                  "export_s": time.perf_counter() - t, "parity": record.parity}
+            options = ort.SessionOptions()
+            options.intra_op_num_threads, options.inter_op_num_threads = torch.get_num_threads(), 1
+            sessions[name] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    for n in lengths:
+        x = torch.randint(1, vocab, (1, n), generator=torch.Generator().manual_seed(n)).numpy()
+        runs = {name: timed(lambda s=s: s.run(None, {s.get_inputs()[0].name: x})) for name, s in sessions.items()}
+        turns = take_turns(runs, repeats, warmups=1, rotate=True)
+        rows = _rounds(turns)
+        out["lengths"][n] = {"key_share": key_share(E2E_POLICY, n, True), **rows, "vs_exact": _ratios(rows, "exact")}
+        print(f"onnx N={n}: {E2E_POLICY} ÷ exact {out['lengths'][n]['vs_exact'][E2E_POLICY]}", flush=True)
     return out
 
 
@@ -513,12 +558,12 @@ def decode_key(threads: int) -> str:
     return "decode_1thread" if threads == 1 else "decode"
 
 
-SECTIONS = ("op", "e2e", "decode", "decode_1thread", "quality", "minilm", "dispatch")
+SECTIONS = ("op", "e2e", "decode", "decode_1thread", "quality", "minilm", "dispatch", "onnx")
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sections", default="op,e2e,decode,quality,minilm,dispatch")
+    ap.add_argument("--sections", default="op,e2e,decode,quality,minilm,dispatch,onnx")
     ap.add_argument("--quick", action="store_true", help="short lengths and few rounds: checks the script runs")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--keep", action="store_true",
@@ -549,6 +594,9 @@ def main(argv=None) -> None:
     if "dispatch" in sections:
         payload["dispatch"] = _stamp(dispatch_section((2048, 4096) if quick else (2048, 8192), args.repeats or
                                                       (1 if quick else 5)))
+    if "onnx" in sections:
+        payload["onnx"] = _stamp(onnx_section((2048,) if quick else (2048, 4096, 8192), args.repeats or
+                                              (1 if quick else 5)))
     payload["conditions_after"] = Conditions.now().to_dict()
     if quick:
         print(json.dumps(payload, indent=1, default=str)[:4000])

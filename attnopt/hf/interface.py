@@ -18,6 +18,7 @@ What one call hands to a later step of the same call lives in the call itself --
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import sys
 import threading
@@ -111,6 +112,10 @@ def layer_index(module: nn.Module) -> Optional[int]:
 
 
 _HANDED = threading.local()  # site module id -> (cache layer, the keys its update returned), per thread
+# While set (contextvars: per thread and task), a reuse site without a cache gets its anchor's (q, k)
+# rather than a selection made before the call: the export's check records site calls this way, so
+# that a site exported alone selects inside its op, as it does in the file.
+ANCHOR_QK = contextvars.ContextVar("attnopt_anchor_qk", default=False)
 
 
 def hand_over(layer, kwargs: dict, keys: torch.Tensor) -> None:
@@ -265,6 +270,8 @@ def _anchor_selection(site_module: nn.Module, state: Optional[ModuleState], laye
     if qk is None:
         raise RuntimeError(f"attnopt: reuse site {site_module.geometry.site_id} runs before its anchor in this call; "
                            "call the whole compiled model, not one of its layers")
+    if layer is None and (torch.compiler.is_exporting() or ANCHOR_QK.get()):
+        return qk  # an exported prefill: the site selects inside its one op (forms/reuse/prefill.py)
     held = getattr(layer, "selection", None)
     made = state.anchor.call.get("selections")
     key = (site_module.rule, site_module.anchor_scale, id(held))

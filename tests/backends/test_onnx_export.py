@@ -284,18 +284,99 @@ def test_a_site_with_a_run_time_exact_switch_is_refused(tmp_path):
     assert "min_seq_len=16" in _one_line(e) and "layers.0#0 (linear)" in str(e.value)
 
 
-def test_a_reuse_site_is_refused_by_the_prefill_file_in_one_line(llama, tmp_path):
-    """reuse's anchor chooses blocks with data-dependent code: the prefill file names the site and the
-    way out (a decode folder) instead of torch.export's traceback, and writes nothing."""
+def test_a_reuse_model_exports_one_prefill_file_equal_to_torch_on_a_left_padded_batch(llama, tmp_path):
+    """reuse's anchor selection goes into the prefill file as standard ops (one node per site in
+    PyTorch): ORT gives the reused model's logits, not the original's, on a batch as generate() pads it."""
     model, _, ids = llama
     opt = attnopt.compile(model, "reuse:1+block:4+anchor:-1+window:0+sinks:0", example_inputs={"input_ids": ids},
                           dispatch="off", tolerance=10.0, e2e_tolerance=None)
-    assert [r.outcome.final_form for r in opt.attnopt_report.sites][1] == "reuse"
-    with pytest.raises(ValueError) as e:
-        attnopt.export_onnx(opt, tmp_path / "m.onnx", {"input_ids": ids}, decode=False)
+    assert [r.outcome.final_form for r in opt.attnopt_report.sites] == ["exact", "reuse", "exact"]  # last: exact
+    batch = torch.cat([ids, torch.roll(ids, 7, dims=1)])
+    mask = torch.ones_like(batch)
+    mask[1, :6] = 0  # the second row starts 6 columns late
+    inputs = {"input_ids": batch, "attention_mask": mask}
+    path = tmp_path / "m.onnx"
+    result = attnopt.export_onnx(opt, path, inputs, decode=False, baseline=False)
+    assert [(s["site"], s["lowering"]) for s in result.sites] == [("model.layers.1.self_attn#0", "standard ops")]
+    assert all(p["rel_rms"] <= 1e-4 for p in result.parity)
+    got = torch.from_numpy(_ort_outputs(path, [batch, mask])[0])
+    with torch.no_grad():
+        want, original = opt(**inputs).logits, model(**inputs).logits
+    real = mask.bool()
+    assert _rel(got[real], want[real]) <= 1e-4
+    assert _rel(original[real], want[real]) > 1e-2  # the selection acts: the file is not the original
+
+
+def test_a_graph_path_reuse_site_is_one_custom_node_whose_function_selects(tmp_path):
+    """A reuse site of a plain nn.Module (the graph path) in the custom target: one `attnopt` node
+    carrying the rule as attributes, its function the selection and softmax in standard ops, which
+    ORT inlines and onnx.reference runs."""
+    net, x = _net_and_x()
+    policy = {"name": "reuse layer 1", "rules": [{"form": "reuse", "layers": [1, 1], "params": {
+        "top_k": 1, "block": 4, "anchor": 0, "window": 0, "sinks": 0}}]}
+    opt = attnopt.compile(net, policy, example_inputs=(x,), dispatch="off", tolerance=10.0, e2e_tolerance=None)
+    assert [r.outcome.final_form for r in opt.attnopt_report.sites] == ["exact", "reuse"]
+    path = tmp_path / "custom.onnx"
+    result = attnopt.export_onnx(opt, path, (x,), target="custom", baseline=False)
+    assert [(s["site"], s["lowering"]) for s in result.sites] == [("layers.1#0", "attnopt.reuse_attention")]
+    assert {p["runtime"] for p in result.parity} == {"onnxruntime-cpu", "onnx.reference"}
+    assert all(p["rel_rms"] <= 1e-4 for p in result.parity)
+    [node] = [n for n in onnx.load(path).graph.node if n.domain == "attnopt"]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert (attrs["block"], attrs["top_k"], attrs["window"], attrs["sinks"], attrs["causal"]) == (4, 1, 0, 0, 1)
+    x_other = torch.randn(1, 45, C, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want, original = opt(x_other), net(x_other)
+    assert _rel(_ort_outputs(path, [x_other])[0], want) <= 1e-4 and _rel(original, want) > 1e-3
+
+
+def test_a_reuse_lowering_that_differs_is_named_by_the_check(llama, tmp_path, monkeypatch):
+    """The check exports each site alone to name the one that differs: a reuse site alone gets its
+    anchor's q and k, so its selection is exported with it and a wrong one is found there."""
+    from attnopt.forms.reuse import onnx as reuse_onnx
+
+    model, _, ids = llama
+    opt = attnopt.compile(model, "reuse:1+block:4+anchor:-1+window:0+sinks:0", example_inputs={"input_ids": ids},
+                          dispatch="off", tolerance=10.0, e2e_tolerance=None)
+    good = reuse_onnx.select_prefill
+
+    def one_probe_short(anchor_q, anchor_k, keep, rule, block, P, *args):  # the probes of one position fewer
+        return good(anchor_q, anchor_k, keep, rule, block, P - 1, *args)
+
+    monkeypatch.setattr(reuse_onnx, "select_prefill", one_probe_short)
+    with pytest.raises(ParityError) as e:
+        attnopt.export_onnx(opt, tmp_path / "m.onnx", {"input_ids": ids}, decode=False, baseline=False)
     said = _one_line(e)
-    assert "site model.layers.1.self_attn#0 (reuse)" in said and "decode=True" in said
+    assert "site model.layers.1.self_attn#0 (reuse): ONNX Runtime output differs from torch" in said, said
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_minilm_with_reuse_layers_exports_and_matches_torch_on_a_right_padded_batch(minilm, tmp_path):
+    """The bidirectional selection (the block's own probes, a window each side) in the prefill file of
+    a real encoder: ORT equals torch at another length, padded as a tokenizer pads."""
+    model, tok = minilm
+    from attnopt.samples import english_passages
+
+    def batch(n: int) -> dict:
+        texts = [english_passages()[0], english_passages()[1][:200]]  # the second row is short: padding
+        return dict(tok(texts, return_tensors="pt", truncation=True, max_length=n, padding="max_length"))
+
+    enc = batch(96)
+    opt = attnopt.compile(model, "reuse:2+block:8+every:2", example_inputs=enc, dispatch="off", tolerance=10.0,
+                          e2e_tolerance=None)
+    assert [r.outcome.final_form for r in opt.attnopt_report.sites] == ["exact", "reuse"] * 2 + ["exact"] * 2
+    path = tmp_path / "minilm.onnx"
+    result = attnopt.export_onnx(opt, path, enc, baseline=False)
+    assert [s["form"] for s in result.sites] == ["reuse", "reuse"]
+    assert all(p["rel_rms"] <= 1e-4 for p in result.parity)
+    other = batch(136)
+    assert int(other["attention_mask"][1].sum()) < 100
+    got = torch.from_numpy(_ort_outputs(path, [other[k] for k in enc])[0])
+    with torch.no_grad():
+        want, original = opt(**other).last_hidden_state, model(**other).last_hidden_state
+    real = other["attention_mask"].bool()
+    assert _rel(got[real], want[real]) <= 1e-4
+    assert _rel(original[real], want[real]) > 1e-3  # 17 blocks, 6 read per query block: the selection acts
 
 
 def test_policy_compiles_an_original_model_first(tmp_path):

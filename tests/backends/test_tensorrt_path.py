@@ -11,7 +11,7 @@ import torch
 
 from attnopt.backends import tensorrt as trt_path
 
-OPS = ["attnopt::linear_attention", "attnopt::linear_window_attention", "attnopt::block_sparse_attention",
+OPS = ["attnopt::linear_attention", "attnopt::linear_window_attention", "attnopt::reuse_attention",
        "attnopt::decay_attention", "attnopt::window_attention", "attnopt::gated_linear_attention",
        "attnopt::gla_window_attention", "attnopt::gated_delta_attention"]
 

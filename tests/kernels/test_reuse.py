@@ -122,6 +122,22 @@ def test_a_query_that_sees_nothing_gets_zeros_and_fp64_stays_fp64():
     assert torch.allclose(got, oracle(q, k, v, blocks, block=4, causal=True, scale=0.5), atol=1e-12)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_query_with_an_empty_list_reads_nothing_beside_listed_ones_in_its_block(causal):
+    """A prefill masks its padded rows' lists to −1: a right-padded row's tail inside its last block,
+    or a hole at a block's first query, reads nothing, and the block's other queries read their list."""
+    q, k, v = _inputs(2, 4, 2, 21, 21, 8, 6, seed=8)
+    blocks = _random_lists(2, 21, 21, 4, 3, seed=9)
+    blocks[0, 14:] = -1  # row 0: real up to position 13, the rest of block 3 and block 4 padding
+    blocks[1, 8] = -1  # row 1: a hole at the first query of block 2
+    key_mask = torch.ones(2, 21, dtype=torch.bool)
+    key_mask[0, 14:] = False
+    got = gathered_attention(q, k, v, blocks, block=4, causal=causal, scale=0.4, key_mask=key_mask)
+    want = oracle(q, k, v, blocks, block=4, causal=causal, scale=0.4, key_mask=key_mask)
+    assert float(got[0, :, 14:].abs().max()) == 0.0 and float(got[1, :, 8].abs().max()) == 0.0
+    assert torch.allclose(got.to(F64), want, atol=2e-6), (got.to(F64) - want).abs().max()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("causal, padded", [(True, False), (False, True)])
 def test_flex_path_equals_the_oracle(causal, padded):

@@ -131,17 +131,6 @@ def require_packages() -> None:
                               f"pip install 'attnopt[onnx]'") from None
 
 
-def refuse_prefill_forms(report) -> None:
-    """One line naming the first rewritten site whose form a prefill file cannot carry, and why."""
-    for record in report.sites:
-        form = record.outcome.final_form
-        if record.outcome.status.value == "rewritten" and form in forms.registry():
-            why = forms.get(form).onnx_prefill_refusal
-            if why:
-                raise ValueError(f"export_onnx: site {record.site.id} ({form}) cannot go into a one-file prefill "
-                                 f"export: {why}")
-
-
 def run_time_switches(report) -> dict:
     """Site id -> min_seq_len of the thresholds the automatic dispatch measured: the file runs those
     sites' forms at every length (a torch-side speed switch; ONNX Runtime's own crossover differs).

@@ -1,7 +1,7 @@
 """The "custom" target: each site is one node in the `attnopt` domain plus a model-local function.
 
 Node: domain "attnopt", op_type the op's name (`linear_attention`, `window_attention`,
-`decay_attention`, `linear_window_attention`, `block_sparse_attention`), inputs the op's tensor
+`decay_attention`, `linear_window_attention`, `reuse_attention`, ...), inputs the op's tensor
 arguments that are present (in schema order), attributes its non-tensor arguments under their
 schema names plus `plugin_namespace="attnopt"` and `plugin_version`. That is how TensorRT's ONNX
 parser binds a node to a plugin (op_type = plugin name, looked up in plugin_namespace at

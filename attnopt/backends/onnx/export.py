@@ -39,7 +39,6 @@ from attnopt.backends.onnx.common import (  # noqa: F401  (check_target, histogr
     dispatch_dropped,
     first_failing_site,
     histogram,
-    refuse_prefill_forms,
     require_packages,
     run_time_switches,
     to_onnx,
@@ -47,6 +46,7 @@ from attnopt.backends.onnx.common import (  # noqa: F401  (check_target, histogr
 )
 from attnopt.backends.onnx.graph_model import key_masks
 from attnopt.forms.common.base import SiteModule
+from attnopt.hf.interface import ANCHOR_QK
 from attnopt.ir.errors import SpecializedInputError
 
 
@@ -87,7 +87,6 @@ def export_onnx(model: nn.Module, path, example_inputs: Any = None, *, decode: O
                       "decode from); to generate, export a folder: export_onnx(model, 'out_dir') or decode=True "
                       "(decode=False says this file is what you want)", stacklevel=2)
     opt = compiled_for_export(model, policy, example_inputs)
-    refuse_prefill_forms(opt.attnopt_report)
     dropped = run_time_switches(opt.attnopt_report)
     with dispatch_dropped(opt, dropped):
         result = _export(opt, out_path, example_inputs, target, opset, dynamic, check_lengths, baseline)
@@ -233,10 +232,12 @@ def _site_calls(opt: nn.Module, wrapper: nn.Module, flat: tuple) -> list:
     seen: list = []
     hooks = [m.register_forward_hook(lambda mod, a, kw, out: seen.append((mod, a, kw)), with_kwargs=True)
              for m in opt.modules() if isinstance(m, SiteModule)]
+    handing = ANCHOR_QK.set(True)  # a reuse site gets its anchor's (q, k): alone, it selects in its op
     try:
         with torch.no_grad():
             wrapper(*flat)
     finally:
+        ANCHOR_QK.reset(handing)
         for h in hooks:
             h.remove()
     return seen
@@ -269,21 +270,30 @@ def _localise(opt: nn.Module, wrapper: nn.Module, flat: tuple, table: dict, mess
                               f"every site matches alone; the whole model does not: {message}")
 
 
+def _tensors_only(x) -> bool:
+    """A tensor, or a tuple of them (a reuse site's anchor (q, k))."""
+    return isinstance(x, torch.Tensor) or (isinstance(x, tuple) and len(x) > 0
+                                           and all(isinstance(t, torch.Tensor) for t in x))
+
+
 class _SiteAlone(nn.Module):
-    """One site module called as in the model, its tensor arguments as the inputs (None stays None)."""
+    """One site module called as in the model, its tensor arguments as the inputs (None stays None;
+    a keyword holding a tuple of tensors gets them as inputs too)."""
 
     def __init__(self, site: nn.Module, args: tuple, kwargs: dict):
         super().__init__()
         self.site = site
         self.arg_kinds = [isinstance(x, torch.Tensor) for x in args]
-        self.kw_tensors = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        self.kw_tensors = {k: (len(v) if isinstance(v, tuple) else None) for k, v in kwargs.items() if _tensors_only(v)}
         self.args = [None if isinstance(x, torch.Tensor) else x for x in args]
-        self.kw_constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+        self.kw_constants = {k: v for k, v in kwargs.items() if k not in self.kw_tensors}
 
     def tensors(self, args: tuple, kwargs: dict) -> tuple:
-        return tuple(x for x in args if isinstance(x, torch.Tensor)) + tuple(kwargs[k] for k in self.kw_tensors)
+        kw = [t for k in self.kw_tensors for t in (kwargs[k] if isinstance(kwargs[k], tuple) else (kwargs[k],))]
+        return tuple(x for x in args if isinstance(x, torch.Tensor)) + tuple(kw)
 
     def forward(self, *tensors):
         it = iter(tensors)
         args = [next(it) if is_tensor else x for is_tensor, x in zip(self.arg_kinds, self.args)]
-        return self.site(*args, **self.kw_constants, **{k: next(it) for k in self.kw_tensors})
+        kw = {k: next(it) if n is None else tuple(next(it) for _ in range(n)) for k, n in self.kw_tensors.items()}
+        return self.site(*args, **self.kw_constants, **kw)

@@ -79,22 +79,31 @@ def register() -> None:
 def key_mask_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                        **kwargs):
     """attnopt's attention function given the 2-D padding mask: a site that reads only key padding
-    gets it as [B, 1, 1, Nk]; any other (exact, reuse) gets the [B, 1, Nq, Nk] mask transformers'
-    sdpa mask would be, built here, inside that site."""
+    gets it as [B, 1, 1, Nk]; any other (exact, a site under a threshold) gets the [B, 1, Nq, Nk] mask
+    transformers' sdpa mask would be, built here, inside that site. A query that sees no key (a
+    left-padded row's padding) gets zeros, as torch's SDPA gives it; in the file it attends to every
+    key and is then zeroed (ONNX's softmax of nothing but −inf would be NaN, and NaN spreads)."""
+    sees = None
     if attention_mask is not None and attention_mask.dim() == 2:
         site = module._modules.get("attnopt_site")
         keep = attention_mask.bool()
         if site is not None and site.reads_padding_only and not site.min_seq_len:
             attention_mask = keep[:, None, None, :]
         else:
-            attention_mask = _sdpa_like_mask(keep, query.shape[-2], getattr(module, "is_causal", True),
-                                             kwargs.get("sliding_window"))
-    return attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+            visible = _sdpa_like_mask(keep, query.shape[-2], getattr(module, "is_causal", True),
+                                      kwargs.get("sliding_window"))
+            sees = visible.any(-1, keepdim=True)  # [B, 1, Nq, 1]
+            attention_mask = visible | ~sees
+    out, weights = attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    if sees is not None:  # out: [B, Nq, H, Dv]
+        out = out * sees[:, 0, :, :, None].to(out.dtype)
+    return out, weights
 
 
 def _sdpa_like_mask(keep_BN: torch.Tensor, Nq: int, causal: bool, window) -> torch.Tensor:
     """Bool [B, 1, Nq, Nk] as transformers' sdpa_mask builds it: padding, causality (bottom-right
-    aligned), the model's sliding window, and a row that sees nothing sees everything (its torch fix)."""
+    aligned) and the model's sliding window. A row may see nothing (transformers no longer lets it
+    see everything on torch >= 2.5, whose SDPA returns zeros for it)."""
     Nk = keep_BN.shape[-1]
     visible = keep_BN[:, None, None, :].expand(-1, 1, Nq, Nk)
     if causal:
@@ -104,7 +113,7 @@ def _sdpa_like_mask(keep_BN: torch.Tensor, Nq: int, causal: bool, window) -> tor
         if isinstance(window, int) and window > 0:
             band = band & (k_pos > q_pos - window)
         visible = visible & band
-    return visible | ~visible.any(-1, keepdim=True)
+    return visible
 
 
 @contextlib.contextmanager

@@ -442,9 +442,6 @@ class Form(abc.ABC):
     default_tolerance: ClassVar[float]
     cost_rank: ClassVar[int]  # order "auto" tries forms in: lower is cheaper at long lengths
     auto_params: ClassVar[Optional[Mapping[str, Any]]] = None  # what "auto" tries; None: never tried
-    # Why a one-file prefill export (export_onnx(..., decode=False)) cannot carry this form, with the
-    # way out, in one line; None when it can.
-    onnx_prefill_refusal: ClassVar[Optional[str]] = None
 
     # -- parameters
 

@@ -18,6 +18,7 @@ import torch
 
 from attnopt.forms.common.base import CostAt, Form, Param, SiteModule, io_elements, no_arbitrary_mask
 from attnopt.forms.reuse.plan import measured_plan, plan_report
+from attnopt.forms.reuse.prefill import exact_under_keep, reuse_attention
 from attnopt.forms.reuse.reference import block_sparse_attention
 from attnopt.forms.reuse.selection import BlockRule, Selection, SelectionState, in_block_step, probe_cost, select_call
 from attnopt.ir.errors import KeptByPlan, PolicyError, SiteUnsupported
@@ -191,8 +192,15 @@ class ReusedSite(SiteModule):
 
     def _attend(self, q, k, v, keep, mask, anchor):
         g = self.geometry
+        if torch.compiler.is_exporting() and isinstance(anchor, (tuple, list)) and len(anchor) == 2:
+            # One node for the selection and the sparse softmax: its steps depend on the data (prefill.py).
+            q_a, k_a = (self.unfold_heads(t) if t.dim() == 3 else t for t in anchor)
+            r = self.rule
+            return reuse_attention(q, k, v, keep, q_a, k_a, r.block, r.top_k, r.window, r.sinks, r.probes, r.causal,
+                                   r.mass, float(g.scale), self.anchor_scale)
         if self.rule.reads_everything(k.shape[-2]):  # every block is read: exact attention, cheaper
-            return self.exact(q, k, v, mask) if keep is None or mask is not None else self._exact_keep(q, k, v, keep)
+            return self.exact(q, k, v, mask) if keep is None or mask is not None else exact_under_keep(
+                q, k, v, keep, g.causal, g.scale)
         if isinstance(anchor, Selection):
             selection = anchor
         elif isinstance(anchor, (tuple, list)) and len(anchor) == 2:
@@ -206,16 +214,6 @@ class ReusedSite(SiteModule):
                              f"this call has {q.shape[2]}")
         return block_sparse_attention(q, k, v, selection.blocks_BQK, block=self.rule.block, causal=g.causal,
                                       scale=g.scale, key_mask=keep, offsets=selection.offsets_B)
-
-    def _exact_keep(self, q, k, v, keep):
-        g = self.geometry
-        Nq, Nk = q.shape[2], k.shape[2]
-        visible = keep[:, None, None, :].expand(q.shape[0], 1, Nq, Nk)
-        if g.causal:
-            visible = visible & (torch.arange(Nk, device=q.device) <= (Nk - Nq) + torch.arange(Nq, device=q.device)[:, None])
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=g.scale,
-                                                               enable_gqa=k.shape[1] != q.shape[1])
-        return torch.where(visible.any(-1, keepdim=True), out, 0.0)
 
     def timed_attend(self, q, k, v):
         """The op dispatch times against exact attention (passes/crossover.py): the selection made from
@@ -243,9 +241,6 @@ class ReuseForm(Form):
     default_tolerance = 0.8
     cost_rank = 3
     auto_params = {"anchor": -1}  # auto: read the previous layer's selection
-    onnx_prefill_refusal = ("its anchor chooses the key blocks in PyTorch, with data-dependent steps torch.export "
-                            "cannot trace into a prefill file; export a decode folder (decode=True, a causal LM), "
-                            "whose graph chooses them in ONNX ops, or compile this layer with another form")
 
     def check_params(self, params):
         if params["probes"] is not None and params["probes"] > params["block"]:

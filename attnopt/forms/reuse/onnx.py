@@ -1,14 +1,18 @@
-"""ONNX lowering of `attnopt::block_sparse_attention` (both targets) in standard ops: gathers.
+"""The reuse form in standard ONNX ops (both targets): the anchor's block choice and the
+block-sparse softmax, by gathers.
 
-Each query's K·b key columns (offset + block·b + slot) are gathered from k and v per row
-(GatherND, batch_dims 1), scored against the query alone, masked (empty slot, column past the
-keys, padding, causality, a query before its row's offset) and normalised: O(Nq·K·b) work, and
-O(Nq·K·b·Hkv·D) memory for the gathered keys (the torch op gathers per query block instead;
-ONNX has no loop over lists that would not unroll).
+A prefill (`attnopt::reuse_attention`, prefill.py; the form's LOWERING, one node per site):
+selection._prefill in standard ops (each row's positions from its first real token, the anchor's
+key bounds per block, the probes' mass, TopK for the choice), then `tiled_softmax`: each query
+block gathers its K listed key blocks once and its b queries score them, O(N·K·b) work and memory,
+as the torch op's tiles.
 
-Decoding (`attnopt::reuse_step`, step.py): selection.select_span in standard ops (the anchor's key
-bounds per block, the probes' softmax over them, TopK for the choice), inside an If that only a call
-starting a block takes, then the same gathered softmax over the site's own K/V cache.
+Decoding (`attnopt::reuse_step`, step.py): selection.select_span in the same ops, inside an If that
+only a call starting a block takes, then `gathered_softmax` over the site's own K/V cache: each
+query's K·b key columns (offset + block·b + slot) gathered per row (GatherND, batch_dims 1), scored
+against the query alone and masked (empty slot, column past the keys, padding, causality, a query
+before its row's offset). Per query, since the queries of one call may sit in different blocks; a
+step has one. `attnopt::block_sparse_attention` lowers to it too (BLOCK_SPARSE_LOWERING).
 """
 
 from __future__ import annotations
@@ -76,7 +80,8 @@ def block_sparse_std(q, k, v, blocks, block, causal, scale, key_mask, offsets):
     return gathered_softmax(q, k, v, blocks, int(block), bool(causal), float(scale), key_mask, offsets)
 
 
-LOWERING = OpLowering("attnopt::block_sparse_attention", {"ort": block_sparse_std, "onnx-std": block_sparse_std})
+BLOCK_SPARSE_LOWERING = OpLowering("attnopt::block_sparse_attention", {"ort": block_sparse_std,
+                                                                        "onnx-std": block_sparse_std})
 
 
 # ---------------------------------------------------------------- the decode step (forms/reuse/step.py)
@@ -120,13 +125,20 @@ def bound_mass(q_BHCPD, present_BCP, lo, hi, visible_BCJ, scale: float, H: int, 
     return op.Cast(op.ReduceSum(w, i64([1, 2, 4]), keepdims=0), to=ir.DataType.DOUBLE)
 
 
-def choose_blocks(mass_BCJ, m_BC, block_rule: dict, K: int):
-    """selection.choose_blocks (causal) in standard ops: [B, C, K] int64 sorted, −1 padded."""
+def choose_blocks(mass_BCJ, m_BC, block_rule: dict, K: int, causal: bool = True, n_blocks_B=None):
+    """selection.choose_blocks in standard ops: [B, C, K] int64 sorted, −1 padded. n_blocks_B [B]: the
+    blocks up to each row's last real position (None: every block of a causal call's past)."""
     J = dim(mass_BCJ, 2)
     j = op.Reshape(arange(J), i64([1, 1, -1]))
     m = op.Unsqueeze(m_BC, i64([2]))
-    valid = op.LessOrEqual(j, m)
-    in_window = op.And(op.GreaterOrEqual(j, op.Sub(m, i64([block_rule["window"]]))), op.LessOrEqual(j, m))
+    if causal:
+        valid = op.LessOrEqual(j, m)
+        in_window = op.And(op.GreaterOrEqual(j, op.Sub(m, i64([block_rule["window"]]))), op.LessOrEqual(j, m))
+    else:
+        valid = op.Less(j, J)
+        in_window = op.LessOrEqual(op.Abs(op.Sub(j, m)), i64([block_rule["window"]]))
+    if n_blocks_B is not None:
+        valid = op.And(valid, op.Less(j, op.Unsqueeze(n_blocks_B, i64([1, 2]))))
     forced = op.And(valid, op.Or(op.Less(j, i64([block_rule["sinks"]])), in_window))
     candidate = op.And(valid, op.Not(forced))
     zero = op.CastLike(f32(0.0), mass_BCJ)
@@ -141,7 +153,7 @@ def choose_blocks(mass_BCJ, m_BC, block_rule: dict, K: int):
         total = op.ReduceSum(op.Where(valid, mass_BCJ, op.CastLike(f32(0.0), mass_BCJ)), i64([-1]), keepdims=1)
         have = op.ReduceSum(op.Where(forced, mass_BCJ, op.CastLike(f32(0.0), mass_BCJ)), i64([-1]), keepdims=1)
         ranked = op.GatherElements(op.Where(candidate, mass_BCJ, op.CastLike(f32(0.0), mass_BCJ)), order, axis=-1)
-        before = op.Sub(op.CumSum(ranked, i64([-1])), ranked)
+        before = op.Sub(op.CumSum(ranked, op.Constant(value_int=-1)), ranked)  # axis: a 0-D tensor
         need = op.Less(op.Add(have, before), op.Mul(op.CastLike(f32(block_rule["mass"]), total), total))
         needed = op.ScatterElements(zeros, order, _i64(need), axis=-1)
         chosen = op.And(chosen, _bool(needed))
@@ -242,3 +254,117 @@ def reuse_step_lowering(q, k, v, mask, past_key, past_value, anchor_q, anchor_ke
 
 
 DECODE_LOWERING = OpLowering("attnopt::reuse_step", {"ort": reuse_step_lowering, "onnx-std": reuse_step_lowering})
+
+
+# ---------------------------------------------------------------- a prefill (`attnopt::reuse_attention`, prefill.py)
+
+
+def _gather_columns(x_BHND, cols_BN, H: int, D: int):
+    """x[b, :, cols[b, n], :]: [B, H, N, D] rows taken per batch row."""
+    c4 = op.Reshape(cols_BN, i64([0, 1, -1, 1]))
+    return op.GatherElements(x_BHND, op.Expand(c4, op.Concat(op.Shape(c4, start=0, end=1), i64([H]),
+                                                             op.Shape(c4, start=2, end=3), i64([D]), axis=0)), axis=2)
+
+
+def select_prefill(anchor_q, anchor_k, keep, rule: dict, block: int, P: int, causal: bool, anchor_scale: float, K: int):
+    """selection._prefill in standard ops, in position space (each row from its first real token):
+    (blocks [B, M, K] int64 per query block, sorted, −1 padded; keep_pos [B, N]; the rows' leading
+    pads [B]; colc [B, N], the column of each position)."""
+    Ha, Da, Hk = static_dim(anchor_q, 1, "anchor heads"), static_dim(anchor_q, 3, "anchor head dim"), \
+        static_dim(anchor_k, 1, "anchor kv heads")
+    N = dim(anchor_q, 2)
+    any_real = _bool(op.ReduceMax(_i64(keep), i64([1]), keepdims=0))
+    offset = op.Where(any_real, op.ArgMax(_i64(keep), axis=1, keepdims=0), i64([0]))  # [B]
+    n_ar = arange(N)
+    cols = op.Add(op.Unsqueeze(offset, i64([1])), op.Unsqueeze(n_ar, i64([0])))  # [B, N]: position -> column
+    colc = op.Min(cols, op.Sub(N, i64([1])))
+    keep_pos = op.And(op.GatherElements(keep, colc, axis=1), op.Less(cols, N))
+    q_pos, k_pos = _gather_columns(anchor_q, colc, Ha, Da), _gather_columns(anchor_k, colc, Hk, Da)
+    lo, hi, has_key = key_bounds(k_pos, keep_pos, block, Hk, Da)
+    J = dim(lo, 2)
+    m_M = arange(J)  # query blocks: as many as key blocks
+    pa = op.Unsqueeze(i64(list(range(P))), i64([0]))  # [1, P]
+    if causal:  # the P positions before the block; the blocks complete before it
+        pos = op.Add(op.Unsqueeze(op.Sub(op.Mul(m_M, i64([block])), i64([P])), i64([1])), pa)  # [M, P]
+        visible = op.Less(op.Unsqueeze(m_M, i64([0])), op.Unsqueeze(m_M, i64([1])))  # [M, J]
+    else:  # the block's last P positions; every block
+        end = op.Min(op.Mul(op.Add(m_M, i64([1])), i64([block])), N)
+        pos = op.Add(op.Unsqueeze(op.Sub(end, i64([P])), i64([1])), pa)
+        pos = op.Where(op.GreaterOrEqual(pos, op.Unsqueeze(op.Mul(m_M, i64([block])), i64([1]))), pos, i64([-1]))
+        visible = op.Expand(_bool(i64([1])), op.Concat(J, J, axis=0))
+    safe = op.Max(pos, i64([0]))
+    present = op.And(op.Unsqueeze(op.GreaterOrEqual(pos, i64([0])), i64([0])), op.Gather(keep_pos, safe, axis=1))
+    q_probe = op.Gather(q_pos, safe, axis=2)  # [B, Ha, M, P, Da]
+    visible_BMJ = op.And(op.Unsqueeze(visible, i64([0])), op.Unsqueeze(has_key, i64([1])))
+    mass_BMJ = bound_mass(q_probe, present, lo, hi, visible_BMJ, anchor_scale, Ha, Hk, Da)
+    n_pos = op.ReduceMax(op.Where(keep_pos, op.Add(n_ar, i64([1])), i64([0])), i64([1]), keepdims=0)  # [B]
+    n_blocks = op.Div(op.Add(n_pos, i64([block - 1])), i64([block]))
+    m_BM = op.Expand(op.Unsqueeze(m_M, i64([0])), op.Concat(op.Shape(keep, start=0, end=1), J, axis=0))
+    return choose_blocks(mass_BMJ, m_BM, rule, K, causal, n_blocks), keep_pos, offset, colc
+
+
+def tiled_softmax(q_pos, k_pos, v_pos, blocks_BMK, keep_pos, block: int, causal: bool, scale: float, K: int,
+                  dims: tuple):
+    """The block-sparse softmax of a prefill, in position space: each query block gathers its K listed
+    key blocks once ([B, Hkv, M, K·b, D]: O(N·K·b·D) memory, as the torch op's tiles) and its b
+    queries score them. A query that is padding (keep_pos false) gets a zero row. Returns [B, H, N, Dv]."""
+    H, Hkv, D, Dv = dims
+    G = H // Hkv
+    N = dim(q_pos, 2)
+    q = op.Reshape(pad_axis(q_pos, 2, 4, block), i64([0, Hkv, G, -1, block, D]))  # [B, Hkv, G, M, b, D]
+    M = op.Shape(q, start=3, end=4)
+    ids = op.Max(blocks_BMK, i64([0]))
+    slot = op.Reshape(arange(i64([block])), i64([1, 1, 1, -1]))
+    kpos = op.Reshape(op.Add(op.Mul(op.Unsqueeze(ids, i64([3])), i64([block])), slot),
+                      op.Concat(i64([0]), M, i64([K * block]), axis=0))  # [B, M, K·b]
+    keep_p = pad_axis(_i64(keep_pos), 1, 2, block)  # [B, M·b]: every block's keys inside
+    real_key = _bool(op.GatherElements(keep_p, op.Reshape(kpos, i64([0, -1])), axis=1))
+    listed = op.Reshape(op.Expand(op.Unsqueeze(op.GreaterOrEqual(blocks_BMK, i64([0])), i64([3])),
+                                  op.Concat(i64([1, 1, 1]), i64([block]), axis=0)), op.Shape(kpos))
+    ok = op.And(op.Reshape(real_key, op.Shape(kpos)), listed)  # [B, M, K·b]
+    real_q = op.Reshape(_bool(keep_p), op.Concat(i64([0]), M, i64([block, 1]), axis=0))  # [B, M, b, 1]
+    visible = op.And(op.Unsqueeze(ok, i64([2])), real_q)  # [B, M, b, K·b]
+    if causal:
+        qpos = op.Reshape(arange(op.Mul(M, i64([block]))), op.Concat(i64([1]), M, i64([block, 1]), axis=0))
+        visible = op.And(visible, op.LessOrEqual(op.Unsqueeze(kpos, i64([2])), qpos))
+
+    def gathered(x, width):  # [B, Hkv, N, w] -> [B, Hkv, M, K·b, w]
+        xb = op.Reshape(pad_axis(x, 2, 4, block), i64([0, Hkv, -1, block, width]))  # [B, Hkv, J, b, w]
+        rows = op.GatherND(op.Transpose(xb, perm=[0, 2, 1, 3, 4]), op.Unsqueeze(ids, i64([3])), batch_dims=1)
+        rows = op.Transpose(rows, perm=[0, 3, 1, 2, 4, 5])  # [B, Hkv, M, K, b, w]
+        return op.Reshape(rows, op.Concat(i64([0, Hkv]), M, i64([K * block, width]), axis=0))
+
+    k_g, v_g = op.Unsqueeze(gathered(k_pos, D), i64([2])), op.Unsqueeze(gathered(v_pos, Dv), i64([2]))
+    scores = op.MatMul(op.Mul(q, op.CastLike(f32(scale), q)), op.Transpose(k_g, perm=[0, 1, 2, 3, 5, 4]))
+    masked = op.Where(op.Unsqueeze(visible, i64([1, 2])), scores, op.CastLike(f32(-np.inf), scores))
+    m = op.ReduceMax(masked, i64([-1]), keepdims=1)
+    m = op.Where(op.IsInf(m), op.CastLike(f32(0.0), m), m)
+    e = op.Exp(op.Sub(masked, m))
+    den = op.ReduceSum(e, i64([-1]), keepdims=1)
+    out = op.Div(op.MatMul(e, v_g), op.Max(den, op.CastLike(f32(1.0), den)))  # [B, Hkv, G, M, b, Dv]
+    out = op.Reshape(out, i64([0, H, -1, Dv]))
+    return op.Slice(out, i64([0]), N, i64([2]))
+
+
+def reuse_attention_std(q, k, v, key_mask, anchor_q, anchor_k, block, top_k, window, sinks, probes, causal, mass, scale,
+                        anchor_scale):
+    """attnopt::reuse_attention in standard ops: the anchor's selection (select_prefill), then the
+    tiled block-sparse softmax, in position space and back to columns. Where every block is read it
+    equals exact attention."""
+    block, P, causal = int(block), int(probes), bool(causal)
+    rule = {"window": int(window), "sinks": int(sinks), "top_k": int(top_k), "mass": None if mass is None else float(mass)}
+    K = rule["sinks"] + (rule["window"] + 1 if causal else 2 * rule["window"] + 1) + rule["top_k"]
+    H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
+    keep = _bool(key_mask) if key_mask is not None else op.Expand(_bool(i64([1])), op.Concat(
+        op.Shape(q, start=0, end=1), dim(q, 2), axis=0))
+    blocks, keep_pos, offset, colc = select_prefill(anchor_q, anchor_k, keep, rule, block, P, causal,
+                                                    float(anchor_scale), K)
+    out = tiled_softmax(_gather_columns(q, colc, H, D), _gather_columns(k, colc, Hkv, D),
+                        _gather_columns(v, colc, Hkv, Dv), blocks, keep_pos, block, causal, float(scale), K,
+                        (H, Hkv, D, Dv))
+    N = dim(q, 2)
+    back = op.Mod(op.Add(op.Sub(op.Unsqueeze(arange(N), i64([0])), op.Unsqueeze(offset, i64([1]))), N), N)
+    return _gather_columns(out, back, H, Dv)  # column c holds position c − offset (padding: a zero row)
+
+
+LOWERING = OpLowering("attnopt::reuse_attention", {"ort": reuse_attention_std, "onnx-std": reuse_attention_std})

@@ -85,8 +85,18 @@ def gathered_attention(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, *, block
     pad_tail = n_tiles * T - lead - Nq
     q_t = torch.nn.functional.pad(q.to(dtype), (0, 0, lead, pad_tail)).view(B, Hkv, G, n_tiles, T, D)
     row_of_tile = (torch.arange(n_tiles, device=q.device) * T - lead).clamp(0, Nq - 1)  # a real query of each tile
+    empty_BQ = (blocks < 0).all(-1)
+    if T > 1 and bool(empty_BQ.any()):
+        # A query with an empty list (a padded row beside real ones in its block) reads nothing: it
+        # counts as padding, and its tile's list is that of its first query with one.
+        listed_t = torch.nn.functional.pad(~empty_BQ, (lead, pad_tail), value=False).view(B, n_tiles, T)
+        starts = torch.arange(n_tiles, device=q.device) * T - lead
+        rows_BC = (starts + listed_t.long().argmax(-1)).clamp(0, Nq - 1)
+        lists = blocks.long().gather(1, rows_BC[..., None].expand(B, n_tiles, K))
+        qpos_BQ = torch.where(empty_BQ, -(1 << 40), qpos_BQ)
+    else:
+        lists = blocks.long()[:, row_of_tile]  # [B, n_tiles, K]
     qpos_t = torch.nn.functional.pad(qpos_BQ, (lead, pad_tail), value=-(1 << 40)).view(B, n_tiles, T)
-    lists = blocks.long()[:, row_of_tile]  # [B, n_tiles, K]
     out = q.new_zeros(B, Hkv, G, n_tiles, T, Dv, dtype=dtype)
     step = max(1, SCORES_PER_STEP // max(1, Hkv * G * T * K * block))
     slot = torch.arange(block, device=q.device)
