@@ -358,7 +358,7 @@ def test_minilm_with_reuse_layers_exports_and_matches_torch_on_a_right_padded_ba
     from attnopt.samples import english_passages
 
     def batch(n: int) -> dict:
-        texts = [english_passages()[0], english_passages()[1][:200]]  # the second row is short: padding
+        texts = [english_passages()[0], english_passages()[1][:60]]  # the second row is short: padding
         return dict(tok(texts, return_tensors="pt", truncation=True, max_length=n, padding="max_length"))
 
     enc = batch(96)
@@ -377,6 +377,11 @@ def test_minilm_with_reuse_layers_exports_and_matches_torch_on_a_right_padded_ba
     real = other["attention_mask"].bool()
     assert _rel(got[real], want[real]) <= 1e-4
     assert _rel(original[real], want[real]) > 1e-3  # 17 blocks, 6 read per query block: the selection acts
+    short = batch(20)  # 3 blocks: every one read, so exact attention, padded rows included (an If in the file)
+    assert int(short["attention_mask"][1].sum()) < 20
+    with torch.no_grad():
+        want = opt(**short).last_hidden_state
+    assert _rel(_ort_outputs(path, [short[k] for k in enc])[0], want) <= 1e-4
 
 
 def test_policy_compiles_an_original_model_first(tmp_path):

@@ -21,6 +21,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript import opset18 as op
 
+from attnopt.forms.reuse.selection import BlockRule
 from attnopt.kernels.onnx.functions import dim, f32, i64, pad_axis, static_dim
 from attnopt.kernels.onnx.lowering import OpLowering
 from attnopt.kernels.onnx.steps import arange, branch
@@ -346,25 +347,66 @@ def tiled_softmax(q_pos, k_pos, v_pos, blocks_BMK, keep_pos, block: int, causal:
     return op.Slice(out, i64([0]), N, i64([2]))
 
 
+def dense_softmax(q, k, v, keep, causal: bool, scale: float, dims: tuple):
+    """Exact attention over the columns, keys masked by keep [B, N] (and causality); a query that sees
+    no key gets a zero row. Returns [B, H, N, Dv]."""
+    H, Hkv, D, Dv = dims
+    q5 = op.Reshape(q, i64([0, Hkv, H // Hkv, -1, D]))  # [B, Hkv, G, N, D]
+    scores = op.MatMul(op.Mul(q5, op.CastLike(f32(scale), q5)), op.Unsqueeze(op.Transpose(k, perm=[0, 1, 3, 2]),
+                                                                          i64([2])))
+    visible = op.Unsqueeze(keep, i64([1, 2, 3]))  # [B, 1, 1, 1, N]
+    if causal:
+        n = arange(dim(q, 2))
+        visible = op.And(visible, op.LessOrEqual(op.Unsqueeze(n, i64([0])), op.Unsqueeze(n, i64([1]))))
+    masked = op.Where(visible, scores, op.CastLike(f32(-np.inf), scores))
+    m = op.ReduceMax(masked, i64([-1]), keepdims=1)
+    m = op.Where(op.IsInf(m), op.CastLike(f32(0.0), m), m)
+    e = op.Exp(op.Sub(masked, m))
+    den = op.ReduceSum(e, i64([-1]), keepdims=1)
+    out = op.Div(op.MatMul(e, op.Unsqueeze(v, i64([2]))), op.Max(den, op.CastLike(f32(1.0), den)))
+    return op.Reshape(out, i64([0, H, -1, Dv]))
+
+
+def blocks_read_whole(rule: BlockRule) -> int:
+    """The most blocks at which every query block reads every block it sees (the torch op then runs
+    exact attention): BlockRule.reads_everything holds up to it, and not after (candidates only grow
+    with the blocks)."""
+    M = 0
+    while rule._reads_everything(M + 1):
+        M += 1
+    return M
+
+
 def reuse_attention_std(q, k, v, key_mask, anchor_q, anchor_k, block, top_k, window, sinks, probes, causal, mass, scale,
                         anchor_scale):
     """attnopt::reuse_attention in standard ops: the anchor's selection (select_prefill), then the
-    tiled block-sparse softmax, in position space and back to columns. Where every block is read it
-    equals exact attention."""
+    tiled block-sparse softmax, in position space and back to columns. A call short enough that every
+    block is read takes exact attention instead (an If), as the torch op does: the two differ only on
+    padded query rows, which exact attention lets see the real keys."""
     block, P, causal = int(block), int(probes), bool(causal)
     rule = {"window": int(window), "sinks": int(sinks), "top_k": int(top_k), "mass": None if mass is None else float(mass)}
+    whole = blocks_read_whole(BlockRule(block=block, top_k=rule["top_k"], window=rule["window"], sinks=rule["sinks"],
+                                        probes=P, causal=causal, mass=rule["mass"]))
     K = rule["sinks"] + (rule["window"] + 1 if causal else 2 * rule["window"] + 1) + rule["top_k"]
-    H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
-    keep = _bool(key_mask) if key_mask is not None else op.Expand(_bool(i64([1])), op.Concat(
-        op.Shape(q, start=0, end=1), dim(q, 2), axis=0))
-    blocks, keep_pos, offset, colc = select_prefill(anchor_q, anchor_k, keep, rule, block, P, causal,
-                                                    float(anchor_scale), K)
-    out = tiled_softmax(_gather_columns(q, colc, H, D), _gather_columns(k, colc, Hkv, D),
-                        _gather_columns(v, colc, Hkv, Dv), blocks, keep_pos, block, causal, float(scale), K,
-                        (H, Hkv, D, Dv))
+    dims = H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
     N = dim(q, 2)
-    back = op.Mod(op.Add(op.Sub(op.Unsqueeze(arange(N), i64([0])), op.Unsqueeze(offset, i64([1]))), N), N)
-    return _gather_columns(out, back, H, Dv)  # column c holds position c − offset (padding: a zero row)
+    keep = _bool(key_mask) if key_mask is not None else op.Expand(_bool(i64([1])), op.Concat(
+        op.Shape(q, start=0, end=1), N, axis=0))
+
+    def sparse():
+        blocks, keep_pos, offset, colc = select_prefill(anchor_q, anchor_k, keep, rule, block, P, causal,
+                                                        float(anchor_scale), K)
+        out = tiled_softmax(_gather_columns(q, colc, H, D), _gather_columns(k, colc, Hkv, D),
+                            _gather_columns(v, colc, Hkv, Dv), blocks, keep_pos, block, causal, float(scale), K, dims)
+        back = op.Mod(op.Add(op.Sub(op.Unsqueeze(arange(N), i64([0])), op.Unsqueeze(offset, i64([1]))), N), N)
+        return _gather_columns(out, back, H, Dv)  # column c holds position c − offset (padding: a zero row)
+
+    if whole == 0:
+        return sparse()
+    short = op.Squeeze(op.LessOrEqual(N, i64([whole * block])), i64([0]))  # ceil(N / b) <= whole
+    [out] = branch(short, lambda: dense_softmax(q, k, v, keep, causal, float(scale), dims), sparse, 1, like=q,
+                   name="reuse_reads_everything")
+    return out
 
 
 LOWERING = OpLowering("attnopt::reuse_attention", {"ort": reuse_attention_std, "onnx-std": reuse_attention_std})
