@@ -85,8 +85,8 @@ def gathered_attention(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, *, block
     pad_tail = n_tiles * T - lead - Nq
     q_t = torch.nn.functional.pad(q.to(dtype), (0, 0, lead, pad_tail)).view(B, Hkv, G, n_tiles, T, D)
     row_of_tile = (torch.arange(n_tiles, device=q.device) * T - lead).clamp(0, Nq - 1)  # a real query of each tile
-    empty_BQ = (blocks < 0).all(-1)
-    if T > 1 and bool(empty_BQ.any()):
+    empty_BQ = (blocks < 0).all(-1) if T > 1 else None
+    if empty_BQ is not None and bool(empty_BQ.any()):
         # A query with an empty list (a padded row beside real ones in its block) reads nothing: it
         # counts as padding, and its tile's list is that of its first query with one.
         listed_t = torch.nn.functional.pad(~empty_BQ, (lead, pad_tail), value=False).view(B, n_tiles, T)
