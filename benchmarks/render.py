@@ -739,6 +739,10 @@ def reuse_cpu_block(machine: str, r: dict) -> str:
         rows.append([f"ONNX Runtime prefill at {int(n):,}, `{onnx['policy']}` (8 layers, hidden 128, "
                      f"{row['key_share']:.3g} of the keys) ÷ the all-exact file", f"{vs['best']:.2f}× (median "
                      f"{vs['median']:.2f}×)", "—", "—"])
+        folders = row.get("folder_vs_exact_folder") or {}
+        for name, x in folders.items():
+            rows.append([f"the same through the decode folders: the prompt of {int(n):,} tokens ÷ the all-exact "
+                         "folder's", f"{x['best']:.2f}× (median {x['median']:.2f}×)", "—", "—"])
     return head + "\n\n" + table(["measure", "value", "goal", "verdict"], rows)
 
 

@@ -32,9 +32,10 @@ conditions recorded beside it):
   dispatch the decode section's model, a forward at a short and a long input: original against
            `reuse+every:3` with the form at every length (dispatch off) and with the threshold dispatch
            measures in this run (a fresh crossover cache), below which a reused layer attends exactly.
-  onnx     the decode section's model written as one prefill file twice (export_onnx(decode=False),
-           target ort): every layer exact, and `reuse+every:3`, whose reused layers choose their blocks
-           and attend in standard ops; ONNX Runtime CPU times a forward at 2k, 4k and 8k.
+  onnx     the decode section's model, every layer exact and `reuse+every:3` (whose reused layers choose
+           their blocks and attend in standard ops), each as one prefill file (export_onnx(decode=False),
+           target ort) and as a decode folder: ONNX Runtime CPU times a file's forward and a folder's
+           prompt at 2k, 4k and 8k.
 
 Every policy row says the share of the keys its reused layers read at that length (`key_share`):
 the default `reuse` (top_k 16 of 64-token blocks) reads every key up to about 1.2k tokens, so a
@@ -204,13 +205,19 @@ def e2e_section(lengths, repeats: int) -> dict:
 # ---------------------------------------------------------------- onnx
 
 
+FOLDER = " (decode folder: its prompt)"
+
+
 def onnx_section(lengths, repeats: int) -> dict:
-    """One prefill file each (export_onnx(decode=False), target ort) of the decode section's model
-    as the original (every layer exact) and as `reuse+every:3`, timed in ONNX Runtime (CPU, as many
-    intra-op threads as torch has) in turns."""
+    """The decode section's model as the original (every layer exact) and as `reuse+every:3`, each
+    written twice: as one prefill file (export_onnx(decode=False), target ort) and as a decode folder
+    (decode=True), whose prompt runs through the decode graph. ONNX Runtime (CPU, as many intra-op
+    threads as torch has) times a forward of each file and the prompt of each folder, in turns."""
     import tempfile
 
     import onnxruntime as ort
+
+    from attnopt.onnx.generator import Session
 
     model = _decoder(max(lengths))
     vocab = model.config.vocab_size
@@ -218,28 +225,38 @@ def onnx_section(lengths, repeats: int) -> dict:
     out = {"model": "the decode section's: 8 layers, hidden 128, 4/2 heads, random weights, batch 1",
            "policy": E2E_POLICY, "runtime": f"onnxruntime {ort.__version__}, CPUExecutionProvider", "files": {},
            "lengths": {}}
-    sessions = {}
+    runs = {}
+    threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name in ("exact", E2E_POLICY):
             opt = attnopt.compile(model, name, example_inputs={"input_ids": ids}, e2e_tolerance=None, tolerance=10.0,
                                   dispatch="off")
-            path = Path(tmp) / f"{len(sessions)}.onnx"
+            path = Path(tmp) / f"{len(runs)}.onnx"
             t = time.perf_counter()
             record = attnopt.export_onnx(opt, path, {"input_ids": ids}, decode=False, baseline=False,
                                          check_lengths=[512, 1400])
             out["files"][name] = {"forms": [r.outcome.final_form for r in opt.attnopt_report.sites],
                                   "export_s": time.perf_counter() - t, "parity": record.parity}
             options = ort.SessionOptions()
-            options.intra_op_num_threads, options.inter_op_num_threads = torch.get_num_threads(), 1
-            sessions[name] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+            runs[name] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            folder = Path(tmp) / f"folder{len(runs)}"
+            attnopt.export_onnx(opt, folder, {"input_ids": ids}, decode=True)
+            runs[name + FOLDER] = Session(folder / "model.onnx", threads=threads)
     for n in lengths:
         x = torch.randint(1, vocab, (1, n), generator=torch.Generator().manual_seed(n)).numpy()
-        runs = {name: timed(lambda s=s: s.run(None, {s.get_inputs()[0].name: x})) for name, s in sessions.items()}
-        turns = take_turns(runs, repeats, warmups=1, rotate=True)
+        ones = x * 0 + 1
+        timers = {name: timed(lambda s=s: s.prefill(x, ones) if isinstance(s, Session)
+                              else s.run(None, {s.get_inputs()[0].name: x})) for name, s in runs.items()}
+        turns = take_turns(timers, repeats, warmups=1, rotate=True)
         rows = _rounds(turns)
-        out["lengths"][n] = {"key_share": key_share(E2E_POLICY, n, True), **rows, "vs_exact": _ratios(rows, "exact")}
-        print(f"onnx N={n}: {E2E_POLICY} ÷ exact {out['lengths'][n]['vs_exact'][E2E_POLICY]}", flush=True)
+        out["lengths"][n] = {"key_share": key_share(E2E_POLICY, n, True), **rows, "vs_exact": _ratios(rows, "exact"),
+                             "folder_vs_exact_folder": _ratios({k: {name: v for name, v in rows[k].items()
+                                                                    if name.endswith(FOLDER)} for k in rows},
+                                                               "exact" + FOLDER)}
+        print(f"onnx N={n}: {E2E_POLICY} ÷ exact {out['lengths'][n]['vs_exact'][E2E_POLICY]}; decode folders' prompts "
+              f"{out['lengths'][n]['folder_vs_exact_folder']}", flush=True)
     return out
 
 

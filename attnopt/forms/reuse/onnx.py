@@ -8,11 +8,13 @@ block gathers its K listed key blocks once and its b queries score them, O(N·K�
 as the torch op's tiles.
 
 Decoding (`attnopt::reuse_step`, step.py): selection.select_span in the same ops, inside an If that
-only a call starting a block takes, then `gathered_softmax` over the site's own K/V cache: each
-query's K·b key columns (offset + block·b + slot) gathered per row (GatherND, batch_dims 1), scored
-against the query alone and masked (empty slot, column past the keys, padding, causality, a query
-before its row's offset). Per query, since the queries of one call may sit in different blocks; a
-step has one. `attnopt::block_sparse_attention` lowers to it too (BLOCK_SPARSE_LOWERING).
+only a call starting a block takes, then, in a second If, one of two softmaxes over the site's own
+K/V cache. A call of at least a block of tokens (a prompt, a chunk of one) takes `tiled_softmax`
+over every position. A shorter one (a step) takes `gathered_softmax`: each query's K·b key columns
+(offset + block·b + slot) gathered per row (GatherND, batch_dims 1), scored against the query alone
+and masked (empty slot, column past the keys, padding, causality, a query before its row's offset),
+O(T·K·b·D) memory, which a long prompt could not afford (4k tokens: 12.5 s and 4.9 GB in ORT against
+0.6 s and 1.2 GB tiled). `attnopt::block_sparse_attention` lowers to it too (BLOCK_SPARSE_LOWERING).
 """
 
 from __future__ import annotations
@@ -248,8 +250,32 @@ def reuse_step_lowering(q, k, v, mask, past_key, past_value, anchor_q, anchor_ke
                                                                 axis=0)), axis=2)
     stash = op.Where(op.Reshape(op.GreaterOrEqual(stash_pos, i64([0])), i64([0, 1, -1, 1])), stash,
                      op.CastLike(f32(0.0), stash))
-    out = gathered_softmax(q, K_all, V_all, blocks, block, True, float(scale), keep, offset, static=(
-        static_dim(k, 1, "Hkv"), static_dim(k, 3, "D"), static_dim(v, 3, "Dv")), K=K)
+    H, (Hkv, D, Dv) = static_dim(q, 1, "H"), (static_dim(k, 1, "Hkv"), static_dim(k, 3, "D"), static_dim(v, 3, "Dv"))
+
+    def per_query():  # a step, or a few tokens: each query gathers its own K·b keys
+        return gathered_softmax(q, K_all, V_all, blocks, block, True, float(scale), keep, offset,
+                                static=(Hkv, D, Dv), K=K)
+
+    def per_block():  # a prompt, or a chunk of one: every position's block scored once, as a prefill does
+        cols = op.Add(op.Unsqueeze(offset, i64([1])), op.Unsqueeze(arange(N), i64([0])))  # [B, N]: position -> column
+        colc = op.Min(cols, op.Sub(N, i64([1])))
+        keep_pos = op.And(op.GatherElements(keep, colc, axis=1), op.Less(cols, N))
+        new_col = op.Sub(cols, op.Sub(N, T))  # which of this call's queries sits at the position
+        asks = op.And(keep_pos, op.GreaterOrEqual(new_col, i64([0])))
+        q_pos = _gather_columns(q, op.Max(op.Min(new_col, op.Sub(T, i64([1]))), i64([0])), H, D)
+        M = op.Div(op.Add(N, i64([block - 1])), i64([block]))
+        last_of_block = op.Sub(op.Mul(op.Add(arange(M), i64([1])), i64([block])), i64([1]))  # [M]
+        t_BM = op.Sub(op.Unsqueeze(last_of_block, i64([0])), op.Unsqueeze(first, i64([1])))
+        t_BM = op.Max(op.Min(t_BM, op.Sub(T, i64([1]))), i64([0]))  # the block's last query of this call
+        lists = op.GatherElements(blocks, op.Expand(op.Unsqueeze(t_BM, i64([2])), op.Concat(
+            op.Shape(t_BM), i64([K]), axis=0)), axis=1)  # [B, M, K]
+        out = tiled_softmax(q_pos, _gather_columns(K_all, colc, Hkv, D), _gather_columns(V_all, colc, Hkv, Dv), lists,
+                            keep_pos, block, True, float(scale), K, (H, Hkv, D, Dv), asks_pos=asks)
+        got = _gather_columns(out, op.Max(pos, i64([0])), H, Dv)  # [B, H, T, Dv]
+        return op.Where(op.Unsqueeze(op.GreaterOrEqual(pos, i64([0])), i64([1, 3])), got, op.CastLike(f32(0.0), got))
+
+    [out] = branch(op.Squeeze(op.GreaterOrEqual(T, i64([block])), i64([0])), per_block, per_query, 1, like=q,
+                   name="reuse_tiles")
     present_blocks = op.Slice(blocks, i64([-1]), i64([2 ** 62]), i64([1]))  # [B, 1, K]
     return out, K_all, V_all, op.CastLike(stash, past_probes), present_blocks
 
@@ -305,10 +331,11 @@ def select_prefill(anchor_q, anchor_k, keep, rule: dict, block: int, P: int, cau
 
 
 def tiled_softmax(q_pos, k_pos, v_pos, blocks_BMK, keep_pos, block: int, causal: bool, scale: float, K: int,
-                  dims: tuple):
+                  dims: tuple, asks_pos=None):
     """The block-sparse softmax of a prefill, in position space: each query block gathers its K listed
     key blocks once ([B, Hkv, M, K·b, D]: O(N·K·b·D) memory, as the torch op's tiles) and its b
-    queries score them. A query that is padding (keep_pos false) gets a zero row. Returns [B, H, N, Dv]."""
+    queries score them. A query that is padding (keep_pos false), or not asked (asks_pos [B, N] false,
+    when given), gets a zero row. Returns [B, H, N, Dv]."""
     H, Hkv, D, Dv = dims
     G = H // Hkv
     N = dim(q_pos, 2)
@@ -323,7 +350,8 @@ def tiled_softmax(q_pos, k_pos, v_pos, blocks_BMK, keep_pos, block: int, causal:
     listed = op.Reshape(op.Expand(op.Unsqueeze(op.GreaterOrEqual(blocks_BMK, i64([0])), i64([3])),
                                   op.Concat(i64([1, 1, 1]), i64([block]), axis=0)), op.Shape(kpos))
     ok = op.And(op.Reshape(real_key, op.Shape(kpos)), listed)  # [B, M, K·b]
-    real_q = op.Reshape(_bool(keep_p), op.Concat(i64([0]), M, i64([block, 1]), axis=0))  # [B, M, b, 1]
+    asks = keep_p if asks_pos is None else pad_axis(_i64(asks_pos), 1, 2, block)
+    real_q = op.Reshape(_bool(asks), op.Concat(i64([0]), M, i64([block, 1]), axis=0))  # [B, M, b, 1]
     visible = op.And(op.Unsqueeze(ok, i64([2])), real_q)  # [B, M, b, K·b]
     if causal:
         qpos = op.Reshape(arange(op.Mul(M, i64([block]))), op.Concat(i64([1]), M, i64([block, 1]), axis=0))
