@@ -14,7 +14,7 @@ over every position. A shorter one (a step) takes `gathered_softmax`: each query
 (offset + block·b + slot) gathered per row (GatherND, batch_dims 1), scored against the query alone
 and masked (empty slot, column past the keys, padding, causality, a query before its row's offset),
 O(T·K·b·D) memory, which a long prompt could not afford (4k tokens: 12.5 s and 4.9 GB in ORT against
-0.6 s and 1.2 GB tiled). `attnopt::block_sparse_attention` lowers to it too (BLOCK_SPARSE_LOWERING).
+0.5 s and 1.2 GB tiled). `attnopt::block_sparse_attention` lowers to it too (BLOCK_SPARSE_LOWERING).
 """
 
 from __future__ import annotations
@@ -341,6 +341,9 @@ def tiled_softmax(q_pos, k_pos, v_pos, blocks_BMK, keep_pos, block: int, causal:
     N = dim(q_pos, 2)
     q = op.Reshape(pad_axis(q_pos, 2, 4, block), i64([0, Hkv, G, -1, block, D]))  # [B, Hkv, G, M, b, D]
     M = op.Shape(q, start=3, end=4)
+    # A query block's G·b queries (its heads of one KV head) as the rows of one product with its keys:
+    # [B, Hkv, M, G·b, D] (no broadcast batch dimension, which ORT's MatMul runs as a slow loop).
+    q = op.Reshape(op.Transpose(q, perm=[0, 1, 3, 2, 4, 5]), op.Concat(i64([0, Hkv]), M, i64([G * block, D]), axis=0))
     ids = op.Max(blocks_BMK, i64([0]))
     slot = op.Reshape(arange(i64([block])), i64([1, 1, 1, -1]))
     kpos = op.Reshape(op.Add(op.Mul(op.Unsqueeze(ids, i64([3])), i64([block])), slot),
@@ -363,16 +366,24 @@ def tiled_softmax(q_pos, k_pos, v_pos, blocks_BMK, keep_pos, block: int, causal:
         rows = op.Transpose(rows, perm=[0, 3, 1, 2, 4, 5])  # [B, Hkv, M, K, b, w]
         return op.Reshape(rows, op.Concat(i64([0, Hkv]), M, i64([K * block, width]), axis=0))
 
-    k_g, v_g = op.Unsqueeze(gathered(k_pos, D), i64([2])), op.Unsqueeze(gathered(v_pos, Dv), i64([2]))
-    scores = op.MatMul(op.Mul(q, op.CastLike(f32(scale), q)), op.Transpose(k_g, perm=[0, 1, 2, 3, 5, 4]))
-    masked = op.Where(op.Unsqueeze(visible, i64([1, 2])), scores, op.CastLike(f32(-np.inf), scores))
-    m = op.ReduceMax(masked, i64([-1]), keepdims=1)
-    m = op.Where(op.IsInf(m), op.CastLike(f32(0.0), m), m)
-    e = op.Exp(op.Sub(masked, m))
-    den = op.ReduceSum(e, i64([-1]), keepdims=1)
-    out = op.Div(op.MatMul(e, v_g), op.Max(den, op.CastLike(f32(1.0), den)))  # [B, Hkv, G, M, b, Dv]
-    out = op.Reshape(out, i64([0, H, -1, Dv]))
+    k_g, v_g = gathered(k_pos, D), gathered(v_pos, Dv)
+    scores = op.MatMul(op.Mul(q, op.CastLike(f32(scale), q)), op.Transpose(k_g, perm=[0, 1, 2, 4, 3]))
+    view = op.Concat(i64([0, Hkv]), M, i64([G, block, K * block]), axis=0)  # [B, Hkv, M, G, b, K·b]
+    out = visible_softmax(scores, op.Unsqueeze(visible, i64([1, 3])), v_g, view)  # [B, Hkv, M, G·b, Dv]
+    out = op.Reshape(out, op.Concat(i64([0, Hkv]), M, i64([G, block, Dv]), axis=0))
+    out = op.Reshape(op.Transpose(out, perm=[0, 1, 3, 2, 4, 5]), i64([0, H, -1, Dv]))
     return op.Slice(out, i64([0]), N, i64([2]))
+
+
+def visible_softmax(scores, visible, v, view=None):
+    """softmax(scores over the visible keys) @ v; a row that sees no key gets zeros. ONNX's Softmax
+    (one fused pass) gives such a row NaN, replaced on the output, which is K·b / Dv times smaller.
+    `view`: the shape in which `visible` broadcasts against the scores (the scores' own otherwise)."""
+    bias = op.Where(visible, op.CastLike(f32(0.0), scores), op.CastLike(f32(-np.inf), scores))  # without heads
+    shaped = scores if view is None else op.Reshape(scores, view)
+    p = op.Softmax(op.Add(shaped, bias), axis=-1)  # (ORT's broadcasting Add: 4x its Where here)
+    out = op.MatMul(p if view is None else op.Reshape(p, op.Shape(scores)), v)
+    return op.Where(op.IsNaN(out), op.CastLike(f32(0.0), out), out)
 
 
 def dense_softmax(q, k, v, keep, causal: bool, scale: float, dims: tuple):
@@ -386,13 +397,7 @@ def dense_softmax(q, k, v, keep, causal: bool, scale: float, dims: tuple):
     if causal:
         n = arange(dim(q, 2))
         visible = op.And(visible, op.LessOrEqual(op.Unsqueeze(n, i64([0])), op.Unsqueeze(n, i64([1]))))
-    masked = op.Where(visible, scores, op.CastLike(f32(-np.inf), scores))
-    m = op.ReduceMax(masked, i64([-1]), keepdims=1)
-    m = op.Where(op.IsInf(m), op.CastLike(f32(0.0), m), m)
-    e = op.Exp(op.Sub(masked, m))
-    den = op.ReduceSum(e, i64([-1]), keepdims=1)
-    out = op.Div(op.MatMul(e, op.Unsqueeze(v, i64([2]))), op.Max(den, op.CastLike(f32(1.0), den)))
-    return op.Reshape(out, i64([0, H, -1, Dv]))
+    return op.Reshape(visible_softmax(scores, visible, op.Unsqueeze(v, i64([2]))), i64([0, H, -1, Dv]))
 
 
 def blocks_read_whole(rule: BlockRule) -> int:
