@@ -98,6 +98,22 @@ def _i64(x):
     return op.Cast(x, to=ir.DataType.INT64)
 
 
+def _gather_columns(x_BHND, cols_BN, H: int, D: int):
+    """x[b, :, cols[b, n], :]: [B, H, N, D] rows taken per batch row."""
+    c4 = op.Reshape(cols_BN, i64([0, 1, -1, 1]))
+    return op.GatherElements(x_BHND, op.Expand(c4, op.Concat(op.Shape(c4, start=0, end=1), i64([H]),
+                                                             op.Shape(c4, start=2, end=3), i64([D]), axis=0)), axis=2)
+
+
+def position_columns(offset_B, keep_BN, N):
+    """Each row's positions (from its first real token, offset_B columns in) as columns: (the column of
+    each position [B, N]; the same clipped to the last column; whether the position holds a real
+    token, false past the row's end)."""
+    cols = op.Add(op.Unsqueeze(offset_B, i64([1])), op.Unsqueeze(arange(N), i64([0])))
+    colc = op.Min(cols, op.Sub(N, i64([1])))
+    return cols, colc, op.And(op.GatherElements(keep_BN, colc, axis=1), op.Less(cols, N))
+
+
 def key_bounds(k_BHND, keep_BN, block: int, Hk: int, Dk: int):
     """selection.key_bounds in standard ops: (min, max [B, Hk, J, Dk], has_key [B, J] bool)."""
     k = pad_axis(k_BHND, 2, 4, block)
@@ -214,14 +230,8 @@ def reuse_step_lowering(q, k, v, mask, past_key, past_value, anchor_q, anchor_ke
         q_probe = op.GatherElements(history, op.Expand(flat, op.Concat(op.Shape(flat, start=0, end=1), i64([Ha]),
                                                                        op.Shape(flat, start=2, end=3), i64([Da]),
                                                                        axis=0)), axis=2)
-        cols = op.Add(op.Unsqueeze(offset, i64([1])), op.Unsqueeze(arange(N), i64([0])))  # [B, N]
-        inside = op.Less(cols, N)
-        colc = op.Min(cols, op.Sub(N, i64([1])))
-        col4 = op.Reshape(colc, i64([0, 1, -1, 1]))
-        k_pos = op.GatherElements(anchor_keys, op.Expand(col4, op.Concat(op.Shape(col4, start=0, end=1), i64([Hk]),
-                                                                         op.Shape(col4, start=2, end=3), i64([Da]),
-                                                                         axis=0)), axis=2)
-        keep_pos = op.And(op.GatherElements(keep, colc, axis=1), inside)
+        _, colc, keep_pos = position_columns(offset, keep, N)
+        k_pos = _gather_columns(anchor_keys, colc, Hk, Da)
         lo, hi, has_key = key_bounds(k_pos, keep_pos, block, Hk, Da)
         J = dim(lo, 2)
         visible = op.And(op.Less(op.Reshape(arange(J), i64([1, 1, -1])), op.Unsqueeze(m_BC, i64([2]))),
@@ -257,9 +267,7 @@ def reuse_step_lowering(q, k, v, mask, past_key, past_value, anchor_q, anchor_ke
                                 static=(Hkv, D, Dv), K=K)
 
     def per_block():  # a prompt, or a chunk of one: every position's block scored once, as a prefill does
-        cols = op.Add(op.Unsqueeze(offset, i64([1])), op.Unsqueeze(arange(N), i64([0])))  # [B, N]: position -> column
-        colc = op.Min(cols, op.Sub(N, i64([1])))
-        keep_pos = op.And(op.GatherElements(keep, colc, axis=1), op.Less(cols, N))
+        cols, colc, keep_pos = position_columns(offset, keep, N)
         new_col = op.Sub(cols, op.Sub(N, T))  # which of this call's queries sits at the position
         asks = op.And(keep_pos, op.GreaterOrEqual(new_col, i64([0])))
         q_pos = _gather_columns(q, op.Max(op.Min(new_col, op.Sub(T, i64([1]))), i64([0])), H, D)
@@ -286,13 +294,6 @@ DECODE_LOWERING = OpLowering("attnopt::reuse_step", {"ort": reuse_step_lowering,
 # ---------------------------------------------------------------- a prefill (`attnopt::reuse_attention`, prefill.py)
 
 
-def _gather_columns(x_BHND, cols_BN, H: int, D: int):
-    """x[b, :, cols[b, n], :]: [B, H, N, D] rows taken per batch row."""
-    c4 = op.Reshape(cols_BN, i64([0, 1, -1, 1]))
-    return op.GatherElements(x_BHND, op.Expand(c4, op.Concat(op.Shape(c4, start=0, end=1), i64([H]),
-                                                             op.Shape(c4, start=2, end=3), i64([D]), axis=0)), axis=2)
-
-
 def select_prefill(anchor_q, anchor_k, keep, rule: dict, block: int, P: int, causal: bool, anchor_scale: float, K: int):
     """selection._prefill in standard ops, in position space (each row from its first real token):
     (blocks [B, M, K] int64 per query block, sorted, −1 padded; keep_pos [B, N]; the rows' leading
@@ -303,9 +304,7 @@ def select_prefill(anchor_q, anchor_k, keep, rule: dict, block: int, P: int, cau
     any_real = _bool(op.ReduceMax(_i64(keep), i64([1]), keepdims=0))
     offset = op.Where(any_real, op.ArgMax(_i64(keep), axis=1, keepdims=0), i64([0]))  # [B]
     n_ar = arange(N)
-    cols = op.Add(op.Unsqueeze(offset, i64([1])), op.Unsqueeze(n_ar, i64([0])))  # [B, N]: position -> column
-    colc = op.Min(cols, op.Sub(N, i64([1])))
-    keep_pos = op.And(op.GatherElements(keep, colc, axis=1), op.Less(cols, N))
+    _, colc, keep_pos = position_columns(offset, keep, N)
     q_pos, k_pos = _gather_columns(anchor_q, colc, Ha, Da), _gather_columns(anchor_k, colc, Hk, Da)
     lo, hi, has_key = key_bounds(k_pos, keep_pos, block, Hk, Da)
     J = dim(lo, 2)
@@ -418,9 +417,9 @@ def reuse_attention_std(q, k, v, key_mask, anchor_q, anchor_k, block, top_k, win
     padded query rows, which exact attention lets see the real keys."""
     block, P, causal = int(block), int(probes), bool(causal)
     rule = {"window": int(window), "sinks": int(sinks), "top_k": int(top_k), "mass": None if mass is None else float(mass)}
-    whole = blocks_read_whole(BlockRule(block=block, top_k=rule["top_k"], window=rule["window"], sinks=rule["sinks"],
-                                        probes=P, causal=causal, mass=rule["mass"]))
-    K = rule["sinks"] + (rule["window"] + 1 if causal else 2 * rule["window"] + 1) + rule["top_k"]
+    block_rule = BlockRule(block=block, top_k=rule["top_k"], window=rule["window"], sinks=rule["sinks"], probes=P,
+                           causal=causal, mass=rule["mass"])
+    whole, K = blocks_read_whole(block_rule), block_rule.slots
     dims = H, Hkv, D, Dv = static_dim(q, 1, "H"), static_dim(k, 1, "Hkv"), static_dim(q, 3, "D"), static_dim(v, 3, "Dv")
     N = dim(q, 2)
     keep = _bool(key_mask) if key_mask is not None else op.Expand(_bool(i64([1])), op.Concat(
