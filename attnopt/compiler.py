@@ -208,7 +208,7 @@ def plan_sites_of(found, opts: CompileOptions):
     planning = plan_sites(found.sites, opts.policy)
     if found.sites:
         layers = len({s.layer for s in found.sites})
-        for index, text, claimed in planning.unmatched_rules:
+        for index, text, claimed, hint in planning.unmatched_rules:
             if claimed:
                 by = ", ".join(f"rule {j} ({t}) took {k} site{'s' if k > 1 else ''}" for j, t, k in claimed)
                 warnings.warn(f"attnopt.compile({opts.name}): policy rule {index} ({text}) chose no site: every site "
@@ -216,7 +216,7 @@ def plan_sites_of(found, opts: CompileOptions):
                               f"wins); move rule {index} earlier or narrow the earlier rule's layers", stacklevel=3)
             else:
                 warnings.warn(f"attnopt.compile({opts.name}): policy rule {index} ({text}) matches no attention site "
-                              f"of this model ({layers} attention layers); check its layers / module / source",
+                              f"of this model ({layers} attention layers); " + (hint or "check its layers / module / source"),
                               stacklevel=3)
     return planning
 

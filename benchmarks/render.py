@@ -582,6 +582,7 @@ def params_block(form) -> str:
                 (f"; preset key `{short_keys[0]}`" if short_keys else "")
         allowed = (", ".join(f"`{c}`" for c in p.choices) if p.choices else
                    " ".join(x for x in (f"≥ {p.minimum}" if p.minimum is not None else "",
+                                        f"> {p.above}" if p.above is not None else "",
                                         f"≤ {p.maximum}" if p.maximum is not None else "") if x) or "—")
         rows.append([f"`{key}`", f"`{p.default!r}`", allowed, p.doc + extra])
     presets = ", ".join(f"`{p}`" for p in form.presets) or f"`{form.name}`"

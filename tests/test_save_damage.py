@@ -118,6 +118,16 @@ def test_a_window_given_as_a_string_is_one_line(copy_of):
     _refused(copy_of, "sites.model.layers.0.self_attn#0.params", "window")
 
 
+@pytest.mark.parametrize("dtypes", [{"model.rotary_emb.inv_freq": "torch.int64"}, {"model.nothing.here": "torch.float32"},
+                                    {"model.embed_tokens.weight": "torch.float32"}, ["model.rotary_emb.inv_freq"]])
+def test_a_damaged_buffer_dtype_record_is_refused(copy_of, dtypes):
+    header = _header(copy_of)
+    assert header["buffer_dtypes"]["model.rotary_emb.inv_freq"] == "torch.float32"
+    header["buffer_dtypes"] = dtypes
+    _write(copy_of, header)
+    _refused(copy_of, "buffer_dtypes", "damaged")
+
+
 def test_a_form_whose_parameters_changed_is_refused(copy_of):
     header = _header(copy_of)
     linear = next(s for s in header["sites"] if s["form"] == "linear")

@@ -1,5 +1,6 @@
 """attnopt.save / attnopt.load: saved here, loaded in a fresh process, same outputs and same report."""
 
+import copy
 import json
 import math
 import os
@@ -159,6 +160,17 @@ def test_delta_convolution_taps_and_their_absence_load_exactly(tmp_path):
     assert torch.equal(again[0].conv_HkvWK, sites[0].conv_HkvWK) and again[1].conv_HkvWK is None
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids, use_cache=False).logits, opt(input_ids=ids, use_cache=False).logits)
+
+
+def test_a_model_cast_to_bfloat16_loads_bit_for_bit_with_its_rope_buffer_in_bfloat16(llama_compiled, tmp_path):
+    # .to(bfloat16) casts RoPE's inv_freq, a buffer save_pretrained leaves out and from_pretrained
+    # rebuilds in float32: without its recorded dtype the loaded model computed other logits.
+    _, opt, ids = llama_compiled
+    cast = copy.deepcopy(opt).to(torch.bfloat16)
+    loaded = attnopt.load(attnopt.save(cast, tmp_path / "bf16"))
+    assert loaded.model.rotary_emb.inv_freq.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids, use_cache=False).logits, cast(input_ids=ids, use_cache=False).logits)
 
 
 def test_a_model_that_slides_its_own_window_loads_with_its_window(tmp_path):

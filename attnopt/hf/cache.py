@@ -403,6 +403,11 @@ _PLAIN_KV = tuple(c for c in (getattr(hf_cache, n, None) for n in (
     if c is not None)
 
 
+# Layers sized up front (max_cache_len columns, most of them empty): no reuse selection reads them.
+_FIXED_LENGTH = tuple(c for c in (getattr(hf_cache, n, None) for n in ("StaticLayer", "StaticSlidingWindowLayer"))
+                      if c is not None)
+
+
 def bind_layer(module: nn.Module, cache) -> Optional[CacheLayerMixin]:
     """The cache layer of `module`'s site in `cache`, swapped in for the empty layer the cache made."""
     site = module._modules.get(SITE)
@@ -431,6 +436,10 @@ def bind_layer(module: nn.Module, cache) -> Optional[CacheLayerMixin]:
         layers[idx] = SiteCacheLayer(site, state.crop_refusal)
     elif type(layer) in (DynamicLayer, AppendingLayer):  # reuse: HF's full K/V layer (reuse refuses a layer that slides a window)
         layers[idx] = ReuseCacheLayer(site)
+    elif isinstance(layer, _FIXED_LENGTH):
+        raise ValueError(f"attnopt: layer {idx} reuses an anchor's block selection, which reads the keys decoded so far; "
+                         f"a static cache ({type(layer).__name__}) holds max_cache_len columns instead. Generate with "
+                         "the default dynamic cache (drop cache_implementation='static')")
     else:
         return None
     return layers[idx]

@@ -50,7 +50,8 @@ def plan_sites(sites: list[AttentionSite], policy) -> Planning:
 
 
 def unmatched_rules(sites: list, policy, chosen: list, n: int) -> list:
-    """The non-exact rules that chose no site, each with the earlier rules that claimed its sites."""
+    """The non-exact rules that chose no site: (index, text, the earlier rules that claimed its sites,
+    the form's hint of why its parameters match none)."""
     out = []
     for i, rule in enumerate(policy.rules):
         if i in chosen or rule.form == "exact":
@@ -59,7 +60,8 @@ def unmatched_rules(sites: list, policy, chosen: list, n: int) -> list:
         for site, index in zip(sites, chosen):
             if rule.matches(site, n):
                 claimed[index] = claimed.get(index, 0) + 1
-        out.append((i, rule.describe(), tuple((j, policy.rules[j].describe(), k) for j, k in sorted(claimed.items()))))
+        out.append((i, rule.describe(), tuple((j, policy.rules[j].describe(), k) for j, k in sorted(claimed.items())),
+                    forms.get(rule.form).unmatched_hint(rule.params, len({s.layer for s in sites}))))
     return out
 
 

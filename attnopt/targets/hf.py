@@ -249,7 +249,8 @@ class HfTarget(Target):
         self._save_pretrained_without_sites(path, installed)
         save_file(state, str(path / SITE_STATE_FILE))
         return {"model_class": type(self.model).__name__,
-                "attn_implementation": getattr(self.model.config, "_attn_implementation", None), "sites": entries}
+                "attn_implementation": getattr(self.model.config, "_attn_implementation", None), "sites": entries,
+                "buffer_dtypes": unsaved_buffer_dtypes(self.model)}
 
     def _save_pretrained_without_sites(self, path: Path, installed: list) -> None:
         # The model's own weights only: the site modules are detached while save_pretrained runs, so a
@@ -281,11 +282,50 @@ class HfTarget(Target):
         sites = [target.adapt_site(r.site) for r in report.sites]
         modules = {e["site_id"]: _restore_site(e, sites, state, path) for e in entries}
         install(model, sites, modules)
+        cast_unsaved_buffers(model, header.get("buffer_dtypes", {}), path / HEADER)
         target.check_sites_match(report, path / HEADER)
         return model
 
 
 HEADER = "attnopt.json"
+# The dtypes a buffer may be recorded in (the header is untrusted: no other name reaches getattr(torch)).
+BUFFER_DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+
+
+def unsaved_buffer_dtypes(model: nn.Module) -> dict:
+    """{buffer name: dtype} of the floating buffers save_pretrained leaves out (non-persistent, such
+    as RoPE's inv_freq). from_pretrained rebuilds them in its own dtype; a model cast with .to() had
+    them in another, and a load must compute what was saved."""
+    out = {}
+    for prefix, module in model.named_modules():  # site modules too (ssm's decay: rebuilt in float64)
+        for name in module._non_persistent_buffers_set:
+            t = module._buffers.get(name)
+            if t is not None and t.is_floating_point():
+                out[f"{prefix}.{name}" if prefix else name] = str(t.dtype)
+    return out
+
+
+def cast_unsaved_buffers(model: nn.Module, dtypes, header: Path) -> int:
+    """Cast the buffers `dtypes` names (unsaved_buffer_dtypes at save) to their saved dtype; the count cast."""
+    if not isinstance(dtypes, dict):
+        raise SaveError(f"attnopt.load: {header} field 'buffer_dtypes' is not an object; the directory is damaged")
+    cast = 0
+    for name, dtype in dtypes.items():
+        owner, _, leaf = str(name).rpartition(".")
+        try:
+            module = model.get_submodule(owner)
+        except AttributeError:
+            module = None
+        t = None if module is None else module._buffers.get(leaf)
+        if t is None or not t.is_floating_point() or dtype not in BUFFER_DTYPES:
+            raise SaveError(f"attnopt.load: {header} field 'buffer_dtypes' names {name!r} as {dtype!r}: no such "
+                            "floating buffer or dtype in the loaded model; the directory is damaged (save it again)")
+        if t.dtype != BUFFER_DTYPES[dtype]:
+            module._buffers[leaf] = t.to(BUFFER_DTYPES[dtype])
+            cast += 1
+    return cast
+
+
 ENTRY_FIELDS = {"site_id": str, "module_path": str, "form": str, "params": dict, "accepted": bool, "state": dict,
                 "sha256": str}
 

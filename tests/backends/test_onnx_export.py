@@ -266,6 +266,13 @@ def test_bad_inputs_get_one_line_errors(net_linear, tmp_path, monkeypatch):
     with pytest.raises(ValueError) as e:
         attnopt.export_onnx(opt, tmp_path, (x,))
     assert "is a directory" in _one_line(e)
+    for lengths in ([0], [-3], ["a"], [], 24):
+        with pytest.raises(ValueError) as e:
+            attnopt.export_onnx(opt, tmp_path / "m.onnx", (x,), check_lengths=lengths)
+        assert "check_lengths must be a non-empty list of positive int sequence lengths" in _one_line(e)
+    with pytest.raises(ValueError) as e:
+        attnopt.export_onnx(opt, tmp_path / "m", (x,), decode=True, check_lengths=[24])
+    assert "a decode folder checks a prompt and decoding steps of its own" in _one_line(e)
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime now raises ImportError
     with pytest.raises(ImportError) as e:
         attnopt.export_onnx(opt, tmp_path / "m.onnx", (x,))
@@ -383,6 +390,41 @@ def test_minilm_with_reuse_layers_exports_and_matches_torch_on_a_right_padded_ba
     with torch.no_grad():
         want = opt(**short).last_hidden_state
     assert _rel(_ort_outputs(path, [short[k] for k in enc])[0], want) <= 1e-4
+
+
+class MaskedSdpaNet(nn.Module):
+    """Causal SDPA under a boolean causal-and-padding mask built from a keep input [B, N]."""
+
+    def __init__(self, layers=3, c=32):
+        super().__init__()
+        self.qkv = nn.ModuleList([nn.Linear(c, 3 * c) for _ in range(layers)])
+
+    def forward(self, x, keep):
+        B, N, C = x.shape
+        mask = torch.ones(N, N, dtype=torch.bool).tril()[None, None] & keep[:, None, None, :].bool()
+        for qkv in self.qkv:
+            q, k, v = qkv(x).view(B, N, 3, 4, C // 4).permute(2, 0, 3, 1, 4)
+            x = x + F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(B, N, C)
+        return x
+
+
+@pytest.mark.parametrize("policy", ["exact", "reuse:1+block:8+anchor:-1+window:0+sinks:0"])
+def test_a_left_padded_example_exports_and_its_padded_rows_are_torchs_zeros(policy, tmp_path):
+    # torch's SDPA gives a query that sees no key zeros; the file must too, or a padded example's
+    # own parity check fails on rows no one reads (and the file differs from torch there).
+    torch.manual_seed(0)
+    net = MaskedSdpaNet().eval()
+    x, keep = torch.randn(2, 48, 32), torch.ones(2, 48, dtype=torch.long)
+    keep[1, :5] = 0
+    opt = attnopt.compile(net, policy, example_inputs=(x, keep), dispatch="off", tolerance=10.0, e2e_tolerance=None)
+    attnopt.export_onnx(opt, tmp_path / "m.onnx", (x, keep), baseline=False)
+    x2, keep2 = torch.randn(3, 61, 32), torch.ones(3, 61, dtype=torch.long)
+    keep2[0, :9], keep2[2, :1] = 0, 0
+    got = _ort_outputs(tmp_path / "m.onnx", (x2, keep2))[0]
+    with torch.no_grad():
+        want = opt(x2, keep2).numpy()
+    assert _rel(got, want) < 1e-5
+    np.testing.assert_allclose(got[~keep2.bool().numpy()], want[~keep2.bool().numpy()], atol=1e-5)
 
 
 def test_policy_compiles_an_original_model_first(tmp_path):

@@ -160,6 +160,37 @@ def test_transformer_encoder_sites_are_mha():
     assert opt(_x(n=20)).shape == (B, 20, C)
 
 
+class PaddedMHANet(nn.Module):
+    """nn.MultiheadAttention as most code calls it: need_weights left True (the [B·H, N, N] bmm
+    spelling) and a key_padding_mask."""
+
+    def __init__(self, layers=3):
+        super().__init__()
+        self.attn = nn.ModuleList([nn.MultiheadAttention(C, H, batch_first=True) for _ in range(layers)])
+
+    def forward(self, x, pad):
+        for attn in self.attn:
+            x = x + attn(x, x, x, key_padding_mask=pad)[0]
+        return x
+
+
+@pytest.mark.parametrize("policy", ["reuse:1+block:8+anchor:-1+window:0+sinks:0", "window:8", "linear"])
+def test_a_padded_mha_called_with_need_weights_is_rewritten_and_a_padded_row_equals_the_row_alone(policy):
+    torch.manual_seed(0)
+    net = PaddedMHANet().eval()
+    x, pad = _x(n=64), torch.zeros(B, 64, dtype=torch.bool)
+    pad[1, 48:] = True
+    opt = attnopt.compile(net, policy, example_inputs=(x, pad), dispatch="off", tolerance=10.0, e2e_tolerance=None)
+    statuses = [str(r.outcome.status) for r in opt.attnopt_report.sites]
+    assert statuses == (["kept", "rewritten", "kept"] if policy.startswith("reuse") else ["rewritten"] * 3)
+    with torch.no_grad():
+        padded = opt(x, pad)[1, :48]
+        alone = opt(x[1:, :48], pad[1:, :48])[0]
+        original = net(x, pad)[1, :48]
+    torch.testing.assert_close(padded, alone, rtol=1e-5, atol=1e-5)
+    assert (padded - original).abs().max() > 1e-3  # the form acts: the row is not the original's
+
+
 def test_torch_compile_backend_rewrites_dynamo_graphs():
     net = _net(causal=True)
     be = attnopt.backend("window:8", tolerance=0.99, e2e_tolerance=None)

@@ -231,3 +231,23 @@ def test_softcapped_gemma2_and_sinks_of_gpt_oss_stay_exact_and_generate_as_the_o
         assert [r.outcome.final_form for r in opt.attnopt_report.sites] == ["exact", "exact"]
         assert all(why in r.outcome.reason for r in opt.attnopt_report.sites), [r.outcome.reason for r in opt.attnopt_report.sites]
         assert torch.equal(_generate(opt, ids, am)[1], _generate(base, ids, am)[1])
+
+
+def test_a_layer_that_slides_never_anchors_reuse_and_a_full_one_does_past_the_window():
+    # Gemma2 [S, F, S, F]: a sliding layer's cache holds only its window, so no selection can be read
+    # from it while decoding. Layer 1 asking for sliding layer 0 is kept exact and says why; layer 3
+    # reading full layer 1 is rewritten and decodes past the window like a full forward.
+    base = _model("gemma2")
+    ids, am = _prompt()
+    rule = {"form": "reuse", "block": 2, "top_k": 1, "window": 0, "sinks": 1}
+    policy = {"rules": [{"layers": "1", "anchor": 0, **rule}, {"layers": "3", "anchor": 1, **rule}]}
+    opt = _compile(base, policy, ids, am)
+    sites = opt.attnopt_report.sites
+    assert [r.outcome.final_form for r in sites] == ["exact", "exact", "exact", "reuse"]
+    assert "anchor layer 0 slides its own window (4)" in sites[1].outcome.reason
+    seq, steps, _ = _generate(opt, ids, am)
+    assert (steps - _full_logits(opt, seq, am)).abs().max() < 1e-5
+    # The measured plan leaves sliding layers out of its chain: the full layers 1 and 3 are all it has.
+    measured = _compile(base, "reuse:1+block:2", ids, am)
+    plan = measured.attnopt_report.counts["verify"]["plans"]["reuse"]
+    assert [sid.split(".")[2] for sid in plan["site_ids"]] == ["1", "3"]

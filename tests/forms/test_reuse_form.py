@@ -252,10 +252,18 @@ def test_overlap_is_the_share_of_a_layer_s_rows_whose_target_its_anchor_s_blocks
     ("reuse+anchor:0+every:2", "give anchor or every, not both"),
     ("reuse+block:8+probes:16", "probes 16 > block 8"),
     ("reuse:-1", "must be >= 0"),
+    ("reuse+mass:0", "parameter .mass. got 0.0; must be > 0"),
 ])
 def test_bad_parameters_say_what_to_change(spec, message):
     with pytest.raises(PolicyError, match=message):
         attnopt.Policy.parse(spec)
+
+
+def test_a_static_cache_is_refused_in_one_line(small):
+    with pytest.raises(ValueError, match=r"a static cache \(StaticLayer\) holds max_cache_len columns.*drop "
+                                         r"cache_implementation='static'"):
+        small.generate(input_ids=_ids(1, 20), max_new_tokens=3, do_sample=False, pad_token_id=0,
+                       cache_implementation="static")
 
 
 def test_a_reused_layer_called_alone_says_it_needs_its_anchor(small):

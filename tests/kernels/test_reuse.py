@@ -166,6 +166,28 @@ def test_the_op_has_a_gradient_and_says_what_is_wrong():
         block_sparse_attention(q, k, v, blocks, block=0, causal=True)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_gradients_are_the_oracles_where_a_tile_holds_padding_and_queries_that_see_nothing(causal):
+    # 10 queries in blocks of 4: the last tile is padded, and row 1 leads with 3 pad columns (queries
+    # that see no key). Every gradient must be finite and equal the fp64 oracle's.
+    B, H, Hkv, N, D, b = 2, 4, 2, 10, 4, 4
+    q, k, v = _inputs(B, H, Hkv, N, N, D, D, seed=12, dtype=F64)
+    offsets = torch.tensor([0, 3])
+    key_mask = torch.arange(N)[None] >= offsets[:, None]
+    blocks = torch.cat([_random_lists(1, N, N, b, 2, seed=13), _random_lists(1, N, N, b, 2, seed=14, offset=3)])
+    weights = torch.randn(B, H, N, D, generator=torch.Generator().manual_seed(15), dtype=F64)
+    grads = []
+    for fn in (lambda *t: block_sparse_attention(*t, blocks, block=b, causal=causal, scale=0.5, key_mask=key_mask,
+                                                 offsets=offsets),
+               lambda *t: oracle(*t, blocks, block=b, causal=causal, scale=0.5, key_mask=key_mask, offsets=offsets)):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        (fn(*leaves) * weights).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for got, want in zip(*grads):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
 # ---------------------------------------------------------------------------------------------
 # the selection
 # ---------------------------------------------------------------------------------------------
@@ -365,6 +387,25 @@ def test_a_left_padded_row_selects_what_it_selects_alone_and_crop_goes_back():
         cols += 1
     with pytest.raises(ValueError, match="at most 128 tokens"):
         state.crop(129, RULE)
+
+
+def test_a_crop_into_a_rows_leading_padding_selects_like_a_prefill_of_what_is_left():
+    # Row 1 leads with 12 pads; dropping all but 8 columns leaves it pads only (HF's crop allows it).
+    # Continuing with 32 real tokens per row must select what one prefill of the whole result does.
+    q, k = _anchor(2, 40, 21)
+    keep = torch.ones(2, 40, dtype=torch.bool)
+    keep[1, :12] = False
+    _, state = select_call(q, k, keep, RULE, 0.35, None)
+    state = state.crop(32, RULE)
+    q2, k2 = _anchor(2, 40, 22)
+    q2[:, :, :8], k2[:, :, :8] = q[:, :, :8], k[:, :, :8]
+    keep2 = torch.ones(2, 40, dtype=torch.bool)
+    keep2[1, :8] = False
+    got, _ = select_call(q2[:, :, 8:], k2, keep2, RULE, 0.35, state)
+    want, _ = select_call(q2, k2, keep2, RULE, 0.35, None)
+    assert torch.equal(got.blocks_BQK, want.blocks_BQK[:, 8:])
+    with pytest.raises(ValueError, match="cannot drop 41 tokens from a sequence of 40"):
+        select_call(q, k, keep, RULE, 0.35, None)[1].crop(41, RULE)
 
 
 @pytest.mark.parametrize("rule", [RULE, BlockRule(block=4, top_k=3, window=0, sinks=0, probes=4, causal=True, mass=0.5)])

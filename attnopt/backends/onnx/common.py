@@ -65,11 +65,16 @@ def histogram(model) -> dict:
 
 
 def to_onnx(program, table: dict, opset: Optional[int]):
-    """torch.onnx.export of a torch.export program with `table`'s lowerings, then onnxscript's
+    """torch.onnx.export of a torch.export program with `table`'s lowerings (and SDPA's boolean mask
+    as torch reads it: kernels/onnx/masked_sdpa.py), then onnxscript's
     optimizer without its pattern rewriter: constant folding, dead nodes, shared constants and
     subexpressions. The rewriter's rules (no-op casts, reshape chains, conv and batch-norm fusions) are
     ones ORT and TensorRT apply themselves when they load a graph; skipping them is a sixth of the
     export's time. The opset-23 fusions (RMSNormalization, RotaryEmbedding) still run."""
+    if opset is None or opset < 23:  # (opset 23 lowers SDPA to ONNX's Attention op instead)
+        from attnopt.kernels.onnx.masked_sdpa import sdpa_zero_unseen_rows
+
+        table = {torch.ops.aten.scaled_dot_product_attention.default: sdpa_zero_unseen_rows, **table}
     onnx_program = torch.onnx.export(program, dynamo=True, custom_translation_table=table, opset_version=opset,
                                      verbose=False, optimize=False)
     optimize_without_rewrites(onnx_program.model)

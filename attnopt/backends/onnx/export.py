@@ -74,7 +74,10 @@ def export_onnx(model: nn.Module, path, example_inputs: Any = None, *, decode: O
     the file (its sites run their form at every length; `dispatch_dropped` lists them); a
     min_seq_len the policy gave is refused.
     """
-    if decode or (decode is None and decode_module.wants_folder(model, path)):
+    folder = decode or (decode is None and decode_module.wants_folder(model, path))
+    if check_lengths is not None:
+        _check_lengths(check_lengths, folder)
+    if folder:
         return decode_module.export_decoder(model, path, example_inputs, target=target, opset=opset, policy=policy,
                                             tokenizer=tokenizer)
     started = time.perf_counter()
@@ -94,6 +97,18 @@ def export_onnx(model: nn.Module, path, example_inputs: Any = None, *, decode: O
     result.seconds = time.perf_counter() - started
     opt.attnopt_report.exports.append(result.to_dict())
     return result
+
+
+def _check_lengths(lengths, folder: bool) -> None:
+    """check_lengths: a non-empty list of positive int lengths, for a prefill file only."""
+    if folder:
+        raise ValueError("export_onnx: check_lengths sets a prefill file's parity lengths; a decode folder checks "
+                         "a prompt and decoding steps of its own (drop check_lengths, or pass decode=False)")
+    ok = isinstance(lengths, (list, tuple)) and lengths and all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths)
+    if not ok:
+        raise ValueError(f"export_onnx: check_lengths must be a non-empty list of positive int sequence lengths, "
+                         f"got {lengths!r}; e.g. check_lengths=[64, 200]")
 
 
 def _export(opt, out_path, example_inputs, target, opset, dynamic, check_lengths, baseline) -> "OnnxExport":

@@ -48,6 +48,7 @@ class Param:
     minimum: Optional[float] = None
     maximum: Optional[float] = None
     doc: str = ""
+    above: Optional[float] = None  # an exclusive lower bound (a share that must be positive)
     # False: the default is not written into a validated dict (absent means default), so the params
     # of sites that never use the parameter -- saved models, cache keys, reports -- stay as they were.
     fill: bool = True
@@ -73,6 +74,8 @@ class Param:
                 raise PolicyError(f"form {form!r}: parameter {name!r} got nan; expected a number")
             if self.minimum is not None and value < self.minimum:
                 raise PolicyError(f"form {form!r}: parameter {name!r} got {value!r}; must be >= {self.minimum:g}")
+            if self.above is not None and value <= self.above:
+                raise PolicyError(f"form {form!r}: parameter {name!r} got {value!r}; must be > {self.above:g}")
             if self.maximum is not None and value > self.maximum:
                 raise PolicyError(f"form {form!r}: parameter {name!r} got {value!r}; must be <= {self.maximum:g}")
         return value if self.convert is None else self.convert(form, name, value)
@@ -229,7 +232,8 @@ class SiteModule(nn.Module, abc.ABC):
             q, k, v = self.unfold_heads(q), self.unfold_heads(k), self.unfold_heads(v)
         keep = None
         if mask is not None:  # padding may appear at run time even if the example had none
-            keep = key_keep(mask, g.keep_when, q.shape[0], k.shape[-2], rank=3 if folded else 4)
+            keep = key_keep(mask, g.keep_when, q.shape[0] * (q.shape[1] if folded else 1), k.shape[-2],
+                            rank=3 if folded else 4)  # folded: the mask's rows are [B·H]
             if folded and keep is not None and keep.shape[0] != q.shape[0]:
                 keep = keep.reshape(q.shape[0], -1, k.shape[-2])[:, 0]
         mask4 = None if folded else mask
@@ -491,6 +495,11 @@ class Form(abc.ABC):
     def preset_rule(self, params: dict) -> tuple[dict, Optional[tuple]]:
         """(params, layers) of the one rule a preset string makes; a form may restrict its layers."""
         return params, None
+
+    def unmatched_hint(self, params: Mapping[str, Any], layers: int) -> str:
+        """What to change when a rule of this form with `params` matches no site of a model with
+        `layers` attention layers ("" when nothing in the parameters explains it)."""
+        return ""
 
     # -- applicability
 

@@ -32,7 +32,7 @@ REUSE_PARAMS = {
     "sinks": Param(int, 1, minimum=0, doc="leading blocks always read"),
     "probes": Param((int, type(None)), None, minimum=1,
                     doc="anchor queries just before a block whose attention chooses its blocks (null: one block)"),
-    "mass": Param((float, type(None)), None, minimum=0.0, maximum=1.0,
+    "mass": Param((float, type(None)), None, above=0.0, maximum=1.0,
                   doc="stop choosing once the blocks read hold this share of the probes' mass (null: top_k)"),
     "anchor": Param((int, type(None)), None, doc="the layer whose selection is read (negative: layers back); "
                                                   "null: every or measured"),
@@ -62,6 +62,12 @@ def anchor_layer(site: AttentionSite, params: Mapping[str, Any]) -> Optional[int
 def same_sequence(a: AttentionSite, b: AttentionSite) -> bool:
     """Whether b's attention runs over a's positions (a selection of one applies to the other)."""
     return str(a.q_len) == str(b.q_len) and str(a.kv_len) == str(b.kv_len) and a.causal == b.causal
+
+
+def can_anchor(site: AttentionSite) -> bool:
+    """Whether `site` can select for later layers: not one whose model slides its own window (its KV
+    cache then holds only the window, so decoding could not read the blocks it selects)."""
+    return site.window is None
 
 
 def find_site(site: AttentionSite, sites: Sequence[AttentionSite], layer: int) -> Optional[AttentionSite]:
@@ -157,7 +163,8 @@ class ReusedSite(SiteModule):
                 return out
         keep = None
         if mask is not None:
-            keep = key_keep(mask, g.keep_when, q.shape[0], k.shape[-2], rank=3 if folded else 4)
+            keep = key_keep(mask, g.keep_when, q.shape[0] * (q.shape[1] if folded else 1), k.shape[-2],
+                            rank=3 if folded else 4)  # folded: the mask's rows are [B·H]
             if folded and keep is not None and keep.shape[0] != q.shape[0]:
                 keep = keep.reshape(q.shape[0], -1, k.shape[-2])[:, 0]
         mask4 = None if folded else mask
@@ -257,6 +264,14 @@ class ReuseForm(Form):
             first = max(1, -anchor if anchor < 0 else anchor + 1)
         return params, (first, -2)
 
+    def unmatched_hint(self, params, layers):
+        a = params.get("anchor")
+        if isinstance(a, int) and not isinstance(a, bool) and (a >= layers - 2 or -a >= layers - 1):
+            return (f"anchor {a} leaves no layer to reuse between it and the last layer, which stays exact "
+                    f"(layers 0..{layers - 1}); give an anchor from 0 to {max(0, layers - 3)} or from -1 to "
+                    f"-{max(1, layers - 2)}")
+        return ""
+
     def check_site(self, site, params, sites):
         why = no_arbitrary_mask(site)
         if why:
@@ -269,10 +284,18 @@ class ReuseForm(Form):
         layer = anchor_layer(site, params)
         if layer is None or layer == site.layer and params["every"] is not None:  # measured, or an anchor
             return None
-        if layer < 0 or layer >= site.layer:
+        if layer < 0:
+            return ("the first layer has no earlier layer to anchor it" if site.layer == 0 else
+                    f"anchor {params['anchor']} reaches back to layer {layer}, before the first layer; "
+                    f"give anchor from -1 to -{site.layer} for layer {site.layer}")
+        if layer >= site.layer:
             return f"anchor layer {layer} is not an earlier layer than {site.layer}"
-        if find_site(site, sites, layer) is None:
+        anchor = find_site(site, sites, layer)
+        if anchor is None:
             return f"no site at layer {layer} runs over the same positions (lengths and causality) to anchor it"
+        if not can_anchor(anchor):
+            return (f"anchor layer {layer} slides its own window ({anchor.window}): its KV cache holds only the window, "
+                    "not the keys a selection reads; anchor on a full-attention layer (anchor:, or a measured plan)")
         return None
 
     def keeps_exact(self, site, params, sites):
@@ -306,7 +329,7 @@ class ReuseForm(Form):
 
     def build(self, site, params, context):
         candidates = {s.layer: (s.id, float(s.scale), s.heads, s.head_dim) for s in context.sites
-                      if s.layer < site.layer and same_sequence(site, s)}
+                      if s.layer < site.layer and same_sequence(site, s) and can_anchor(s)}
         layer = anchor_layer(site, params)
         anchor = None
         kept = self.keeps_exact(site, params, context.sites)

@@ -201,7 +201,9 @@ def measured_plan(context, params: Mapping[str, Any]) -> ReusePlan:
     key = _key(params)
     if key in memo:
         return memo[key]
-    sites = sorted((s for s in context.sites if context.calls.get(s.id) and str(s.q_len) == str(s.kv_len)),
+    # Layers whose model slides its own window neither anchor nor reuse (form.can_anchor, check_site).
+    sites = sorted((s for s in context.sites if context.calls.get(s.id) and str(s.q_len) == str(s.kv_len)
+                    and s.window is None),
                    key=lambda s: (s.layer, s.id))
     ids = [s.id for s in sites]
     rules = {s.id: _rule(params, s.causal) for s in sites}

@@ -98,6 +98,7 @@ def gathered_attention(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, *, block
         lists = blocks.long()[:, row_of_tile]  # [B, n_tiles, K]
     qpos_t = torch.nn.functional.pad(qpos_BQ, (lead, pad_tail), value=-(1 << 40)).view(B, n_tiles, T)
     out = q.new_zeros(B, Hkv, G, n_tiles, T, Dv, dtype=dtype)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     step = max(1, SCORES_PER_STEP // max(1, Hkv * G * T * K * block))
     slot = torch.arange(block, device=q.device)
     for c0 in range(0, n_tiles, step):
@@ -114,7 +115,11 @@ def gathered_attention(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, *, block
         visible = visible & (qpos_t[:, c0:c1, :, None] >= 0)  # queries before a row's offset are padding
         if causal:
             visible = visible & (kpos[:, :, None, :] <= qpos_t[:, c0:c1, :, None])
-        bias = torch.zeros(visible.shape, dtype=dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+        hidden = ~visible
+        if grad:  # a query that sees no key gets finite scores, then 0: softmax's backward of a NaN row is NaN
+            seen = visible.any(-1, keepdim=True)
+            hidden &= seen
+        bias = torch.zeros(visible.shape, dtype=dtype, device=q.device).masked_fill_(hidden, float("-inf"))
         for r in range(B):
             idx = cols[r].flatten()
             C = c1 - c0
@@ -124,7 +129,7 @@ def gathered_attention(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, *, block
             s = torch.matmul(q_r, k_g.transpose(-1, -2)).mul_(scale).view(Hkv, C, G, T, K * block)
             s.add_(bias[r][None, :, None])
             p = torch.softmax(s, dim=-1)
-            p = (p.nan_to_num(0.0) if p.requires_grad else p.nan_to_num_(0.0)).view(Hkv, C, G * T, K * block)
+            p = (p * seen[r][None, :, None] if grad else p.nan_to_num_(0.0)).view(Hkv, C, G * T, K * block)
             out[r, :, :, c0:c1] = torch.matmul(p, v_g).view(Hkv, C, G, T, Dv).transpose(1, 2)
     out = out.view(B, Hkv, G, n_tiles * T, Dv)[:, :, :, lead:lead + Nq]
     return out.reshape(B, H, Nq, Dv).to(q.dtype)

@@ -359,15 +359,23 @@ class SelectionState:
         if tokens > CROP_TOKENS:
             raise ValueError(f"reuse: a cache can drop at most {CROP_TOKENS} tokens of a reused layer's selection "
                              f"state, not {tokens}; use fewer assistant or prompt-lookup tokens per step")
-        seen = self.seen_B - tokens
-        if bool((seen < 0).any()):
-            raise ValueError(f"reuse: cannot drop {tokens} tokens from a sequence of {int(self.seen_B.min())}")
-        stash = torch.cat([self.stash_BHWD.new_zeros(*self.stash_BHWD.shape[:2], tokens, self.stash_BHWD.shape[-1]),
-                           self.stash_BHWD[:, :, :-tokens]], dim=2)
+        # The last `tokens` columns go: a row loses that many real positions, and the rest of them
+        # from its leading padding when it has fewer (a left-padded row cropped into its pads).
+        dropped_B = torch.clamp(self.seen_B, max=tokens)
+        pads_B = tokens - dropped_B
+        if bool((pads_B > self.offsets_B).any()):
+            raise ValueError(f"reuse: cannot drop {tokens} tokens from a sequence of "
+                             f"{int((self.seen_B + self.offsets_B).min())}")
+        seen = self.seen_B - dropped_B
+        W = self.stash_BHWD.shape[2]
+        src_BW = torch.arange(W, device=seen.device)[None, :] - dropped_B[:, None]  # row r's slot j was j − dropped
+        stash = self.stash_BHWD.gather(2, src_BW.clamp_min(0)[:, None, :, None].expand_as(self.stash_BHWD))
+        stash = stash.masked_fill((src_BW < 0)[:, None, :, None], 0.0)
         started = -(-seen // rule.block)  # blocks whose first position survives
         m = torch.arange(self.history_BMK.shape[1], device=seen.device)
         history = torch.where((m[None, :] < started[:, None])[..., None], self.history_BMK, -1)
-        return replace(self, seen_B=seen, stash_BHWD=stash, history_BMK=history, lo_BHkvJD=None, hi_BHkvJD=None)
+        return replace(self, seen_B=seen, stash_BHWD=stash, history_BMK=history, offsets_B=self.offsets_B - pads_B,
+                       lo_BHkvJD=None, hi_BHkvJD=None)
 
 
 def stash_width(rule: BlockRule) -> int:
