@@ -594,7 +594,8 @@ def export_command(
     policy: str = typer.Option("linear", "--policy", help=f"preset ({policy_presets_help()}) or a policy file"),
     target: str = typer.Option("ort", "--target", help="ort (ONNX Runtime contrib kernels where exact), onnx-std "
                                                        "(standard ops only) or custom (attnopt-domain nodes)"),
-    out: str = typer.Option("model.onnx", "--out", help="the ONNX file to write"),
+    out: str = typer.Option("model.onnx", "--out", help="the ONNX file to write; for a causal LM, a path without "
+                                                        "the .onnx suffix writes a decode folder instead"),
     seq_len: int = typer.Option(128, "--seq-len", help="export length for Hugging Face models (built-in passages)"),
     as_json: bool = typer.Option(False, "--json", help="print the export record (lowerings, op histograms, parity) "
                                                        "as JSON"),
@@ -669,6 +670,13 @@ def calibrate_command(
             raise CliError(f"bad --policy: {exc}", EXIT_BAD_ARGUMENT) from exc
         if texts is not None and not os.path.isfile(texts):
             raise CliError(f"--texts {texts}: no such file", EXIT_BAD_ARGUMENT)
+        from attnopt.calibration.options import PARAMS
+
+        if params not in PARAMS:  # before the compile, not after it
+            raise CliError(f"bad --params {params!r}: choose one of {', '.join(PARAMS)}", EXIT_BAD_ARGUMENT)
+        if out is not None and os.path.exists(out) and not os.path.isdir(out):
+            raise CliError(f"--out {out}: is a file; give a directory (made if missing) for the model, reports and "
+                           "checkpoint", EXIT_BAD_ARGUMENT)
         passages = ([t for t in open(texts, encoding="utf-8").read().splitlines() if t.strip()] if texts
                     else english_passages())
         loaded, args, kwargs, description = _load(model, quiet=as_json, texts=passages, max_length=seq_len)

@@ -9,8 +9,10 @@ only k of its cases are collected (the rest are reported as deselected): a fixed
 so that every tag that `fn(params)` gives any case (a spelling family, a mask kind, ...) appears in
 it. The sample is the same on every run and every xdist worker.
 
-`pytest --full` (or `ATTNOPT_FULL_TESTS=1 pytest`) runs every case of every sampled sweep. A case
-named explicitly on the command line (`path::test[id]`) always runs.
+`pytest --full` (or `ATTNOPT_FULL_TESTS=1 pytest`) runs every case of every sampled sweep, and the
+tests marked `@pytest.mark.full_only(reason)`: a minute or more of one real model whose result a
+benchmark also records (the default run must stay under eight minutes on two cores). A case named
+explicitly on the command line (`path::test[id]`) always runs.
 
 `pytest --cpu-durations=N` lists the N tests and files that took the most CPU seconds (the test's
 process plus the child processes it waited for; setup, call and teardown together). Wall time
@@ -102,6 +104,7 @@ def pytest_configure(config):
         "sampled(k, seed=0, tags=None): a parametrized sweep that runs a fixed-seed sample of k cases "
         "covering every tag of tags(params) by default, every case under --full (tests/conftest.py)",
     )
+    config.addinivalue_line("markers", "full_only(reason): runs only under --full (tests/conftest.py)")
 
 
 def covering_sample(tag_sets: list, k: int, seed: int) -> list:
@@ -125,7 +128,8 @@ def covering_sample_fixture():
 
 
 def _named_on_command_line(config, item) -> bool:
-    return any("[" in arg and arg.rsplit("::", 1)[-1] == item.name for arg in config.args)
+    """Whether the command line names this very test (`path::name`, with its `[id]` when parametrized)."""
+    return any("::" in arg and arg.rsplit("::", 1)[-1] == item.name for arg in config.args)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -135,7 +139,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("sampled") is not None and hasattr(item, "callspec"):
             sweeps.setdefault((item.path, item.originalname), []).append(item)
-    dropped = set()
+    dropped = {id(i) for i in items if i.get_closest_marker("full_only") is not None
+               and not _named_on_command_line(config, i)}
     for cases in sweeps.values():
         marker = cases[0].get_closest_marker("sampled")
         k = marker.args[0] if marker.args else marker.kwargs["k"]

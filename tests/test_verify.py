@@ -73,3 +73,34 @@ def test_min_seq_len_above_every_input_is_unverified():
     params = linear.validate({"min_seq_len": 1024})
     attempt, _ = try_form(_site(), "linear", params, BuildContext(calls={"a#0": [_call()]}), 0.8)
     assert attempt.verdict is Verdict.UNVERIFIED and "1024" in attempt.reason
+
+
+def test_drift_leaves_out_the_outputs_of_padding_queries():
+    # A right-padded row's last 3 queries and a left-padded row's first 2 are padding: whatever a form
+    # gives there is read by no one, so a module wrong only there has no drift; wrong on a real row, it has.
+    from types import SimpleNamespace
+
+    from attnopt.passes.verify import site_drift
+
+    B, H, N, D = 2, 2, 8, 4
+    g = torch.Generator().manual_seed(0)
+    q, k, v, out = (torch.randn(B, H, N, D, generator=g) for _ in range(4))
+    real = torch.ones(B, N, dtype=torch.bool)
+    real[0, -3:], real[1, :2] = False, False
+    mask = torch.ones(N, N, dtype=torch.bool).tril()[None, None] & real[:, None, None, :]
+    call = SiteCall(q, k, v, mask, out)
+
+    class WrongAt(torch.nn.Module):
+        geometry = SimpleNamespace(keep_when="true")
+
+        def __init__(self, rows):
+            super().__init__()
+            self.rows = rows
+
+        def forward(self, q, k, v, mask):
+            return torch.where(self.rows[:, None, :, None], out + 1.0, out)
+
+    assert site_drift(WrongAt(~real), [call]).rel_rms == 0.0
+    wrong_real = torch.zeros(B, N, dtype=torch.bool)
+    wrong_real[0, 0] = True
+    assert site_drift(WrongAt(wrong_real), [call]).rel_rms > 0.05

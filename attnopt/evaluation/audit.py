@@ -41,6 +41,8 @@ def check_lengths(lengths: Optional[Sequence[int]], limit: Optional[int], name: 
         if limit is None:
             raise ValueError(f"{name} states no position limit (config.max_position_embeddings); pass lengths=[...]")
         return sorted({max(1, limit // 4), limit})
+    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence):
+        raise ValueError(f"lengths must be a list of positive token counts like [512, 2048]; got {lengths!r}")
     out = []
     for n in lengths:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:

@@ -403,7 +403,8 @@ _PLAIN_KV = tuple(c for c in (getattr(hf_cache, n, None) for n in (
     if c is not None)
 
 
-# Layers sized up front (max_cache_len columns, most of them empty): no reuse selection reads them.
+# Layers sized up front (max_cache_len columns, and HF's masks with them): a site's layer replacing one
+# would disagree with the exact layers' masks of the same kind, and a reuse selection cannot read them.
 _FIXED_LENGTH = tuple(c for c in (getattr(hf_cache, n, None) for n in ("StaticLayer", "StaticSlidingWindowLayer"))
                       if c is not None)
 
@@ -432,14 +433,16 @@ def bind_layer(module: nn.Module, cache) -> Optional[CacheLayerMixin]:
         return None
     if type(layer) not in _PLAIN_KV + (AppendingLayer,):
         return None  # a layer that also keeps other state (conv, recurrent, an indexer) stays HF's own
+    if isinstance(layer, _FIXED_LENGTH):
+        what = ("reuses an anchor's block selection, which reads the keys decoded so far" if state.cache_role == "reuse"
+                else f"decodes from its {site.form} state")
+        raise ValueError(f"attnopt: layer {idx} {what}; a static cache ({type(layer).__name__}) sizes every layer and "
+                         "mask to max_cache_len instead. Generate with the default dynamic cache (drop "
+                         "cache_implementation='static')")
     if state.cache_role == "state":
         layers[idx] = SiteCacheLayer(site, state.crop_refusal)
     elif type(layer) in (DynamicLayer, AppendingLayer):  # reuse: HF's full K/V layer (reuse refuses a layer that slides a window)
         layers[idx] = ReuseCacheLayer(site)
-    elif isinstance(layer, _FIXED_LENGTH):
-        raise ValueError(f"attnopt: layer {idx} reuses an anchor's block selection, which reads the keys decoded so far; "
-                         f"a static cache ({type(layer).__name__}) holds max_cache_len columns instead. Generate with "
-                         "the default dynamic cache (drop cache_implementation='static')")
     else:
         return None
     return layers[idx]

@@ -75,6 +75,11 @@ def run_generate(directory: str, prompts: list, max_new_tokens: int, sample: boo
         rows = [tokenizer.encode(p) for p in prompts]
     except (FileNotFoundError, ValueError, ImportError, OSError) as exc:
         return _fail(str(exc))
+    except Exception as exc:  # ONNX Runtime's own errors (a file that is no ONNX model, a damaged graph)
+        if not type(exc).__module__.startswith("onnxruntime"):
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return _fail(f"{directory}: ONNX Runtime cannot load it ({first[:200]}); give a folder export_onnx wrote")
     if any(not r for r in rows):
         return _fail("a prompt encodes to no tokens; give some text")
     pad = generator.contract.token_id("pad_token_id") or 0

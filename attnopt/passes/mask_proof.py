@@ -74,11 +74,10 @@ def classify_keep(keep: torch.Tensor) -> KeepPattern:
         if torch.equal(keep, pad_full):
             return KeepPattern(padding=True)
         return KeepPattern(arbitrary=True)
-    visible = (union & causal_band).sum(-1)
-    w = int(visible.max())
+    if torch.equal(keep, causal_band & pad_full):  # causal over the real keys (a batch of one padded row too)
+        return KeepPattern(causal=True, padding=not bool(pad_BNk.all()))
+    w = int((union & causal_band).sum(-1).max())
     band = causal_band & (j > i + offset - w)
-    if not torch.equal(union, band):
-        return KeepPattern(arbitrary=True)
     if not torch.equal(keep, band & pad_full):
         return KeepPattern(arbitrary=True)
     full_rows = int((i + offset + 1).clamp(max=nk).max())

@@ -18,6 +18,7 @@ from attnopt.forms.common.base import BuildContext
 from attnopt.forms.common.fitting import fit_progress
 from attnopt.forms.common.mixed_heads import build_site, fit_site
 from attnopt.ir.calls import SiteCall
+from attnopt.ir.masks import key_keep
 from attnopt.ir.errors import KeptByPlan, SiteUnsupported
 from attnopt.ir.outcomes import (
     Attempt,
@@ -65,8 +66,28 @@ def site_drift(module: torch.nn.Module, calls: list[SiteCall], anchor_calls: Opt
     for i, call in enumerate(calls):
         extra = {} if anchor_calls is None else {"anchor": (anchor_calls[i].q, anchor_calls[i].k)}
         out = module(call.q, call.k, call.v, call.mask, **extra)
-        drifts.append(drift(out, call.out))
+        rows = real_query_rows(call, getattr(getattr(module, "geometry", None), "keep_when", None))
+        if rows is not None:  # a padding query's output is read by no one: not the form's error
+            out, ref = out * rows, call.out * rows
+        else:
+            ref = call.out
+        drifts.append(drift(out, ref))
     return worst(drifts)
+
+
+def real_query_rows(call: SiteCall, keep_when: Optional[str]) -> Optional[torch.Tensor]:
+    """[B, 1, Nq, 1] 1.0 where a self-attention query is a real token (its own key is not padding),
+    0.0 where it is padding; None when every row is real or the call does not show it."""
+    q, mask = call.q, call.mask
+    if mask is None or keep_when is None or q.dim() != 4 or q.shape[2] != call.k.shape[2] or q.shape[2] < 2:
+        return None
+    try:
+        keep_BN = key_keep(mask, keep_when, q.shape[0], call.k.shape[2])
+    except RuntimeError:  # a mask whose batch does not follow q's: nothing to read
+        return None
+    if keep_BN is None or bool(keep_BN.all()):
+        return None
+    return keep_BN[:, None, :, None].to(call.out.dtype)
 
 
 def judge(d: Drift, tolerance: float) -> tuple[Verdict, str]:
@@ -243,7 +264,12 @@ def output_drift(outs: list[Any], refs: list[Any], attention_masks: list[Optiona
         ref_leaves = dict(_leaves(ref))
         for name, leaf in _leaves(out):
             if name in ref_leaves and ref_leaves[name].shape == leaf.shape:
-                per.setdefault(name, []).append(drift(leaf, ref_leaves[name]))
+                want = ref_leaves[name]
+                if am is not None and am.dim() == 2 and leaf.dim() >= 2 and tuple(leaf.shape[:2]) == tuple(am.shape):
+                    # padding positions' outputs are read by no one (as embedding_cosine weighs them)
+                    real = am.to(torch.float64).reshape(*am.shape, *([1] * (leaf.dim() - 2)))
+                    leaf, want = leaf.to(torch.float64) * real, want.to(torch.float64) * real
+                per.setdefault(name, []).append(drift(leaf, want))
         c = embedding_cosine(out, ref, am)
         if c is not None:
             cosines.append(c)

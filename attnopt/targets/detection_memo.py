@@ -5,9 +5,9 @@ torch.export of the whole model, most of a small model's compile time and minute
 Detection is pure data (sites by module path and graph node name, near misses), so it is kept here,
 keyed by everything a static capture reads: the model class and config, every module's path and
 class (and that class's `forward`, so a patched method misses), every parameter's and buffer's
-shape and dtype, and the example inputs' shapes, dtypes and plain values. Weights are not in the
-key: a capture does not read them. A model with forward hooks, or inputs holding anything else,
-are not kept.
+shape and dtype, and the example inputs' shapes, dtypes, contents and plain values (a mask's values
+set its sites' mask kinds). Weights are not in the key: a capture does not read them. A model with
+forward hooks, or inputs holding anything else, are not kept.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from attnopt.ir.detection import Detection
+from attnopt.ir.digest import tensors_digest
 
 KEEP = 16  # detections kept, least recently used dropped first
 _kept: "OrderedDict[tuple, Detection]" = OrderedDict()
@@ -85,9 +86,11 @@ def _global_hooks() -> bool:
 
 
 def _signature(value: Any):
-    """Shapes, dtypes and plain values of nested inputs; None for anything else."""
+    """Shapes, dtypes, contents and plain values of nested inputs; None for anything else. Contents
+    too: a detection reads its example's masks (a padded example's mask kinds are not a clean one's)."""
     if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), str(value.dtype), value.device.type, value.requires_grad)
+        return ("tensor", tuple(value.shape), str(value.dtype), value.device.type, value.requires_grad,
+                tensors_digest({"": value}))
     if value is None or isinstance(value, (bool, int, float, str)):
         return (type(value).__name__, value)
     if isinstance(value, (tuple, list)):

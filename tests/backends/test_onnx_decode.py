@@ -387,6 +387,12 @@ def test_cli_generate_uses_the_folders_tokenizer(window_sinks, capsys):
     assert words.split() == prompt.split() + [f"w{t}" for t in want[0, 5:] if t > 2]
     assert command.main(["generate", str(folder.parent)], standalone_mode=False) == 2
     assert capsys.readouterr().err.count("\n") == 1
+    junk = folder.parent / "junk"  # a folder whose model.onnx is no ONNX model: ORT's error, in one line
+    junk.mkdir(exist_ok=True)
+    (junk / "model.onnx").write_text("not a model")
+    assert command.main(["generate", str(junk), "--prompt", prompt], standalone_mode=False) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ONNX Runtime cannot load it" in err
     # --ignore-eos: all 30 new tokens, as Generator's eos_token_id=None (special tokens are not printed)
     from attnopt.onnx import Generator
 

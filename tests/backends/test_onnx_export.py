@@ -225,6 +225,21 @@ def test_custom_target_is_an_attnopt_domain_node_with_a_local_function(net_linea
     assert _rel(_ort_outputs(path, [x[:1, :30]])[0], want) <= 1e-4  # ORT inlines the function
 
 
+def test_custom_target_carries_scan_lowered_forms(tmp_path):
+    # ssm and delta bodies hold a Scan whose subgraph the tracer named apart from the body: the
+    # function must still be SSA (onnx.checker), and ORT must inline it to torch's output.
+    net, x = _net_and_x()
+    policy = {"rules": [{"form": "ssm", "layers": [0, 0]}, {"form": "delta", "params": {"fit_steps": 0}, "layers": [1, 1]}]}
+    opt = attnopt.compile(net, policy, example_inputs=(x,), tolerance=10.0, e2e_tolerance=None)
+    path = tmp_path / "scan.onnx"
+    result = attnopt.export_onnx(opt, path, (x,), target="custom", baseline=False)
+    assert [s["form"] for s in result.sites] == ["ssm", "delta"]
+    assert all(p["rel_rms"] <= 1e-4 for p in result.parity)
+    proto = onnx.load(path)
+    assert [n.domain for n in proto.graph.node if n.domain == "attnopt"] == ["attnopt"] * 2
+    assert all("Scan" in {n.op_type for n in f.node} for f in proto.functions)
+
+
 def test_a_wrong_lowering_is_an_error_naming_the_site_and_form(net_linear, tmp_path, monkeypatch):
     opt, x = net_linear
     good = LINEAR.by_target["ort"]
@@ -408,15 +423,17 @@ class MaskedSdpaNet(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("policy", ["exact", "reuse:1+block:8+anchor:-1+window:0+sinks:0"])
-def test_a_left_padded_example_exports_and_its_padded_rows_are_torchs_zeros(policy, tmp_path):
+def test_a_left_padded_example_exports_and_its_padded_rows_are_torchs_zeros(tmp_path):
     # torch's SDPA gives a query that sees no key zeros; the file must too, or a padded example's
-    # own parity check fails on rows no one reads (and the file differs from torch there).
+    # own parity check fails on rows no one reads (and the file differs from torch there). The
+    # first and last layers stay exact SDPA; the middle one is reuse's own op.
     torch.manual_seed(0)
     net = MaskedSdpaNet().eval()
     x, keep = torch.randn(2, 48, 32), torch.ones(2, 48, dtype=torch.long)
     keep[1, :5] = 0
-    opt = attnopt.compile(net, policy, example_inputs=(x, keep), dispatch="off", tolerance=10.0, e2e_tolerance=None)
+    opt = attnopt.compile(net, "reuse:1+block:8+anchor:-1+window:0+sinks:0", example_inputs=(x, keep), dispatch="off",
+                          tolerance=10.0, e2e_tolerance=None)
+    assert [r.outcome.final_form for r in opt.attnopt_report.sites] == ["exact", "reuse", "exact"]
     attnopt.export_onnx(opt, tmp_path / "m.onnx", (x, keep), baseline=False)
     x2, keep2 = torch.randn(3, 61, 32), torch.ones(3, 61, dtype=torch.long)
     keep2[0, :9], keep2[2, :1] = 0, 0

@@ -32,7 +32,7 @@ def test_cli_calibrates_saves_and_reports(tmp_path, capsys):
     assert tensors.keys() == saved.keys() and all(torch.equal(tensors[k], saved[k]) for k in saved)
 
 
-def test_cli_calibrate_errors_in_one_line(capsys):
+def test_cli_calibrate_errors_in_one_line(capsys, tmp_path):
     rc = main(["calibrate", "minilm", "--policy", "window:16", "--seq-len", "64"])
     err = capsys.readouterr().err.strip()
     # In-process, transformers (imported by earlier tests) may print its own loading bar first.
@@ -41,5 +41,11 @@ def test_cli_calibrate_errors_in_one_line(capsys):
     assert err.startswith("attnopt calibrate: nothing to calibrate") and "linear:hedgehog" in err
     assert main(["calibrate", "minilm", "--policy", "nope"]) == 2
     assert "bad --policy" in capsys.readouterr().err
+    assert main(["calibrate", "minilm", "--params", "everything"]) == 2  # refused before any compile
+    assert "bad --params 'everything': choose one of forms, forms+lora" in capsys.readouterr().err
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert main(["calibrate", "minilm", "--out", str(afile)]) == 2
+    assert "is a file; give a directory" in capsys.readouterr().err
     assert main(["calibrate", "--help"]) == 0
     assert "torchrun --nproc_per_node=2" in capsys.readouterr().out

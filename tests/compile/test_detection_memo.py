@@ -1,6 +1,6 @@
 """A second compile of the same transformers model reuses the first's capture + detection, and only
 when nothing a capture reads has changed: the model's structure, its classes' forward, its hooks, its
-config, the inputs' shapes and plain values."""
+config, the inputs' shapes, contents and plain values."""
 
 import warnings
 
@@ -71,6 +71,32 @@ def test_anything_a_capture_reads_makes_it_capture_again(monkeypatch):
     assert reused(compiled(model))
     model.config.rms_norm_eps = 1e-3
     assert not reused(compiled(model))  # the config
+
+
+@pytest.mark.parametrize("pads", ["left", "right"])
+def test_a_padded_example_of_one_row_is_rewritten_and_its_detection_is_not_a_clean_ones(pads):
+    # One row with padding: its sites are causal + padding (once read as arbitrary: every site kept
+    # exact), the padded queries' outputs do not count as drift, and the memo keys the mask's values,
+    # so a clean example of the same shape is detected afresh.
+    model = decoder()
+    mask = torch.ones_like(IDS)
+    if pads == "left":
+        mask[:, :6] = 0
+    else:
+        mask[:, -6:] = 0
+
+    def compile_with(m):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return attnopt.compile(model, "window:8", example_inputs={"input_ids": IDS * m, "attention_mask": m},
+                                   dispatch="off", tolerance=0.99, e2e_tolerance=None)
+
+    padded = compile_with(mask)
+    sites = padded.attnopt_report.sites
+    assert [str(r.outcome.status) for r in sites] == ["rewritten", "rewritten"], [r.outcome.reason for r in sites]
+    assert all(r.site.mask.causal and r.site.mask.padding and not r.site.mask.arbitrary for r in sites)
+    clean = compile_with(torch.ones_like(IDS))
+    assert not reused(clean) and reused(compile_with(mask))
 
 
 def test_inputs_that_are_not_tensors_or_plain_values_are_not_kept():

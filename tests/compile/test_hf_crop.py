@@ -73,3 +73,14 @@ def test_a_state_form_refuses_dropping_tokens_at_once_in_its_own_words(llama):
     with torch.no_grad(), pytest.raises(ValueError, match=r"^attnopt: .*decode state of layers 0, 1 cannot; compile "
                                                           r"layers 0, 1 as exact \(policy rule"):
         opt.generate(_prompt(), max_new_tokens=NEW, do_sample=False, prompt_lookup_num_tokens=3)
+
+
+@pytest.mark.parametrize("policy, what", [("linear", "layer 0 decodes from its linear state"),
+                                          (REUSE, "layer 1 reuses an anchor's block selection")])
+def test_a_static_cache_is_refused_in_one_line(llama, policy, what):
+    # A static cache sizes layers and masks to max_cache_len: a form's layer would disagree with the
+    # exact layers' masks (a left-padded batch decoded wrong before this refusal).
+    opt = _compile(llama, policy)
+    with torch.no_grad(), pytest.raises(ValueError, match=rf"^attnopt: {what}.*; a static cache \(StaticLayer\) .*"
+                                                          r"\(drop cache_implementation='static'\)$"):
+        opt.generate(_prompt(), max_new_tokens=3, do_sample=False, cache_implementation="static")

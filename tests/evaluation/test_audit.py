@@ -188,6 +188,7 @@ def test_the_report_round_trips_and_renders_self_contained(induction_report):
     ({"probes": ["passkey", "haystack"]}, r"unknown probe 'haystack'; known probes: passkey, needle"),
     ({"lengths": [2048]}, r"length 2048 is beyond what .* can embed \(1024 positions"),
     ({"lengths": [0]}, r"lengths must be positive token counts"),
+    ({"lengths": "256"}, r"lengths must be a list of positive token counts like \[512, 2048\]; got .256."),
     ({"depths": [1.5]}, r"depths are fractions of the context from 0 \(start\) to 1"),
     ({"samples": 0}, r"samples must be a positive number"),
     ({"texts": ["  "]}, r"texts must be a string or a list of strings with some text"),

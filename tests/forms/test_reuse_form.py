@@ -259,13 +259,6 @@ def test_bad_parameters_say_what_to_change(spec, message):
         attnopt.Policy.parse(spec)
 
 
-def test_a_static_cache_is_refused_in_one_line(small):
-    with pytest.raises(ValueError, match=r"a static cache \(StaticLayer\) holds max_cache_len columns.*drop "
-                                         r"cache_implementation='static'"):
-        small.generate(input_ids=_ids(1, 20), max_new_tokens=3, do_sample=False, pad_token_id=0,
-                       cache_implementation="static")
-
-
 def test_a_reused_layer_called_alone_says_it_needs_its_anchor(small):
     module = next(m for m in small.modules() if isinstance(m, attnopt.forms.SiteModule))
     q = torch.randn(1, 6, 40, 8)

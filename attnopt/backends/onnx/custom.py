@@ -30,6 +30,21 @@ def _attribute(value):
     return int(value) if isinstance(value, bool) else value
 
 
+def _name_every_value(graph) -> None:
+    """A unique name for every value the body and its subgraphs (a Scan's body) compute: the tracer
+    numbers values per graph it records into (both hold a `val_0`), and a function must be SSA.
+    Values are referenced as objects, so names are labels; the body's output keeps its own."""
+    keep = {id(v) for v in graph.outputs}
+    for i, node in enumerate(ir.traversal.RecursiveGraphIterator(graph)):
+        for j, value in enumerate(node.outputs):
+            if id(value) not in keep:
+                value.name = f"n{i}_{j}"
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.GRAPH:
+                for k, value in enumerate(attr.value.inputs):
+                    value.name = f"n{i}_in{k}"
+
+
 def custom_domain_call(lowering: OpLowering, bound: dict, plugin_version: str):
     """Record the custom-domain node for one call; returns (its output, the function it calls)."""
     recorder = onnxscript.evaluator.default()
@@ -55,6 +70,7 @@ def custom_domain_call(lowering: OpLowering, bound: dict, plugin_version: str):
     body_out.name = "output"
     graph = ir.Graph(list(inputs.values()), [body_out], nodes=body_nodes, opset_imports={"": 18},
                      name=f"{lowering.name}_{overload}")
+    _name_every_value(graph)
     function = ir.Function(ATTNOPT_DOMAIN, lowering.name, overload, graph=graph, attributes=[])
 
     first = next(iter(tensors.values()))
