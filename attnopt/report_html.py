@@ -448,6 +448,28 @@ def calibration_html(rep) -> str:
             f'<div class="plots"><figure>{svg}<figcaption>Loss curves per site (and LoRA).</figcaption></figure>{heat}</div>')
 
 
+def exports_html(rep) -> str:
+    """One row per attnopt.export_onnx call on this model: what it wrote, how each form was lowered,
+    and its parity with torch (the checks it passed before it was kept); nothing when there is none."""
+    rows = []
+    for e in rep.exports:
+        lowered = ", ".join(sorted({f"{s.get('form')}: {s.get('lowering')}" for s in e.get("sites", [])})) or "—"
+        parity = e.get("parity") or []
+        worst = max((p["rel_rms"] for p in parity if p.get("rel_rms") is not None), default=None)
+        checked = ", ".join(f"{p.get('runtime', '?')} at {p.get('length', '?')}" for p in parity) or "—"
+        genai = e.get("genai") or {}
+        kind = "decode folder" + ("" if not genai else " (genai)" if genai.get("supported") else " (no genai)") \
+            if e.get("decode") else "prefill file"
+        rows.append([e.get("folder") or e.get("path", "?"), kind, e.get("target", "?"), e.get("opset", "?"), lowered,
+                     checked, "—" if worst is None else f"{worst:.1e}", f"{e.get('seconds', 0.0):.1f}"])
+    if not rows:
+        return ""
+    return ("<h2>ONNX exports</h2><p>What each export wrote and how its sites were lowered; every one was checked "
+            "against torch before it was kept (worst relative RMS over the checks).</p>"
+            + _table(["written", "kind", "target", "opset", "lowerings", "checked", "worst rel RMS", "seconds"], rows,
+                     numeric_from=6))
+
+
 def evaluation_html(rep) -> str:
     """The capability audit stored by attnopt.evaluate(..., attach=True): its own section (heatmaps,
     perplexity by position); nothing when there is none."""
@@ -503,6 +525,7 @@ def render_html(rep) -> str:
 {calibration_html(rep)}
 {reuse_heatmaps_html(rep)}
 {evaluation_html(rep)}
+{exports_html(rep)}
 <h2>Near misses</h2>
 {_near_miss_table(rep)}
 <h2>Policy</h2>

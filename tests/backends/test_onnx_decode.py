@@ -236,6 +236,8 @@ def test_the_contract_in_the_metadata(every_form):
     assert [o.name for o in sess.get_outputs()][0] == "logits"
     assert opt.attnopt_report.exports[-1]["state_bytes"]["model.layers.4.self_attn#0"] == {
         "form": "exact", "1024": 2 * 1024 * 32 * 4, "32768": 2 * 32768 * 32 * 4}
+    page = opt.attnopt_report.to_html()
+    assert str(folder) in page[page.index("<h2>ONNX exports</h2>"):] and "decode folder" in page
     assert result.state_bytes["model.layers.0.self_attn#0"]["1024"] == result.state_bytes[
         "model.layers.0.self_attn#0"]["32768"] == (2 * 17 * 32 + 4 * 32 * 17) * 4 + 18 * 8  # its pair, padding and all
 

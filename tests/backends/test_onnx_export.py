@@ -73,6 +73,10 @@ def test_llama_window_linear_ssm_match_torch_in_ort_at_another_length(llama, tmp
     assert [p["length"] for p in result.parity] == [40, 61]
     assert all(p["rel_rms"] <= 1e-4 for p in result.parity)
     assert opt.attnopt_report.exports[-1]["path"] == str(path)
+    page = opt.attnopt_report.to_html()  # the page lists the export, its lowerings and its checks
+    section = page[page.index("<h2>ONNX exports</h2>"):page.index("<h2>Near misses</h2>")]
+    assert str(path) in section and "prefill file" in section and "linear: com.microsoft.LinearAttention" in section
+    assert "onnxruntime-cpu at 61" in section
 
     # Our own run: batch 3 and a length the export never saw.
     ids_long = torch.randint(0, VOCAB, (3, 83), generator=torch.Generator().manual_seed(5))
