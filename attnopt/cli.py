@@ -272,7 +272,11 @@ def run_compile(spec: str, policy_text: str, tolerance: Optional[float], e2e_tex
     json_path = json_out or os.path.splitext(html)[0] + ".json"
     check_writable({"--html": html, "--json": json_path, **({"--md": md} if md else {})})
     model, args, kwargs, description = _load(spec, quiet=quiet, texts=english_passages(), max_length=seq_len)
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    from torch import nn
+
+    from attnopt.hf.routes import position_limit
+
+    limit = position_limit(model) if isinstance(model, nn.Module) else None
     if isinstance(limit, int) and seq_len > limit:
         raise CliError(f"--seq-len {seq_len} is beyond {description}'s {limit} positions; use --seq-len {limit} "
                        "or less", EXIT_BAD_ARGUMENT)

@@ -236,6 +236,14 @@ def test_missing_file_is_a_policy_error(tmp_path):
         Policy.parse(str(tmp_path / "nope.yaml"))
 
 
+def test_a_malformed_file_is_one_line_naming_where(tmp_path):
+    (tmp_path / "bad.yaml").write_text('rules:\n  - {layers: "0", form: exact\n')
+    with pytest.raises(PolicyError) as e:
+        Policy.parse(tmp_path / "bad.yaml")
+    assert "\n" not in str(e.value) and "is not valid YAML plain data" in str(e.value)
+    assert str(e.value).endswith("at line 3, column 1")
+
+
 # ---------------------------------------------------------------- errors
 
 

@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 import torch
 
+from attnopt.hf.routes import position_limit
+
 
 def is_transformers_model(model: Any) -> bool:
     try:
@@ -54,12 +56,7 @@ class LanguageModel:
 
     @property
     def position_limit(self) -> Optional[int]:
-        config = getattr(self.model, "config", None)
-        for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-            limit = getattr(config, name, None)
-            if isinstance(limit, int) and limit > 0:
-                return limit
-        return None
+        return position_limit(self.model)
 
     def vocab(self) -> int:
         """The size of the output distribution (config, else one forward of 4 tokens)."""

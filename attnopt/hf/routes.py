@@ -295,9 +295,33 @@ def reached(model: nn.Module) -> Optional[Route]:
 # -- positions
 
 
+def position_limit(model: nn.Module) -> Optional[int]:
+    """The most tokens the model can embed: its config's limit, less the positions a padding-offset
+    position table (RoBERTa's, XLM-R's: positions start after padding_idx) never uses; None when
+    the config states none."""
+    cfg = getattr(model, "config", None)
+    limit = next((getattr(cfg, n) for n in ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx",
+                                            "max_sequence_length") if isinstance(getattr(cfg, n, None), int)), None)
+    if limit is None or limit <= 0:
+        return None
+    for name, m in model.named_modules():
+        if name.endswith("position_embeddings") and isinstance(m, nn.Embedding) and m.padding_idx is not None:
+            limit = min(limit, m.num_embeddings - m.padding_idx - 1)
+    return limit
+
+
 def _takes_position_ids(model: nn.Module) -> bool:
+    """Whether the compiled model derives positions from the mask as generate() does: a model that
+    generates and takes position_ids, and whose positions count from 0 (not RoBERTa's, which start
+    after padding_idx and come from the tokens themselves)."""
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         return False  # generate() derives no positions for them either
+    can_generate = getattr(model, "can_generate", None)
+    if not callable(can_generate) or not can_generate():
+        return False  # an encoder: its own positions (0 .. N−1, whatever the padding), as the original's
+    if any(name.endswith("position_embeddings") and isinstance(m, nn.Embedding) and m.padding_idx is not None
+           for name, m in model.named_modules()):
+        return False
     try:
         return "position_ids" in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):

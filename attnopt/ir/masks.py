@@ -51,6 +51,21 @@ def key_keep(mask: Optional[torch.Tensor], keep_when: str, batch: int, kv_len: i
     return keep.expand(batch, kv_len)
 
 
+def site_key_keep(mask: Optional[torch.Tensor], keep_when: str, q_BHND: torch.Tensor, kv_len: int,
+                  folded: bool) -> Optional[torch.Tensor]:
+    """[B, Nk] key padding of a site's call, q unfolded to [B, H, N, D]. A call that came folded
+    ([B·H, N, D], the bmm spelling) may carry a mask with B·H rows (nn.MultiheadAttention's
+    need_weights path) or B rows (DeBERTa's [B, 1, N, N]); either reads as one row per batch item."""
+    if mask is None:
+        return None
+    B, H = q_BHND.shape[0], q_BHND.shape[1]
+    if not folded:
+        return key_keep(mask, keep_when, B, kv_len)
+    rows = mask.shape[0] if mask.dim() >= 3 else 1
+    keep = key_keep(mask, keep_when, B * H if rows == B * H else B, kv_len, rank=3 if mask.dim() == 3 else 4)
+    return keep.reshape(B, H, kv_len).any(1) if keep.shape[0] == B * H and H > 1 else keep
+
+
 def sdpa_mask(mask: Optional[torch.Tensor], keep_when: str, dtype: torch.dtype) -> Optional[torch.Tensor]:
     """The mask as F.scaled_dot_product_attention takes it (bool keep, or additive float)."""
     if mask is None:

@@ -59,7 +59,8 @@ def parse_file(path: Union[str, Path]) -> dict[str, Any]:
         else:
             data = json.loads(text)
     except Exception as e:  # yaml.YAMLError (incl. refused !!python tags), TOMLDecodeError, JSONDecodeError
-        raise PolicyError(f"policy file {str(path)!r} is not valid {suffix[1:].upper()} plain data: {e}") from None
+        raise PolicyError(f"policy file {str(path)!r} is not valid {suffix[1:].upper()} plain data: "
+                          f"{_one_line_error(e)}") from None
     if isinstance(data, str):
         return parse_preset(data)
     if not isinstance(data, Mapping):
@@ -67,3 +68,11 @@ def parse_file(path: Union[str, Path]) -> dict[str, Any]:
     data = dict(data)
     data.setdefault("name", path.stem)
     return parse_dict(data)
+
+
+def _one_line_error(e: Exception) -> str:
+    """A parser's error in one line: PyYAML's problem and its line and column, not its context dump."""
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+    if mark is not None and problem:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return " ".join(str(e).split())

@@ -36,7 +36,7 @@ from attnopt.forms.common.base import BuildContext
 from attnopt.forms.common.mixed_heads import build_site
 from attnopt.hf.interface import IMPL_EAGER, IMPL_SDPA, layer_index
 from attnopt.hf.recording import call_model, record_calls
-from attnopt.hf.routes import INTERFACE, MODULE, is_hf_model, reached, route, route_kind
+from attnopt.hf.routes import INTERFACE, MODULE, is_hf_model, position_limit, reached, route, route_kind
 from attnopt.hf.sites import model_keeps_exact, site_from_call
 from attnopt.ir.calls import Recording
 from attnopt.ir.detection import Detection
@@ -151,9 +151,7 @@ class HfTarget(Target):
         a form to act, and text-like enough for the attention pattern to be the model's own.
         """
         args, kwargs = batch
-        cfg = getattr(self.model, "config", None)
-        limit = next((getattr(cfg, n) for n in ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx")
-                      if isinstance(getattr(cfg, n, None), int)), None)
+        limit = position_limit(self.model)
         if limit is not None:
             length = min(length, limit)
         ids = kwargs.get("input_ids")

@@ -448,6 +448,18 @@ def test_a_left_padded_example_exports_and_its_padded_rows_are_torchs_zeros(tmp_
     np.testing.assert_allclose(got[~keep2.bool().numpy()], want[~keep2.bool().numpy()], atol=1e-5)
 
 
+def test_an_image_model_exports_and_is_checked_at_its_own_size_and_another_batch(tmp_path):
+    # pixel_values [B, 3, H, W] has no sequence dim: the checks must not tile its channels.
+    vit = transformers.ViTModel(transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                       intermediate_size=48, image_size=32, patch_size=8)).eval()
+    example = {"pixel_values": torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))}
+    opt = attnopt.compile(vit, "linear", example_inputs=example, dispatch="off", tolerance=10.0, e2e_tolerance=None)
+    result = attnopt.export_onnx(opt, tmp_path / "vit.onnx", example_inputs=example, baseline=False)
+    assert [(p["runtime"], p["batch"], p["length"]) for p in result.parity] == [
+        ("onnxruntime-cpu", 1, None), ("onnxruntime-cpu", 2, None)]
+    assert all(p["rel_rms"] <= 1e-4 for p in result.parity)
+
+
 def test_policy_compiles_an_original_model_first(tmp_path):
     net, x = _net_and_x()
     result = attnopt.export_onnx(net, tmp_path / "p.onnx", (x,), policy="ssm", baseline=False, check_lengths=[24, 9])

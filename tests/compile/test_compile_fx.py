@@ -191,6 +191,26 @@ def test_a_padded_mha_called_with_need_weights_is_rewritten_and_a_padded_row_equ
     assert (padded - original).abs().max() > 1e-3  # the form acts: the row is not the original's
 
 
+def test_a_folded_site_with_a_per_batch_mask_is_rewritten_and_a_padded_row_equals_the_row_alone():
+    # DeBERTa-v2 without relative attention: scores as [B·H, N, N] bmm, its mask [B, 1, N, N] (B rows,
+    # where nn.MultiheadAttention's folded mask has B·H).
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.DebertaV2Config(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=48, max_position_embeddings=64, relative_attention=False)
+    torch.manual_seed(0)
+    model = transformers.DebertaV2Model(cfg).eval()
+    ids = torch.randint(5, 97, (2, 40), generator=torch.Generator().manual_seed(1))
+    opt = attnopt.compile(model, "linear", example_inputs={"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                          dispatch="off", tolerance=10.0, e2e_tolerance=None)
+    assert [str(r.outcome.status) for r in opt.attnopt_report.sites] == ["rewritten", "rewritten"]
+    mask = torch.ones_like(ids)  # padding at run time, which the example did not have
+    mask[1, 30:] = 0
+    with torch.no_grad():
+        padded = opt(input_ids=ids, attention_mask=mask).last_hidden_state[1, :30]
+        alone = opt(input_ids=ids[1:, :30], attention_mask=mask[1:, :30]).last_hidden_state[0]
+    torch.testing.assert_close(padded, alone, rtol=1e-4, atol=1e-4)
+
+
 def test_torch_compile_backend_rewrites_dynamo_graphs():
     net = _net(causal=True)
     be = attnopt.backend("window:8", tolerance=0.99, e2e_tolerance=None)

@@ -52,3 +52,23 @@ def test_a_left_padded_row_equals_the_row_alone_without_position_ids(kind, polic
         cache = opt(input_ids=ids[:, :-1], attention_mask=am[:, :-1], use_cache=True).past_key_values
         step = opt(input_ids=ids[:, -1:], attention_mask=am, past_key_values=cache, use_cache=True).logits[1, -1]
         assert (step - alone[-1]).abs().max() < 1e-5
+
+
+def test_roberta_keeps_its_own_positions_and_its_position_limit():
+    # RoBERTa's positions start after padding_idx and come from the tokens: a compiled one given a
+    # padded mask must compute the original's (exact policy: equal), and a form verified on longer
+    # inputs must stop at the 64 positions such a table holds (66 - padding_idx 1 - 1), not 66.
+    cfg = transformers.RobertaConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=48, max_position_embeddings=66)
+    torch.manual_seed(0)
+    model = transformers.RobertaModel(cfg).eval()
+    ids = torch.randint(5, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 18:] = 0
+    example = {"input_ids": ids, "attention_mask": mask}
+    exact = attnopt.compile(model, "exact", example_inputs=example, dispatch="off")
+    with torch.no_grad():
+        assert torch.equal(exact(**example).last_hidden_state, model(**example).last_hidden_state)
+    wide = attnopt.compile(model, "window:40", example_inputs=example, dispatch="off", tolerance=10.0,
+                           e2e_tolerance=None)
+    assert [r.outcome.final_form for r in wide.attnopt_report.sites] == ["window", "window"]

@@ -32,8 +32,11 @@ def check_model(proto) -> None:
 
 
 def default_lengths(flat: tuple, model) -> list:
-    """The export length and one other, 1.5× + 1 (within the model's position limit)."""
+    """The export length and one other, 1.5× + 1 (within the model's position limit); for a model whose
+    inputs have no sequence dim (images), the export's own size twice (the second at another batch)."""
     N = sequence_length(flat)
+    if N is None:
+        return [None, None]  # the second at another batch
     other = N + N // 2 + 1
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if isinstance(limit, int) and other > limit:
@@ -41,19 +44,22 @@ def default_lengths(flat: tuple, model) -> list:
     return [N, other]
 
 
-def sequence_length(flat: tuple) -> int:
-    for t in flat:
-        if t.dim() >= 2:
-            return int(t.shape[1])
-    raise ValueError("export_onnx needs an input with a sequence dim (dim 1) to check other lengths")
+def _has_sequence_dim(t: torch.Tensor) -> bool:
+    """Token ids and masks [B, N], embeddings [B, N, C]; an image [B, C, H, W] has no sequence dim."""
+    return t.dim() in (2, 3)
 
 
-def at_length(flat: tuple, length: int, batch: int) -> tuple:
-    """The inputs with dim 1 tiled/cut to `length` and dim 0 tiled/cut to `batch`."""
+def sequence_length(flat: tuple) -> Optional[int]:
+    """Dim 1 of the first input that has a sequence dim; None when none has (an image model)."""
+    return next((int(t.shape[1]) for t in flat if _has_sequence_dim(t)), None)
+
+
+def at_length(flat: tuple, length: Optional[int], batch: int) -> tuple:
+    """The inputs with dim 1 tiled/cut to `length` (None: as they are) and dim 0 tiled/cut to `batch`."""
     N = sequence_length(flat)
     out = []
     for t in flat:
-        if t.dim() >= 2 and t.shape[1] == N:
+        if length is not None and _has_sequence_dim(t) and t.shape[1] == N:
             reps = -(-length // N)
             t = t.repeat(1, reps, *([1] * (t.dim() - 2)))[:, :length]
         if t.dim() >= 1:
@@ -127,7 +133,7 @@ def ort_parity(proto, module, flat: tuple, lengths: Sequence[int], tolerance: fl
     figures = []
     for i, length in enumerate(lengths):
         batch = batch0 if i == 0 else other_batch
-        inputs = at_length(flat, int(length), batch)
+        inputs = at_length(flat, length, batch)
         with torch.no_grad():
             want = _outputs(module(*inputs))
         try:
@@ -138,7 +144,7 @@ def ort_parity(proto, module, flat: tuple, lengths: Sequence[int], tolerance: fl
             raise ParityError(f"ONNX Runtime cannot run the export at batch {batch}, length {length}: "
                               f"{str(exc).strip().splitlines()[0]}") from None
         err = _worst(got, want)
-        figures.append({"runtime": "onnxruntime-cpu", "batch": batch, "length": int(length), "rel_rms": err})
+        figures.append({"runtime": "onnxruntime-cpu", "batch": batch, "length": length, "rel_rms": err})
         if not err <= tolerance:
             where = on_failure(f"relative RMS {err:.2e} > {tolerance:g} at batch {batch}, length {length}")
             raise ParityError(f"ONNX export does not match torch at batch {batch}, length {length}: {where}")
@@ -149,7 +155,8 @@ def reference_parity(proto, module, flat: tuple, tolerance: float) -> dict:
     """onnx.reference.ReferenceEvaluator (numpy, the ONNX spec's semantics) on a short input."""
     from onnx.reference import ReferenceEvaluator
 
-    length = min(REFERENCE_LENGTH, sequence_length(flat))
+    N = sequence_length(flat)
+    length = None if N is None else min(REFERENCE_LENGTH, N)
     inputs = at_length(flat, length, 1)
     ref = ReferenceEvaluator(proto)
     with torch.no_grad():

@@ -152,7 +152,7 @@ def _default_lengths(opt, wrapper: nn.Module, flat: tuple, dynamic: bool, batch:
     if not dynamic:
         return [checks.sequence_length(flat)]
     first, *others = checks.default_lengths(flat, opt)
-    return [first] + [n for n in others if _accepts(wrapper, checks.at_length(flat, int(n), batch))]
+    return [first] + [n for n in others if _accepts(wrapper, checks.at_length(flat, n, batch))]
 
 
 # ---------------------------------------------------------------- argument checks

@@ -34,7 +34,7 @@ from attnopt.forms.common.decoding import (
 )
 from attnopt.ir.calls import SiteCall
 from attnopt.ir.errors import PolicyError
-from attnopt.ir.masks import exact_attention, key_keep
+from attnopt.ir.masks import exact_attention, site_key_keep
 from attnopt.ir.site import AttentionSite
 
 
@@ -232,10 +232,7 @@ class SiteModule(nn.Module, abc.ABC):
             q, k, v = self.unfold_heads(q), self.unfold_heads(k), self.unfold_heads(v)
         keep = None
         if mask is not None:  # padding may appear at run time even if the example had none
-            keep = key_keep(mask, g.keep_when, q.shape[0] * (q.shape[1] if folded else 1), k.shape[-2],
-                            rank=3 if folded else 4)  # folded: the mask's rows are [B·H]
-            if folded and keep is not None and keep.shape[0] != q.shape[0]:
-                keep = keep.reshape(q.shape[0], -1, k.shape[-2])[:, 0]
+            keep = site_key_keep(mask, g.keep_when, q, k.shape[-2], folded)
         mask4 = None if folded else mask
         out = self._by_threshold(q, k, v, keep, mask, folded, lambda: self.attend(q, k, v, keep, mask4, x))
         return out.reshape(-1, out.shape[-2], out.shape[-1]) if folded else out

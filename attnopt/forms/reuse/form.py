@@ -22,7 +22,7 @@ from attnopt.forms.reuse.prefill import exact_under_keep, reuse_attention
 from attnopt.forms.reuse.reference import block_sparse_attention
 from attnopt.forms.reuse.selection import BlockRule, Selection, SelectionState, in_block_step, probe_cost, select_call
 from attnopt.ir.errors import KeptByPlan, PolicyError, SiteUnsupported
-from attnopt.ir.masks import key_keep
+from attnopt.ir.masks import key_keep, site_key_keep
 from attnopt.ir.site import AttentionSite
 
 REUSE_PARAMS = {
@@ -163,10 +163,7 @@ class ReusedSite(SiteModule):
                 return out
         keep = None
         if mask is not None:
-            keep = key_keep(mask, g.keep_when, q.shape[0] * (q.shape[1] if folded else 1), k.shape[-2],
-                            rank=3 if folded else 4)  # folded: the mask's rows are [B·H]
-            if folded and keep is not None and keep.shape[0] != q.shape[0]:
-                keep = keep.reshape(q.shape[0], -1, k.shape[-2])[:, 0]
+            keep = site_key_keep(mask, g.keep_when, q, k.shape[-2], folded)
         mask4 = None if folded else mask
         out = self._by_threshold(q, k, v, keep, mask, folded, lambda: self._attend(q, k, v, keep, mask4, anchor))
         return out.reshape(-1, out.shape[-2], out.shape[-1]) if folded else out
