@@ -202,8 +202,12 @@ def _decide(site, plan, context, policy, tolerance, on_fit_step=None) -> tuple[S
         return SiteOutcome(site.id, plan.form, "exact", plan.params, Status.KEPT, plan.reason), None
     first_form, first_params = plan.candidates[0]
     if not context.calls.get(site.id):
-        return SiteOutcome(site.id, first_form, "exact", first_params, Status.UNSUPPORTED,
-                           "the site was not reached on the example inputs, so it cannot be verified: kept exact"), None
+        sharing = sum(s.module_path == site.module_path for s in context.sites)
+        why = (f"its attention module {site.module_path} serves {sharing} layers (one module called {sharing} times "
+               "per forward, as ALBERT shares its layers); attnopt rewrites a module that serves one layer: kept exact"
+               if sharing > 1 else
+               "the site was not reached on the example inputs, so it cannot be verified: kept exact")
+        return SiteOutcome(site.id, first_form, "exact", first_params, Status.UNSUPPORTED, why), None
     tried = []
     for form, params in plan.candidates:
         attempt, module = try_form(site, form, params, context, tolerance_of(form, params, tolerance, policy),

@@ -35,3 +35,20 @@ def test_a_model_without_attention_warns_that_nothing_was_found():
     x = torch.randn(3, 8)
     with torch.no_grad():
         assert torch.equal(opt(x), model(x))
+
+
+def test_an_attention_module_shared_by_layers_is_kept_exact_saying_so():
+    # ALBERT calls one attention module once per layer: a site module there would serve them all.
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AlbertConfig(vocab_size=97, embedding_size=16, hidden_size=32, num_hidden_layers=3,
+                                    num_attention_heads=4, intermediate_size=48, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.AlbertModel(cfg).eval()
+    ids = torch.randint(5, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+    with pytest.warns(UserWarning):
+        opt = attnopt.compile(model, "linear", example_inputs={"input_ids": ids}, dispatch="off")
+    sites = opt.attnopt_report.sites
+    assert len(sites) == 3 and all(str(r.outcome.status) == "unsupported" for r in sites)
+    assert all("serves 3 layers" in r.outcome.reason and "not reached" not in r.outcome.reason for r in sites)
+    with torch.no_grad():
+        assert torch.equal(opt(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
