@@ -16,9 +16,10 @@ Either way the module's projections, positions and cache updates are the model's
 keeps generate() and its cache protocol. A routed module's exact attention is its own computation,
 unchanged (ModuleState.original).
 
-The compiled model also derives `position_ids` from the attention mask on calls that give a mask
-and no positions, exactly as generate() does (`derive_positions`): a left-padded row then equals
-the row alone for every form, not only for softmax attention, which sees relative positions only.
+A compiled model that generates also derives `position_ids` from the attention mask on calls that
+give a mask and no positions, exactly as generate() does (`derive_positions`): a left-padded row
+then equals the row alone for every form, not only for softmax attention, which sees relative
+positions only. Encoders and padding-offset position tables keep their own (`_takes_position_ids`).
 """
 
 from __future__ import annotations
