@@ -319,6 +319,39 @@ def build_report(*, model_name, policy, found, plans, outcomes, end_to_end, timi
     )
 
 
+def size_sources(gm: torch.fx.GraphModule) -> Optional[dict]:
+    """For a Dynamo graph's SymInt inputs, where each one is read: {input index: (tensor input index,
+    dim)}, from the symbolic shapes its placeholders record; None when some size input is not any tensor
+    input's dim (or there is none)."""
+    values = [n.meta.get("example_value", n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"]
+    found = {}
+    for i, value in enumerate(values):
+        if not isinstance(value, torch.SymInt):
+            continue
+        found[i] = next(((j, d) for j, t in enumerate(values) if isinstance(t, torch.Tensor)
+                         for d, size in enumerate(t.shape)
+                         if isinstance(size, torch.SymInt) and size.node.expr == value.node.expr), None)
+        if found[i] is None:
+            return None
+    return found or None
+
+
+class SizesFromShapes(torch.nn.Module):
+    """A Dynamo graph called with its tensors only: each size input is read from the tensor dim it
+    names, so torch.export traces it as a symbol instead of holding one value as a constant."""
+
+    def __init__(self, gm: torch.nn.Module, sources: dict):
+        super().__init__()
+        self.gm, self.sources = gm, sources
+
+    def forward(self, *tensors):
+        given = iter(tensors)
+        args = [None if slot in self.sources else next(given) for slot in range(len(tensors) + len(self.sources))]
+        for slot, (j, d) in self.sources.items():
+            args[slot] = args[j].shape[d]
+        return self.gm(*args)
+
+
 def exact_heads_of(site, outcome, head_selection: Optional[dict]) -> list:
     """The KV heads a site keeps exact: its per-head site's, or every one where keep:recall kept the whole
     site exact; [] for any other site."""
@@ -330,25 +363,38 @@ def exact_heads_of(site, outcome, head_selection: Optional[dict]) -> list:
     return []
 
 
-def backend(policy: Any = "hybrid", *, tolerance: Optional[float] = None, e2e_tolerance: Optional[float] = E2E_TOLERANCE):
-    """A torch.compile backend: `torch.compile(model, backend=attnopt.backend("window:64"))`.
+def backend(policy: Any = "hybrid", *, tolerance: Optional[float] = None, e2e_tolerance: Optional[float] = E2E_TOLERANCE,
+            dispatch: Optional[str] = None):
+    """A torch.compile backend: `torch.compile(model, backend=attnopt.backend("window:64"))`; the
+    options are compile()'s.
 
     Each graph Dynamo hands over is rewritten on its first real call (verification needs real
-    inputs); the reports collect in `backend_fn.reports`.
+    inputs); the reports collect in `backend_fn.reports`. A dynamic graph's size inputs (SymInts) are
+    read from its tensors' shapes at run time, so one rewrite serves every length.
     """
     policy = Policy.parse(policy)
     reports: list = []
 
     def backend_fn(gm: torch.fx.GraphModule, example_inputs):
+        sources = size_sources(gm)
         compiled: dict = {}
 
+        def rewrite(args: tuple, key):
+            mod = compile(gm if sources is None else SizesFromShapes(gm, sources), policy,
+                          example_inputs=args, tolerance=tolerance, e2e_tolerance=e2e_tolerance, method="graph",
+                          name="dynamo graph", dispatch=dispatch)
+            reports.append(mod.attnopt_report)
+            compiled[key] = mod
+            return mod
+
         def run(*args):
-            if "module" not in compiled:
-                mod = compile(gm, policy, example_inputs=tuple(args), tolerance=tolerance, e2e_tolerance=e2e_tolerance,
-                              method="graph", name="dynamo graph")
-                reports.append(mod.attnopt_report)
-                compiled["module"] = mod
-            return compiled["module"](*args)
+            if sources is not None:  # every size input is a tensor's dim: one rewrite for every length
+                tensors = tuple(a for i, a in enumerate(args) if i not in sources)
+                mod = compiled.get("module") or rewrite(tensors, "module")
+                return mod(*tensors)
+            # sizes no tensor carries (or none at all): one rewrite per distinct value of the int inputs
+            key = tuple(a for a in args if isinstance(a, int))
+            return (compiled.get(key) or rewrite(tuple(args), key))(*args)
 
         return run
 

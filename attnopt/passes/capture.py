@@ -62,9 +62,12 @@ def _auto_dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, batc
             return {i: Dim.AUTO for i in range(1 if batch_only else x.dim())}
         return None
 
-    if not kwargs:
+    signature = pyinspect.signature(model.forward)
+    star_args = any(p.kind == pyinspect.Parameter.VAR_POSITIONAL for p in signature.parameters.values())
+    if not kwargs and not star_args:
         return tuple(pytree.tree_map(spec_for, a) for a in args)
-    bound = pyinspect.signature(model.forward).bind(*args, **kwargs)
+    # keyed by forward()'s parameters: a `forward(*args)` takes its specs as one tuple under `args`
+    bound = signature.bind(*args, **kwargs)
     specs = {}
     for name, value in bound.arguments.items():
         kind = bound.signature.parameters[name].kind

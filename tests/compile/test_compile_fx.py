@@ -226,6 +226,42 @@ def test_torch_compile_backend_rewrites_dynamo_graphs():
         torch.testing.assert_close(out["probs"], ref(x)["probs"], rtol=1e-4, atol=1e-5)
 
 
+def test_torch_compile_backend_serves_every_length_of_a_dynamic_graph_with_one_rewrite():
+    # From its second length on, Dynamo hands over a dynamic graph whose length is an int input;
+    # captured as a constant, the third length used to fail.
+    net = _net(causal=True)
+    be = attnopt.backend("window:8", tolerance=0.99, e2e_tolerance=None, dispatch="off")
+    compiled = torch.compile(net, backend=be)
+    ref = attnopt.compile(net, "window:8", example_inputs=(_x(),), tolerance=0.99, e2e_tolerance=None, dispatch="off")
+    for n in (N, N + 6, N + 13, N + 20):
+        x = _x(n=n, seed=n)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x)["probs"], ref(x)["probs"], rtol=1e-4, atol=1e-5)
+    assert len(be.reports) == 2  # the first (static) graph and the dynamic one
+    assert all(r.outcome.final_form == "window" for rep in be.reports for r in rep.sites)
+
+
+class StarArgs(nn.Module):
+    """A model whose forward takes *args."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _net(causal=True)
+
+    def forward(self, *args):
+        return self.net(args[0])["hidden"]
+
+
+def test_a_forward_taking_star_args_is_captured_with_a_dynamic_length():
+    model = StarArgs().eval()
+    opt = attnopt.compile(model, "linear", example_inputs=(_x(),), tolerance=0.99, e2e_tolerance=None, dispatch="off")
+    assert not any("dynamic export failed" in note for note in opt.attnopt_report.notes)
+    x = _x(n=N + 9, seed=4)
+    ref = attnopt.compile(model.net, "linear", example_inputs=(_x(),), tolerance=0.99, e2e_tolerance=None, dispatch="off")
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), ref(x)["hidden"], rtol=1e-5, atol=1e-6)
+
+
 def test_compiled_module_runs_under_torch_compile():
     net = _net(causal=True)
     opt = attnopt.compile(net, "linear", example_inputs=(_x(),), tolerance=0.99, e2e_tolerance=None)
