@@ -51,6 +51,18 @@ def key_keep(mask: Optional[torch.Tensor], keep_when: str, batch: int, kv_len: i
     return keep.expand(batch, kv_len)
 
 
+def carries_a_bias(mask: Optional[torch.Tensor], keep_when: str) -> bool:
+    """True when an additive float mask without a query axis holds a finite non-zero value: a per-key
+    bias passed in at run time, which only exact attention honours (the cheap forms read such a mask
+    as key padding). A mask with a query axis was read when the site was detected; an export traces
+    no data-dependent check and skips this one."""
+    if mask is None or keep_when != "zero" or not mask.dtype.is_floating_point:
+        return False
+    if (mask.dim() >= 2 and mask.shape[-2] != 1) or torch.compiler.is_exporting():
+        return False
+    return bool(((mask != 0) & (mask > ADDITIVE_HIDE_BELOW)).any())
+
+
 def site_key_keep(mask: Optional[torch.Tensor], keep_when: str, q_BHND: torch.Tensor, kv_len: int,
                   folded: bool) -> Optional[torch.Tensor]:
     """[B, Nk] key padding of a site's call, q unfolded to [B, H, N, D]. A call that came folded

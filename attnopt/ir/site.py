@@ -34,6 +34,7 @@ class MaskInfo:
     node: Optional[str] = None  # graph node that holds the runtime mask tensor (None: no tensor)
     keep_when: str = "zero"  # how to read `node`: "zero" (additive: 0 keeps), "true", "false"
     shape: Optional[tuple] = None  # shape of the mask tensor as captured
+    why: Optional[str] = None  # why an arbitrary mask is arbitrary, where a reading decided it
 
     @property
     def kind(self) -> str:

@@ -109,11 +109,57 @@ class StructureOracle:
                 n = self.nodes[a]
                 if n.op == "placeholder":
                     from_inputs = True
-                elif n.op == "get_attr":
-                    from_positions = True  # a constant buffer: the same on every call
+                elif n.op == "get_attr" and _holds_a_pattern(n):
+                    from_positions = True  # a constant buffer (GPT-2's tril): the same on every call
                 elif op_name(n) in POSITION_SOURCES:
                     from_positions = True
             if not from_inputs:
                 from_positions = True  # built from constants only
             self._cache[name] = (from_positions, from_inputs)
         return self._cache[name]
+
+    def caller_patterns(self, names: list, q_len) -> Optional[str]:
+        """Why the caller, not the graph, decides the pattern of masks `names` for queries of length
+        `q_len`: an input with a query axis of its own can hide keys per query; None when none does.
+        (A float input without one that brings a bias at run time is read exactly: SiteModule.)"""
+        for name in names:
+            anc = nx.ancestors(self.dag, name) | {name}
+            for a in sorted(anc):
+                n = self.nodes[a]
+                shape = getattr(n.meta.get("val"), "shape", None)
+                if n.op == "placeholder" and shape is not None and len(shape) >= 2 and _same_size(shape[-2], q_len) \
+                        and not _same_size(shape[-2], 1):
+                    return f"its mask is the input '{n.name}' with a query axis ({_dims(shape)}), which can hide keys per query"
+        return None
+
+
+def _holds_a_pattern(node) -> bool:
+    """A buffer with more than one value can hold a mask's pattern (GPT-2's tril); a scalar (GPT-2's
+    masked_bias) is a constant like a literal."""
+    val = node.meta.get("val")
+    if val is None and node.graph.owning_module is not None:
+        try:
+            val = _attr(node.graph.owning_module, str(node.target))
+        except AttributeError:
+            val = None
+    return not isinstance(val, torch.Tensor) or val.numel() != 1
+
+
+def _attr(module, path: str):
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _same_size(a, b) -> bool:
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+            return a.node.expr == b.node.expr
+        concrete = a if not isinstance(a, torch.SymInt) else b
+        sym = b if concrete is a else a
+        return sym.node.maybe_as_int() == concrete
+    return int(a) == int(b)
+
+
+def _dims(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"

@@ -35,6 +35,7 @@ def read_mask(c: Candidate, values: dict, oracle: StructureOracle, q_shape, k_sh
     """The site's mask, from its SDPA mask / is_causal or its explicit chain's mask terms."""
     if c.is_causal:
         return MaskInfo(form="is_causal", causal=True)
+    q_len = getattr(c.query.meta.get("val"), "shape", q_shape)[-2]  # symbolic where the capture is
     if c.is_sdpa:
         if c.sdpa_mask is None:
             return MaskInfo()
@@ -47,7 +48,7 @@ def read_mask(c: Candidate, values: dict, oracle: StructureOracle, q_shape, k_sh
         else:
             pattern = classify_bias(_as_bhqk(m_full))
             form, keep_when = "additive", "zero"
-        return _finish_mask(pattern, [c.sdpa_mask], form, keep_when, oracle, c.sdpa_mask)
+        return _finish_mask(pattern, [c.sdpa_mask], form, keep_when, oracle, c.sdpa_mask, q_len)
     terms = c.mask_terms
     if not terms:
         return MaskInfo()
@@ -62,9 +63,9 @@ def read_mask(c: Candidate, values: dict, oracle: StructureOracle, q_shape, k_sh
         # not vouch for an input mask that happens to look causal)
         hiding = [t for t in effective if _hides_keys(t, values)] or effective
         return _finish_mask(as_arbitrary(pattern), [t.node for t in hiding],
-                            "+".join(t.form for t in effective), "zero", oracle, None)
+                            "+".join(t.form for t in effective), "zero", oracle, None, q_len)
     term = effective[0] if effective else terms[0]
-    return _finish_mask(pattern, [term.node], term.form, term.keep_when, oracle, term.node)
+    return _finish_mask(pattern, [term.node], term.form, term.keep_when, oracle, term.node, q_len)
 
 
 def _unbroadcast(x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +103,7 @@ def _hides_keys(term, values: dict) -> bool:
 
 
 def _finish_mask(pattern: KeepPattern, nodes: list, form: str, keep_when: str, oracle: StructureOracle,
-                 mask_node: Optional[fx.Node]) -> MaskInfo:
+                 mask_node: Optional[fx.Node], q_len) -> MaskInfo:
     """MaskInfo from a numeric pattern, downgraded where the structure does not prove it.
 
     `nodes` are all mask tensors that fed the scores; `mask_node` the one a rewrite can apply
@@ -112,9 +113,15 @@ def _finish_mask(pattern: KeepPattern, nodes: list, form: str, keep_when: str, o
         p, i = oracle.sources(n.name)
         from_positions &= p
         from_inputs |= i
+    why = None
     if (pattern.causal or pattern.window is not None) and not from_positions:
         # causal-looking on this example only: an input could carry anything next call
         pattern = KeepPattern(arbitrary=True)
+        why = "it looks causal on the example, but an input decides it, not positions"
+    if from_inputs and not pattern.arbitrary:
+        # the example's pattern is the caller's choice this time (all-keep, say), not the model's
+        why = oracle.caller_patterns([n.name for n in nodes], q_len)
+        pattern = as_arbitrary(pattern) if why else pattern
     padding = pattern.padding
     if from_inputs and not pattern.arbitrary and not padding:
         # an input-driven mask that keeps everything today may pad tomorrow
@@ -128,4 +135,5 @@ def _finish_mask(pattern: KeepPattern, nodes: list, form: str, keep_when: str, o
         node=mask_node.name if isinstance(mask_node, fx.Node) else None,
         keep_when=keep_when,
         shape=_dims_of(mask_node) if isinstance(mask_node, fx.Node) else None,
+        why=why,
     )

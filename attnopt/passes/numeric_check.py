@@ -44,6 +44,10 @@ class CheckResult:
 def check(c: Candidate, values: dict, oracle: StructureOracle) -> Union[NearMiss, CheckResult]:
     """Replay `c` on the recorded `values` and compare with its recorded output; read its mask."""
     q, k, v, out = (values[n.name] for n in (c.query, c.key, c.value, c.output))
+    if _channel_attention(c):
+        return candidate_miss(c, "its head dim follows the input's length while its sequence is fixed: channel "
+                                 "attention (XCiT-style softmax over a channels × channels matrix), whose cost is "
+                                 "already linear in the length; kept exact", "channel attention")
     if c.key_is_transposed:
         k = k.transpose(-2, -1)
     shapes = _check_shapes(c, q, k, v, out)
@@ -82,6 +86,24 @@ def check(c: Candidate, values: dict, oracle: StructureOracle) -> Union[NearMiss
     return CheckResult(scale=scale, folded_scale=folded, heads=heads, kv_heads=kv_heads, mask=mask,
                        head_dim=int(q.shape[-1]), v_head_dim=int(v.shape[-1]))
 
+
+
+def _channel_attention(c: Candidate) -> bool:
+    """True when q's head dim is an input's token axis (a middle axis of a 3-D or larger input, kept
+    symbolic by the capture) while its sequence axis is fixed: the softmax runs over channels."""
+    shape = getattr(c.query.meta.get("val"), "shape", None)
+    if shape is None or len(shape) < 2 or not _symbolic(shape[-1]) or _symbolic(shape[-2]):
+        return False
+    head_dim = shape[-1].node.expr
+    for node in c.query.graph.nodes:
+        dims = getattr(node.meta.get("val"), "shape", ()) if node.op == "placeholder" else ()
+        if len(dims) >= 3 and any(_symbolic(d) and d.node.expr == head_dim for d in dims[1:-1]):
+            return True
+    return False
+
+
+def _symbolic(size) -> bool:
+    return isinstance(size, torch.SymInt) and size.node.maybe_as_int() is None
 
 
 def _check_shapes(c: Candidate, q, k, v, out) -> Union[str, tuple[int, int]]:

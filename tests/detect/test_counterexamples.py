@@ -59,3 +59,38 @@ def test_gemma2_logit_softcapping_is_not_plain_softmax_attention():
     assert sorted(m.module_path for m in misses) == [e.module_path for e in zoo.expected]
     for miss in misses:
         assert "softcap" in miss.code or "tanh" in miss.reason.lower(), (miss.code, miss.reason)
+
+
+class ChannelAttention(torch.nn.Module):
+    """XCiT-style cross-covariance attention: softmax over a channels × channels matrix, so the tokens
+    are the "head dim" of the chain and its "sequence" is the fixed channel count."""
+
+    def __init__(self, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.o = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 4, 1)  # [B, H, D, N]
+        qn = torch.nn.functional.normalize(q, dim=-1)
+        kn = torch.nn.functional.normalize(k, dim=-1)
+        attn = (qn @ kn.transpose(-1, -2)).softmax(-1)  # [B, H, D, D]
+        return x + self.o((attn @ v).permute(0, 3, 1, 2).reshape(b, n, c))
+
+
+def test_channel_attention_is_a_near_miss_and_the_model_runs_at_every_length():
+    import attnopt
+
+    torch.manual_seed(0)
+    model = ChannelAttention().eval()
+    x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(1))
+    opt = attnopt.compile(model, "linear:hedgehog", example_inputs=(x,), dispatch="off")
+    report = opt.attnopt_report
+    assert report.sites == []
+    [miss] = report.near_misses
+    assert miss.code == "channel attention" and "head dim follows the input's length" in miss.reason
+    longer = torch.randn(2, 31, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(opt(longer), model(longer), rtol=1e-5, atol=1e-6)

@@ -17,6 +17,7 @@ import abc
 import dataclasses
 import importlib
 import importlib.util
+import warnings
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
@@ -34,7 +35,7 @@ from attnopt.forms.common.decoding import (
 )
 from attnopt.ir.calls import SiteCall
 from attnopt.ir.errors import PolicyError
-from attnopt.ir.masks import exact_attention, site_key_keep
+from attnopt.ir.masks import carries_a_bias, exact_attention, site_key_keep
 from attnopt.ir.site import AttentionSite
 
 
@@ -227,6 +228,8 @@ class SiteModule(nn.Module, abc.ABC):
         g = self.geometry
         if self.min_seq_len and not g.causal and q.shape[-2] < self.min_seq_len:
             return self.exact(q, k, v, mask)
+        if self.biased(mask):
+            return self.exact(q, k, v, mask)
         folded = q.dim() == 3
         if folded:  # bmm spelling [B*H, N, D]: heads are folded into the batch
             q, k, v = self.unfold_heads(q), self.unfold_heads(k), self.unfold_heads(v)
@@ -236,6 +239,14 @@ class SiteModule(nn.Module, abc.ABC):
         mask4 = None if folded else mask
         out = self._by_threshold(q, k, v, keep, mask, folded, lambda: self.attend(q, k, v, keep, mask4, x))
         return out.reshape(-1, out.shape[-2], out.shape[-1]) if folded else out
+
+    def biased(self, mask: Optional[torch.Tensor]) -> bool:
+        """Whether this call's mask brings a bias (ir/masks.carries_a_bias): the call then runs exact."""
+        if not carries_a_bias(mask, self.geometry.keep_when):
+            return False
+        warnings.warn(f"site {self.geometry.site_id}: its mask carries a bias on this call, which only exact "
+                      f"attention honours; this call ran exact, not {self.form!r}", RuntimeWarning, stacklevel=3)
+        return True
 
     def _by_threshold(self, q, k, v, keep, mask, folded: bool, form: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Causal under min_seq_len: the rows among each row's first T real tokens exact, the rest
@@ -638,5 +649,7 @@ class Form(abc.ABC):
 def no_arbitrary_mask(site: AttentionSite) -> Optional[str]:
     """The condition every form that recomputes the scores shares: causal, window or padding masks only."""
     if site.mask.arbitrary:
-        return f"the site's mask ({site.mask.form}) is not causal, windowed or padding; only exact attention honours it"
+        why = f" ({site.mask.why})" if getattr(site.mask, "why", None) else ""
+        return (f"the site's mask ({site.mask.form}) is not causal, windowed or padding{why}; only exact attention "
+                "honours it")
     return None

@@ -148,7 +148,7 @@ class ReusedSite(SiteModule):
         SiteModule.forward does); the selection still advances, so decoding past T reads its lists."""
         g = self.geometry
         T = self.min_seq_len
-        if T and not g.causal and q.shape[-2] < T:
+        if (T and not g.causal and q.shape[-2] < T) or self.biased(mask):
             return self.exact(q, k, v, mask)
         folded = q.dim() == 3
         if folded:
