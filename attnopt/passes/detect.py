@@ -28,6 +28,7 @@ from attnopt.ir.site import AttentionSite, Dim, MaskInfo, NearMiss, SiteNodes
 from attnopt.passes import canonicalize as cz
 from attnopt.passes.candidate import Candidate, candidate_miss
 from attnopt.passes.capture import CapturedGraph, record_values
+from attnopt.passes.mask_lengths import reread_masks
 from attnopt.passes.mask_proof import StructureOracle
 from attnopt.passes.matchers import ExplicitChainMatcher, LogSoftmaxMatcher, SdpaMatcher
 from attnopt.passes.numeric_check import CheckResult, check
@@ -49,8 +50,9 @@ def detect(captured: CapturedGraph) -> Detection:
     checked: list[tuple[Candidate, CheckResult]] = []
     if candidates:
         with _single_thread():
-            checked, failed = _check_all(captured, candidates)
+            checked, failed, reread = _check_all(captured, candidates)
         misses += failed
+        counts.update({f"masks_{k}": v for k, v in reread.items()})
     t_check = time.perf_counter()
 
     sites = _build_sites(gm, checked)
@@ -197,15 +199,23 @@ def _single_thread():
         torch.set_num_threads(before)
 
 
-def _check_all(captured: CapturedGraph, candidates: list[Candidate]) -> tuple[list, list[NearMiss]]:
-    """Run the graph once, then check every candidate; returns (checked, near misses)."""
+def _check_all(captured: CapturedGraph, candidates: list[Candidate]) -> tuple[list, list[NearMiss], dict]:
+    """Run the graph once, then check every candidate; returns (checked, near misses, mask re-read counts)."""
     try:
         values = record_values(captured, _wanted(candidates))
     except Exception as exc:  # the numeric check is mandatory: no run, no site
         msg = f"could not run the captured graph on the example inputs to check it: {type(exc).__name__}: {exc}"
-        return [], [candidate_miss(c, msg, "numeric") for c in candidates]
+        return [], [candidate_miss(c, msg, "numeric") for c in candidates], {}
     oracle = StructureOracle(captured.graph_module.graph)
     checked, misses = [], []
+    _check_each(candidates, values, oracle, checked, misses)
+    # masks built from positions, read again at a longer length where their pattern may differ
+    checked, reread = reread_masks(captured, checked, oracle, _wanted)
+    return checked, misses, reread
+
+
+def _check_each(candidates: list, values: dict, oracle: StructureOracle, checked: list, misses: list) -> None:
+    """`check` every candidate into `checked` [(candidate, CheckResult)] or `misses`."""
     for c in candidates:
         try:
             got = check(c, values, oracle)
@@ -219,7 +229,6 @@ def _check_all(captured: CapturedGraph, candidates: list[Candidate]) -> tuple[li
             misses.append(got)
         else:
             checked.append((c, got))
-    return checked, misses
 
 
 def _wanted(candidates: list[Candidate]) -> set[str]:
