@@ -86,6 +86,17 @@ def test_gathered_path_equals_the_oracle(causal, H, Hkv):
     assert torch.allclose(got.to(F64), want, atol=2e-6), (got.to(F64) - want).abs().max()
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_lists_that_differ_inside_a_query_block_are_each_queries_own(causal):
+    # The op takes a list per query: a prefill whose queries of one block list different blocks must
+    # not read its block's first list for all of them (the tiles share a list only where they do).
+    q, k, v = _inputs(2, 4, 2, 37, 37, 8, 6, seed=11)
+    blocks = _random_lists(2, 37, 37, 8, 3, seed=12, per_block=False)
+    got = block_sparse_attention(q, k, v, blocks, block=8, causal=causal, scale=0.4)
+    want = oracle(q, k, v, blocks, block=8, causal=causal, scale=0.4)
+    assert torch.allclose(got.to(F64), want, atol=2e-6), (got.to(F64) - want).abs().max()
+
+
 def test_lists_per_query_offsets_and_queries_after_a_cache():
     # Decoding shape: 3 new queries after 20 cached columns; rows padded on the left by 0 and 5 columns.
     q, k, v = _inputs(2, 2, 1, 3, 23, 4, 4, seed=3)

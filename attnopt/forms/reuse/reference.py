@@ -81,6 +81,8 @@ def gathered_attention(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, *, block
     # rows with different offsets, and calls of fewer queries than a block (decoding), tile per query.
     T = block if same_offset and Nq >= block else 1
     lead = int(qpos_BQ[0, 0]) % block if T > 1 else 0
+    if T > 1 and not _tiles_share_lists(blocks, T, lead):  # a caller's lists may differ inside a block
+        T, lead = 1, 0
     n_tiles = -(-(lead + Nq) // T)
     pad_tail = n_tiles * T - lead - Nq
     q_t = torch.nn.functional.pad(q.to(dtype), (0, 0, lead, pad_tail)).view(B, Hkv, G, n_tiles, T, D)
@@ -166,6 +168,19 @@ def _one_query(q, k, v, blocks, block: int, causal: bool, scale: float, dtype) -
 # ---------------------------------------------------------------------------------------------
 # FlexAttention with a BlockMask (prefill)
 # ---------------------------------------------------------------------------------------------
+
+
+def _tiles_share_lists(blocks: Tensor, T: int, lead: int) -> bool:
+    """Whether the queries of every tile of T (the first one starting `lead` queries early) list the
+    same blocks, queries with an empty list (padding) aside."""
+    B, Nq, K = blocks.shape
+    n_tiles = -(-(lead + Nq) // T)
+    pad_tail = n_tiles * T - lead - Nq
+    b_BCTK = torch.nn.functional.pad(blocks.long(), (0, 0, lead, pad_tail), value=-1).view(B, n_tiles, T, K)
+    listed_BCT = (b_BCTK >= 0).any(-1)
+    first_BC = listed_BCT.long().argmax(-1)
+    ref_BC1K = b_BCTK.gather(2, first_BC[..., None, None].expand(B, n_tiles, 1, K))
+    return bool(((b_BCTK == ref_BC1K) | ~listed_BCT[..., None]).all())
 
 
 def uniform_per_block(blocks: Tensor, block: int) -> bool:
