@@ -45,6 +45,11 @@ class CalibrateOptions:
                                    f"{type(model).__name__} has no attnopt_report (compile it first)")
         if params not in PARAMS:
             raise CalibrationError(f"params must be one of {', '.join(repr(p) for p in PARAMS)}; got {params!r}")
+        if (getattr(report, "calibration", None) or {}).get("lora"):
+            # the exact run that gives calibration its targets is no longer the original model's
+            raise CalibrationError("this model's q/k/v/o projections carry the LoRA an earlier calibrate(params="
+                                   "'forms+lora') merged, so its exact attention is no longer the original's to "
+                                   "train towards; calibrate a fresh attnopt.compile of the original model instead")
         steps = DEFAULT_STEPS if steps is None else steps
         lr = DEFAULT_LR if lr is None else lr
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:

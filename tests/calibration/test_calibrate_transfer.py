@@ -149,6 +149,13 @@ def test_lora_stage_lowers_output_loss_and_leaves_plain_linears(tiny_lm):
     assert not torch.equal(opt.model.layers[0].self_attn.q_proj.weight, q_before)
     assert c["end_to_end_after"]["worst"]["rel_rms"] < c["end_to_end_before"]["worst"]["rel_rms"]
     assert not any(p.requires_grad for p in opt.parameters())
+    # Its exact run is no longer the original model's, so no later calibration can train towards it.
+    weights = {n: p.detach().clone() for n, p in opt.named_parameters()}
+    for params in ("forms+lora", "forms"):
+        with pytest.raises(CalibrationError, match="carry the LoRA an earlier calibrate") as err:
+            attnopt.calibrate(opt, cal, held_out=held, steps=2, params=params, progress=False)
+        assert "\n" not in str(err.value)
+    assert all(torch.equal(p, weights[n]) for n, p in opt.named_parameters())
 
 
 class _Attention(torch.nn.Module):
