@@ -19,6 +19,7 @@ from attnopt.evaluation.report import written_page
 from attnopt.ir.outcomes import Cost, Drift, OutputDrift, SiteOutcome, SitePlan, Status
 from attnopt.ir.site import AttentionSite, MaskInfo, NearMiss, SiteNodes
 from attnopt.passes.crossover import Threshold
+from attnopt.policy import Policy
 from attnopt.report_html import render_html
 from attnopt.report_text import markdown
 
@@ -236,7 +237,7 @@ class CompileReport:
         versions = d.get("versions", {})
         return cls(
             model_name=d["model_name"],
-            policy=d["policy"],
+            policy=policy_from_dict(d["policy"]),
             capture=d["capture"],
             mechanism=d.get("mechanism", ""),
             sites=[_record_from_dict(r) for r in d.get("sites", [])],
@@ -328,6 +329,16 @@ def _site_from_dict(d: dict) -> AttentionSite:
     d["spelling"] = _tuple(d.get("spelling", ()))
     d["runtime_inputs"] = _tuple(d.get("runtime_inputs", ()))
     return AttentionSite(mask=MaskInfo(**mask), nodes=SiteNodes(**nodes), **d)
+
+
+def policy_from_dict(d: Any) -> Any:
+    """A policy dict as a Policy again, so the report describes its rules; anything else as it is."""
+    if not isinstance(d, dict):
+        return d
+    try:
+        return Policy.from_dict(d)
+    except (ValueError, TypeError, KeyError):  # a dict this version cannot read: kept, shown as JSON
+        return d
 
 
 def _record_from_dict(d: dict) -> SiteRecord:

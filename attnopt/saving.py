@@ -29,8 +29,7 @@ from torch import nn
 
 from attnopt.ir.digest import file_digest, json_digest
 from attnopt.ir.errors import SaveError
-from attnopt.policy import Policy
-from attnopt.report import CompileReport, finite_json
+from attnopt.report import CompileReport, finite_json, policy_from_dict
 from attnopt.targets import MECHANISMS, target_class, target_of
 from attnopt.version import __version__
 
@@ -75,7 +74,7 @@ def load(path: Union[str, os.PathLike]) -> nn.Module:
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise SaveError(f"attnopt.load: {path / HEADER_FILE} field 'report' is damaged ({type(exc).__name__}: "
                         f"{exc})") from None
-    report.policy = _policy(header["policy"])
+    report.policy = policy_from_dict(header["policy"])
     model = target_class(header["mechanism"]).load(path, header, report)
     model.attnopt_report = report
     return model
@@ -158,9 +157,3 @@ def _writable_directory(path: Path) -> Path:
     return path
 
 
-def _policy(d):
-    """The saved policy as a Policy again (the report keeps it either way)."""
-    try:
-        return Policy.from_dict(d)
-    except (ValueError, TypeError):  # PolicyError is a ValueError: keep the dict the report holds
-        return d

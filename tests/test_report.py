@@ -97,6 +97,9 @@ def test_json_round_trips(report, tmp_path):
     assert math.isnan(again.sites[4].outcome.drift.rel_rms)
     assert again.totals["flops_after"] == report.totals["flops_after"]
     assert json.loads(again.to_json()) == data
+    # the rebuilt report describes its policy's rules as the original does, not as a JSON dump
+    assert again.policy_text() == report.policy_text() and "rule 0:" in again.policy_text()
+    assert again.to_markdown() == report.to_markdown()
 
 
 def test_markdown_lists_every_site_and_reason(report):

@@ -7,6 +7,8 @@ side by side, its reference (the original). Every probe row is the same for both
 
 from __future__ import annotations
 
+import numbers
+
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
@@ -36,6 +38,12 @@ def check_probes(probes: Union[None, str, Sequence[str]]) -> list:
     return list(dict.fromkeys(names))
 
 
+def _is_int(n) -> bool:
+    """An integer count, Python's or numpy's or a 0-dim integer tensor's."""
+    return isinstance(n, numbers.Integral) or (hasattr(n, "dtype") and getattr(n, "ndim", 1) == 0
+                                               and "int" in str(n.dtype))
+
+
 def check_lengths(lengths: Optional[Sequence[int]], limit: Optional[int], name: str) -> list:
     if lengths is None:
         if limit is None:
@@ -45,8 +53,9 @@ def check_lengths(lengths: Optional[Sequence[int]], limit: Optional[int], name: 
         raise ValueError(f"lengths must be a list of positive token counts like [512, 2048]; got {lengths!r}")
     out = []
     for n in lengths:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if isinstance(n, bool) or not _is_int(n) or n < 1:
             raise ValueError(f"lengths must be positive token counts; got {n!r}")
+        n = int(n)
         if limit is not None and n > limit:
             raise ValueError(f"length {n} is beyond what {name} can embed ({limit} positions, "
                              f"config.max_position_embeddings); use lengths of at most {limit}")
@@ -59,6 +68,9 @@ def check_lengths(lengths: Optional[Sequence[int]], limit: Optional[int], name: 
 def check_depths(depths: Optional[Sequence[float]]) -> list:
     if depths is None:
         return list(DEPTHS)
+    if isinstance(depths, (str, bytes)) or not isinstance(depths, Sequence) or \
+            not all(isinstance(d, numbers.Real) and not isinstance(d, bool) for d in depths):
+        raise ValueError(f"depths must be a list of fractions of the context like [0, 0.5, 1]; got {depths!r}")
     out = [float(d) for d in depths]
     bad = [d for d in out if not 0.0 <= d <= 1.0]
     if bad or not out:
@@ -73,6 +85,8 @@ def text_of(texts: Union[None, str, Sequence[str]]) -> tuple:
         return "\n\n".join(english_passages()), BUILT_IN_TEXT
     if isinstance(texts, str):
         texts = [texts]
+    if not isinstance(texts, Sequence) or not all(isinstance(t, str) for t in texts):
+        raise ValueError(f"texts must be a string or a list of strings; got {type(texts).__name__}")
     parts = [t for t in texts if isinstance(t, str) and t.strip()]
     if not parts:
         raise ValueError("texts must be a string or a list of strings with some text")
@@ -189,6 +203,10 @@ def evaluate(model: Any, *, reference: Any = None, tokenizer: Any = None, texts:
     if attach and getattr(model, "attnopt_report", None) is None:
         raise ValueError(f"attach=True stores the audit in the compiled model's report, and this "
                          f"{type(model).__name__} has no .attnopt_report; compile it with attnopt.compile first")
+    if isinstance(perplexity_windows, bool) or not _is_int(perplexity_windows) or perplexity_windows < 1:
+        raise ValueError(f"perplexity_windows must be a positive int (the most windows read for perplexity); "
+                         f"got {perplexity_windows!r}")
+    perplexity_windows = int(perplexity_windows)
     lm, ref = check_models(model, reference, name, reference_name)
     models = [m for m in (lm, ref) if m is not None]
     plan = plan_audit(models, tokenizer, texts, probes, lengths, depths, samples, seed)

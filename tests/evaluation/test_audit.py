@@ -192,11 +192,26 @@ def test_the_report_round_trips_and_renders_self_contained(induction_report):
     ({"depths": [1.5]}, r"depths are fractions of the context from 0 \(start\) to 1"),
     ({"samples": 0}, r"samples must be a positive number"),
     ({"texts": ["  "]}, r"texts must be a string or a list of strings with some text"),
+    ({"texts": 5}, r"texts must be a string or a list of strings; got int"),
+    ({"depths": "0"}, r"depths must be a list of fractions of the context like \[0, 0.5, 1\]; got '0'"),
+    ({"depths": 0.5}, r"depths must be a list of fractions"),
+    ({"perplexity_windows": 0}, r"perplexity_windows must be a positive int"),
+    ({"perplexity_windows": -1}, r"perplexity_windows must be a positive int"),
+    ({"perplexity_windows": 1.5}, r"perplexity_windows must be a positive int"),
 ])
 def test_bad_inputs_are_one_line_errors(tiny, kwargs, message):
     with pytest.raises(ValueError, match=message) as info:
         evaluate(tiny, **{"lengths": [256], **kwargs})
     assert "\n" not in str(info.value)
+
+
+def test_numpy_and_tensor_integers_are_token_counts():
+    import numpy as np
+
+    from attnopt.evaluation.audit import check_lengths
+
+    assert check_lengths([np.int64(160), torch.tensor(96), 128], 1024, "m") == [96, 128, 160]
+    assert all(type(n) is int for n in check_lengths([np.int64(160)], 1024, "m"))
 
 
 def test_a_vocabulary_not_of_bytes_needs_a_tokenizer():
