@@ -4,7 +4,7 @@ module that takes tensors only and returns the tensor the file should produce.""
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -51,6 +51,7 @@ class TensorForward(nn.Module):
         self.model = model
         self.names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
         self.options = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+        self.output_name: Optional[str] = None  # the model output's name, once called (logits, ...)
         if "use_cache" in inspect.signature(model.forward).parameters:
             self.options.setdefault("use_cache", False)
 
@@ -60,7 +61,8 @@ class TensorForward(nn.Module):
         if isinstance(out, torch.Tensor):
             return out
         if isinstance(out, dict):  # a transformers ModelOutput: logits / last_hidden_state first
-            return out[next(iter(out.keys()))]
+            self.output_name = next(iter(out.keys()))
+            return out[self.output_name]
         return out
 
 

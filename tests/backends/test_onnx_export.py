@@ -110,6 +110,10 @@ def test_minilm_window_and_linear_match_torch_at_another_length(minilm, tmp_path
     assert all(s["lowering"] == "standard ops" for s in result.sites)  # bidirectional: MatMul form, bands
     assert [p["length"] for p in result.parity] == [32, 49]
     assert all(p["rel_rms"] <= 1e-4 for p in result.parity)
+    # the file's inputs and output carry the model's names, as the tokenizer and the model give them
+    proto = onnx.load(path)
+    assert [i.name for i in proto.graph.input] == list(enc) and [o.name for o in proto.graph.output] == [
+        "last_hidden_state"]
 
     long = dict(tok(english_passages()[2:4], return_tensors="pt", truncation=True, max_length=100,
                     padding="max_length"))
@@ -168,6 +172,8 @@ def test_onnx_std_uses_standard_ops_only_and_passes_the_reference_evaluator(tmp_
     assert all(p["rel_rms"] <= 1e-4 for p in result.parity)
     model_proto = onnx.load(path)
     assert {n.domain for n in model_proto.graph.node} == {""}
+    assert [i.name for i in model_proto.graph.input] == ["x"] and [o.name for o in model_proto.graph.output] == [
+        "output"]
     # Never a per-position state: no tensor in the graph has more than 5 dims ([B, H, nC, M, W]).
     inferred = onnx.shape_inference.infer_shapes(model_proto)
     ranks = [len(v.type.tensor_type.shape.dim) for v in inferred.graph.value_info if v.type.HasField("tensor_type")]

@@ -86,8 +86,11 @@ def rel_rms(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.sqrt(err / denom)) if denom > 0 else float(np.sqrt(err))
 
 
-def _feeds(names: list, inputs: tuple) -> dict:
-    """Inputs by position; the exporter names them <arg>_<i> and drops those the graph never reads."""
+def _feeds(names: list, inputs: tuple, flat_names: Optional[list] = None) -> dict:
+    """The file's inputs by name: each flat input's name in `flat_names`, or (a file the exporter named
+    <arg>_<i>) by position; the exporter drops inputs the graph never reads."""
+    if flat_names and all(n in flat_names for n in names):
+        return {n: inputs[flat_names.index(n)].detach().cpu().numpy() for n in names}
     indices = [n.rsplit("_", 1)[-1] for n in names]
     if len(names) < len(inputs) and all(i.isdigit() and int(i) < len(inputs) for i in indices):
         inputs = tuple(inputs[int(i)] for i in indices)
@@ -121,7 +124,8 @@ def ort_rel_rms(proto, module, inputs: tuple) -> float:
 
 
 def ort_parity(proto, module, flat: tuple, lengths: Sequence[int], tolerance: float,
-               on_failure: Callable[[str], str], other_batch: Optional[int] = None) -> list:
+               on_failure: Callable[[str], str], other_batch: Optional[int] = None,
+               flat_names: Optional[list] = None) -> list:
     """ORT CPU against torch at each length (the first at the example batch, the others at
     `other_batch`: by default batch 2 when the example had 1, so a dynamic batch is exercised too);
     raise ParityError naming the site."""
@@ -137,7 +141,7 @@ def ort_parity(proto, module, flat: tuple, lengths: Sequence[int], tolerance: fl
         with torch.no_grad():
             want = _outputs(module(*inputs))
         try:
-            got = sess.run(None, _feeds(names, inputs))
+            got = sess.run(None, _feeds(names, inputs, flat_names))
         except ParityError:
             raise
         except Exception as exc:
@@ -151,7 +155,7 @@ def ort_parity(proto, module, flat: tuple, lengths: Sequence[int], tolerance: fl
     return figures
 
 
-def reference_parity(proto, module, flat: tuple, tolerance: float) -> dict:
+def reference_parity(proto, module, flat: tuple, tolerance: float, flat_names: Optional[list] = None) -> dict:
     """onnx.reference.ReferenceEvaluator (numpy, the ONNX spec's semantics) on a short input."""
     from onnx.reference import ReferenceEvaluator
 
@@ -161,7 +165,7 @@ def reference_parity(proto, module, flat: tuple, tolerance: float) -> dict:
     ref = ReferenceEvaluator(proto)
     with torch.no_grad():
         want = _outputs(module(*inputs))
-    got = ref.run(None, _feeds(list(ref.input_names), inputs))
+    got = ref.run(None, _feeds(list(ref.input_names), inputs, flat_names))
     err = _worst(got, want)
     if not err <= tolerance:
         raise ParityError(f"ONNX reference evaluator does not match torch at length {length}: relative RMS "

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import re
 import os
 import time
 import warnings
@@ -48,6 +50,7 @@ from attnopt.backends.onnx.graph_model import key_masks
 from attnopt.forms.common.base import SiteModule
 from attnopt.hf.interface import ANCHOR_QK
 from attnopt.ir.errors import SpecializedInputError
+from attnopt.passes.input_guard import GUARD_NAME
 
 
 def export_onnx(model: nn.Module, path, example_inputs: Any = None, *, decode: Optional[bool] = None,
@@ -130,6 +133,7 @@ def _export(opt, out_path, example_inputs, target, opset, dynamic, check_lengths
     result = OnnxExport(path=str(out_path), target=target, opset=after.model.opset_imports[""],
                         sites=_name_sites(calls, _site_calls(opt, wrapper, flat)),
                         ops_before=histogram(before.model) if before else {}, ops_after=histogram(after.model))
+    flat_names = io_names(after.model, wrapper, args, flat)  # after an eager call (_site_calls) named the output
 
     proto = after.model_proto
     checks.check_model(proto)
@@ -139,11 +143,45 @@ def _export(opt, out_path, example_inputs, target, opset, dynamic, check_lengths
     lengths = check_lengths or _default_lengths(opt, wrapper, flat, dynamic, other_batch)
     result.parity = checks.ort_parity(proto, wrapper, flat, lengths, PARITY_TOLERANCE,
                                       on_failure=lambda msg: _localise(opt, wrapper, flat, table, msg, opset),
-                                      other_batch=other_batch)
+                                      other_batch=other_batch, flat_names=flat_names)
     if target in ("onnx-std", "custom"):
-        result.parity.append(checks.reference_parity(proto, wrapper, flat, PARITY_TOLERANCE))
+        result.parity.append(checks.reference_parity(proto, wrapper, flat, PARITY_TOLERANCE, flat_names=flat_names))
     after.save(str(out_path))
     return result
+
+
+def io_names(model, wrapper: "TensorForward", args: tuple, flat: tuple) -> list:
+    """Name the file's inputs as the model's call does (its keywords, its positional parameters) and
+    its outputs as the model's (logits, last_hidden_state; else output, output_<i>), in place; returns
+    the name of each flat input (the exporter drops those the graph never reads)."""
+    params = _positional_names(wrapper.model, len(args))
+    flat_names = params + list(wrapper.names)
+    by_export_name = {f"flat_{i}": name for i, name in enumerate(flat_names)}
+    for value in model.graph.inputs:
+        value.name = by_export_name.get(value.name, value.name)
+    outputs = list(model.graph.outputs)
+    first = wrapper.output_name or "output"
+    for i, value in enumerate(outputs):
+        value.name = first if len(outputs) == 1 else f"{first}_{i}" if i else first
+    return flat_names
+
+
+def _positional_names(model: nn.Module, n: int) -> list:
+    """The names of `n` positional arguments: a graph-path model's as its capture wrote them (x,
+    inputs_ids for inputs['ids']), else forward()'s; input_<i> where neither says."""
+    guard = getattr(getattr(model, "graph_module", None), GUARD_NAME, None)
+    rules = [r for r in getattr(getattr(guard, "contract", None), "rules", ()) if r.kind == "tensor"]
+    if len(rules) == n:
+        names = [re.sub(r"_+", "_", re.sub(r"[^A-Za-z0-9_]", "_", r.name)).strip("_") or f"input_{i}"
+                 for i, r in enumerate(rules)]
+        if len(set(names)) == n:
+            return names
+    try:
+        params = [p for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    return [params[i].name if i < len(params) else f"input_{i}" for i in range(n)]
 
 
 def _default_lengths(opt, wrapper: nn.Module, flat: tuple, dynamic: bool, batch: int) -> list:
