@@ -19,6 +19,7 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -625,7 +626,7 @@ def run_export(spec: str, policy_text: str, target: str, out: str, seq_len: int,
     opt = compile_or_fail(model, policy, (args, kwargs), description, quiet=as_json)
     try:
         with progress(f"exporting {description} to {out} ...", as_json):
-            result = export_onnx(opt, out, (args, kwargs), target=target)
+            result = export_onnx(opt, out, (args, kwargs), target=target, tokenizer=_directory_tokenizer(spec))
     except (ParityError, ValueError, RuntimeError) as exc:
         raise CliError(f"could not export {description}: {exc}", EXIT_CAPTURE) from exc
     except ImportError as exc:
@@ -638,6 +639,22 @@ def run_export(spec: str, policy_text: str, target: str, out: str, seq_len: int,
         print(f"wrote {out} ({target}, opset {result.opset}): {lowered}; parity with torch: worst relative RMS "
               f"{worst:.2e} at lengths {', '.join(str(p['length']) for p in result.parity)}")
     return EXIT_OK
+
+
+def _directory_tokenizer(spec: str):
+    """The tokenizer a Hugging Face model directory ships (a decode folder carries it, so `attnopt
+    generate` reads text); None for anything else."""
+    from attnopt.models import _TOKENIZER_FILES
+
+    path = Path(spec)
+    if not path.is_dir() or not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    try:
+        import transformers
+
+        return transformers.AutoTokenizer.from_pretrained(str(path))
+    except Exception:  # noqa: BLE001 - an unreadable tokenizer: the folder goes without one, as before
+        return None
 
 
 @app.command(

@@ -90,6 +90,7 @@ def compile(
     starts, and the sites verified so far out of all (the CLI's progress bar). tokenizer: the
     model's, for rules that choose their exact heads by measurement (`+keep:recall`, attnopt.selection:
     its retrieval probes are built with it); None reads text as UTF-8 bytes, for a byte-level model.
+    name: the model's name in the report (default its class's).
     """
     opts = CompileOptions.check(model, policy, example_inputs, tolerance=tolerance, e2e_tolerance=e2e_tolerance,
                                 calibration=calibration, verify_inputs=verify_inputs, method=method, name=name,
@@ -365,8 +366,8 @@ def exact_heads_of(site, outcome, head_selection: Optional[dict]) -> list:
 
 def backend(policy: Any = "hybrid", *, tolerance: Optional[float] = None, e2e_tolerance: Optional[float] = E2E_TOLERANCE,
             dispatch: Optional[str] = None):
-    """A torch.compile backend: `torch.compile(model, backend=attnopt.backend("window:64"))`; the
-    options are compile()'s.
+    """A torch.compile backend: `torch.compile(model, backend=attnopt.backend("window:64"))`;
+    tolerance, e2e_tolerance and dispatch mean what they do for compile().
 
     Each graph Dynamo hands over is rewritten on its first real call (verification needs real
     inputs); the reports collect in `backend_fn.reports`. A dynamic graph's size inputs (SymInts) are

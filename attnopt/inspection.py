@@ -129,7 +129,9 @@ def format_table(ins: Inspection) -> str:
 
 
 def inspect(model: torch.nn.Module, *args, method: str = "export", dynamic: bool = True, **kwargs) -> Inspection:
-    """Capture `model(*args, **kwargs)` and report its attention sites and near misses."""
+    """Capture `model(*args, **kwargs)` and report its attention sites and near misses.
+    method: "export" (torch.export, one graph) or "dynamo" (torch.compile's graphs, split where the
+    model breaks the graph); dynamic: keep batch and length symbolic where the model allows."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"inspect() needs a torch.nn.Module, got {type(model).__name__}; "
                         "pass the model first, then its example inputs")

@@ -135,8 +135,8 @@ def _tokenize(transformers, path: Path, vocab: int, texts=None, max_length=None)
         return None
     try:
         tok = transformers.AutoTokenizer.from_pretrained(str(path))
-        if tok.pad_token is None and tok.eos_token is not None:
-            tok.pad_token = tok.eos_token
+        if tok.pad_token is None:  # padded rows are masked out: any token serves (a byte-level one has no eos)
+            tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.convert_ids_to_tokens(0)
         if max_length:
             enc = tok(list(texts or EXAMPLE_SENTENCES), padding="max_length", truncation=True,
                       max_length=max_length, return_tensors="pt")

@@ -72,6 +72,9 @@ def calibrate(model: nn.Module, batches: Sequence[Any], *, steps: Optional[int] 
     rank trains on its share and the trained tensors stay identical on all ranks. params: "forms"
     (feature maps, β) or "forms+lora" (then LoRA on q/k/v/o, transformers models).
     checkpoint: a directory; finished sites are saved there (safetensors) and skipped on a rerun.
+    steps, lr: Adam steps per site and its learning rate (defaults DEFAULT_STEPS and DEFAULT_LR in
+    attnopt.calibration.options); seed: the initial tensors and batch order (the same seed, the same
+    result); progress: a progress bar on stderr.
     """
     start = time.perf_counter()
     opts = CalibrateOptions.check(model, batches, steps=steps, lr=lr, seed=seed, params=params, held_out=held_out,

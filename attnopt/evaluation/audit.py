@@ -198,7 +198,9 @@ def evaluate(model: Any, *, reference: Any = None, tokenizer: Any = None, texts:
     perplexity_windows: at most this many windows of the longest length are read for perplexity.
     attach: store the audit in the compiled model's report (`model.attnopt_report.evaluation`), so its
     HTML page shows rewrite and capability together.
-    progress: a callable(text, done=None, total=None) told after each model call.
+    progress: a callable(text, done=None, total=None) told after each model call. seed: draws the
+    probe rows (the same seed, the same rows for every model). name, reference_name: how the report
+    labels the two models (default their compile reports' or classes' names).
     """
     if attach and getattr(model, "attnopt_report", None) is None:
         raise ValueError(f"attach=True stores the audit in the compiled model's report, and this "

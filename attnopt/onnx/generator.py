@@ -126,7 +126,9 @@ class _Progress:
 
 
 class Generator:
-    """Generate from a decode folder (or its model.onnx) with ONNX Runtime; numpy in, numpy out."""
+    """Generate from a decode folder (or its model.onnx) with ONNX Runtime; numpy in, numpy out.
+    `providers`: ONNX Runtime execution providers (default CPU); `threads`: its intra-op threads
+    (default ONNX Runtime's)."""
 
     def __init__(self, out_dir, providers: Optional[Sequence[str]] = None, threads: Optional[int] = None):
         path = Path(out_dir)

@@ -506,6 +506,28 @@ def test_cli_export_writes_a_checked_file_and_reports_bad_options(tmp_path, caps
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_cli_export_ships_the_model_directorys_tokenizer(tmp_path, monkeypatch, capsys):
+    # A decode folder needs the tokenizer for `attnopt generate`; recall_lm's (byte-level, no pad or
+    # eos token) also tokenizes the example passages instead of falling back to raw bytes.
+    from pathlib import Path
+
+    from attnopt.backends.onnx import export as export_module
+    from attnopt.cli import main
+
+    seen = {}
+
+    def fake_export(opt, out, example, **options):
+        seen.update(options)
+        raise ValueError("stopped by the test")
+
+    monkeypatch.setattr(export_module, "export_onnx", fake_export)
+    recall_lm = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "recall_lm"
+    assert main(["export", str(recall_lm), "--policy", "exact", "--out", str(tmp_path / "dir"), "--seq-len",
+                 "16"]) == 3
+    assert seen["tokenizer"] is not None and seen["tokenizer"]("ab")["input_ids"]
+    assert "UTF-8 bytes as token ids" not in capsys.readouterr().err
+
+
 def test_a_measured_dispatch_threshold_is_left_out_of_the_file_and_said_so(tmp_path):
     # Automatic dispatch (on by default) gives every site a measured min_seq_len: a torch-side speed
     # switch, so the file runs the form at every length and the export record says which it dropped.

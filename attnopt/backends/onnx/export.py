@@ -75,7 +75,8 @@ def export_onnx(model: nn.Module, path, example_inputs: Any = None, *, decode: O
     parity lengths; `baseline=False` skips the all-exact export behind `ops_before` (a second
     export, about as long as the first). Thresholds the automatic dispatch measured are left out of
     the file (its sites run their form at every length; `dispatch_dropped` lists them); a
-    min_seq_len the policy gave is refused.
+    min_seq_len the policy gave is refused. `opset`: the ONNX opset (default torch.onnx's; 23 lowers
+    SDPA to ONNX's Attention op). `dynamic=False` fixes batch and length at the example's.
     """
     folder = decode or (decode is None and decode_module.wants_folder(model, path))
     if check_lengths is not None:
