@@ -83,6 +83,15 @@ def short(commit: Optional[str]) -> str:
     return commit[:7] if commit else "not recorded"
 
 
+def commit_text(meta: dict) -> str:
+    """A result's commit as the docs show it: `abc1234`, with "+ uncommitted changes" where the run's tree
+    was dirty, or "commit not recorded" where the run did not record its own (meta.commit_note)."""
+    if meta.get("commit_note") or meta.get("adopted_from") or not meta.get("commit"):
+        added = f" (added to the repository at `{short(meta['commit'])}`)" if meta.get("commit") else ""
+        return f"commit not recorded{added}"
+    return f"commit `{short(meta['commit'])}`" + (" + uncommitted changes" if meta.get("dirty") else "")
+
+
 def table(head: list[str], rows: Iterable[list[str]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -96,10 +105,8 @@ def provenance(result: dict) -> str:
     fingerprint = ("not recorded" if not fp else
                    f"Python loop {fp.get('python_loop_ns_per_iter')} ns/iter, small op {fp.get('small_op_us')} µs, "
                    f"sgemm {fp.get('sgemm_512_gflops')} GFLOP/s, {fp.get('torch_threads')} torch threads")
-    commit_note = " (the commit that added it; the run did not record its own)" if m.get("adopted_from") else ""
-    dirty = " + uncommitted changes" if m.get("dirty") else ""
     command_note = " (rebuilt from the settings it records)" if m.get("adopted_from") else ""
-    return (f"Machine `{m.get('machine')}`, commit `{short(m.get('commit'))}`{dirty}{commit_note}, "
+    return (f"Machine `{m.get('machine')}`, {commit_text(m)}, "
             f"{str(m.get('date', ''))[:10]}. Command{command_note}: `{m.get('command')}`. "
             f"Fingerprint: {fingerprint}.")
 
@@ -175,13 +182,21 @@ def _e2e(n, variant, key):
     return metric
 
 
+# benchmarks/e2e_cpu.py's default policies: the "every policy" of the short-length goal.
+E2E_POLICIES = ("linear", "window:256+sinks:4", "ssm", "hybrid", "linear+window:64+sinks:4")
+
+
 def _e2e_short(r):
+    """Each (policy, N) of the goal the run measured, then one entry per length naming what it did not."""
     out = []
     for n in (256, 1024):
         row = e2e_row(r, n)
-        if row:
-            out += [(f"{v} at {n}", x) for v, x in row["speedup"].items() if v not in ("original", "ceiling")]
-    return out or [("256 / 1024", None)]
+        measured = [v for v in (row["speedup"] if row else {}) if v not in ("original", "ceiling")]
+        out += [(f"{v} at {n}", row["speedup"][v]) for v in measured]
+        missing = [v for v in E2E_POLICIES if v not in measured]
+        if missing:
+            out.append((f"{'every policy' if not measured else ', '.join(missing)} at {n}", None))
+    return out
 
 
 def _onnx(key):
@@ -269,10 +284,12 @@ def verdict(goal: dict, result: Optional[dict]) -> str:
     if all(ok is None for _, _, ok in judged):
         return "not in the current result"
     cells = ", ".join(f"{name} {fmt(v)}" for name, v, _ in judged if v is not None)
+    unmeasured = "; ".join(name for name, _, ok in judged if ok is None)
+    rest = f"; not measured: {unmeasured}" if unmeasured else ""
     if all(ok for _, _, ok in judged if ok is not None):
-        return f"**met** ({cells})"
+        return f"**met** ({cells}){rest}" if not unmeasured else f"**met where measured** ({cells}){rest}"
     missed = ", ".join(name for name, _, ok in judged if ok is False)
-    return f"**missed** by {missed} ({cells})"
+    return f"**missed** by {missed} ({cells}){rest}"
 
 
 def goals_block(results: dict) -> str:
@@ -428,6 +445,167 @@ def profile_prefill_table(r: dict) -> str:
     return table(["variant", "best ms"], [[f"`{k}`", f"{v * 1e3:.1f}"] for k, v in r["best_s"].items()])
 
 
+def _text_name(text: str) -> str:
+    """A held-out text's short name: a path's file name, else the name as given."""
+    return Path(text).name if "/" in text else text
+
+
+def fidelity_table(r: dict) -> str:
+    """Per model and policy: held-out perplexity per byte training-free and calibrated, and the calibrated
+    perplexity ÷ the original's on each held-out text (the goals' measure)."""
+    parts = []
+    for m in r.get("models", []):
+        rows = m.get("rows", [])
+        orig = next((x for x in rows if x.get("policy") == "original"), {})
+        texts = list(m.get("held_out_text") or (orig.get("held_out") or {}))
+        body = []
+        for x in rows:
+            if x.get("policy") == "original":
+                body.append(["original", "—", fmt(x.get("perplexity")), "—"] + ["1"] * len(texts) + ["—"])
+                continue
+            held = x.get("held_out") or {}
+            ratios = [fmt(held[t]["perplexity"] / orig["held_out"][t]["perplexity"])
+                      if t in held and t in (orig.get("held_out") or {}) else "—" for t in texts]
+            body.append([f"`{x['policy']}`", f"{x.get('rewritten')}/{x.get('sites')}",
+                         fmt((x.get("before") or {}).get("perplexity")), fmt((x.get("after") or {}).get("perplexity"))]
+                        + ratios + [fmt(x.get("calibration_seconds"), 4)])
+        head = (["policy", "sites", f"perplexity, training-free ({_text_name(texts[0]) if texts else 'held out'})",
+                 "calibrated"] + [f"calibrated ÷ original, {_text_name(t)}" for t in texts] + ["calibration s"])
+        batches = m.get("held_out_batches") or {}
+        parts.append(f"`{m.get('model')}` at {m.get('seq_len')} tokens, batch {m.get('batch')}: calibrated with "
+                     f"`{m.get('params', r.get('params'))}` for {r.get('steps')} steps (lr {r.get('lr')}) on "
+                     f"{m.get('calibration_batches')} batches; held out: "
+                     + ", ".join(f"{_text_name(t)} ({batches.get(t, '?')} batches)" for t in texts)
+                     + ". Perplexity per byte.\n\n" + table(head, body))
+    runs = r.get("runs") or []
+    notes = sorted({(x.get("commit") or {}).get("note", "") for x in runs} - {""})
+    commits = sorted({short((x.get("commit") or {}).get("commit")) for x in runs})
+    hw = r.get("hardware", {})
+    cond = (f"{hw.get('threads')} torch thread(s) in each run, on {hw.get('cores')} cores"
+            + (f"; {hw['note']}" if hw.get("note") else ""))
+    if runs:
+        cond += (f". Combined from {len(runs)} runs at commit {', '.join(f'`{c}`' for c in commits)}"
+                 + (f" ({'; '.join(notes)})" if notes else ""))
+    return "\n\n".join(parts) + f"\n\n{cond}."
+
+
+def gla_window_mixing_table(r: dict) -> str:
+    body = []
+    for x in r.get("rows", []):
+        orig = (x.get("original") or {}).get("perplexity")
+        after = (x.get("after") or {}).get("perplexity")
+        body.append([x.get("variant", ""), f"`{x.get('policy')}`", fmt((x.get("before") or {}).get("perplexity"), 4),
+                     fmt(after, 4), fmt(orig, 4), f"{after / orig:.4f}" if after and orig else "—",
+                     fmt((x.get("after") or {}).get("logits_rel_rms")), fmt(x.get("calibration_seconds"), 4)])
+    return (f"The tiny LM, calibrated with `{r.get('params')}` for {r.get('steps')} steps on "
+            f"{r.get('calibration_texts')} texts, torch threads {r.get('threads')}; held out: {r.get('held_out')} "
+            f"({r.get('held_out_texts')} texts). Perplexity per byte.\n\n"
+            + table(["variant", "policy", "perplexity training-free", "calibrated", "original",
+                     "calibrated ÷ original", "logits relative RMS, calibrated", "calibration s"], body))
+
+
+def ops_cpu_table(r: dict) -> str:
+    """SDPA's time ÷ each op's at each N (same causal flag), quiet and with busy processes beside it."""
+    rows = [x for x in r.get("results", []) if x.get("op") != "sdpa"]
+    ns = sorted({x["N"] for x in rows})
+    cfg, hw = r.get("config", {}), r.get("hardware", {})
+
+    def cell(x):
+        if not x or x.get("ratio_sdpa_over_op") is None:
+            return "—" if not x else x.get("status", "—")
+        return f"{x['ratio_sdpa_over_op']:.2f}" + (" (estimated)" if x.get("ratio_estimated") else "")
+
+    parts = [f"B {cfg.get('B')}, H {cfg.get('H')}, D {cfg.get('D')}, {cfg.get('dtype')}, "
+             f"{hw.get('torch_threads')} torch threads on {hw.get('cpu_count')} cores; {cfg.get('repeats_rule')}. "
+             "Each cell: SDPA's time ÷ the op's (above 1: the op is faster), same N and causal flag."]
+    for busy in sorted({x.get("busy_processes", 0) for x in rows}):
+        keys = []
+        for x in rows:
+            k = (x["op"], x.get("causal", True), json.dumps(x.get("params", {}), sort_keys=True))
+            if x.get("busy_processes", 0) == busy and k not in keys:
+                keys.append(k)
+        body = []
+        for op, causal, params in keys:
+            by_n = {x["N"]: x for x in rows if (x["op"], x.get("causal", True),
+                                                 json.dumps(x.get("params", {}), sort_keys=True)) == (op, causal, params)
+                    and x.get("busy_processes", 0) == busy}
+            p = {k: v for k, v in json.loads(params).items() if v is not None}
+            label = f"`{op}`" + (" causal" if causal else " non-causal") + \
+                (f" ({', '.join(f'{k} {v}' for k, v in p.items())})" if p else "")
+            body.append([label] + [cell(by_n.get(n)) for n in ns])
+        title = ("Quiet" if not busy else f"With {busy} busy processes beside it")
+        parts.append(f"{title}:\n\n" + table(["op"] + [f"{n:,}" for n in ns], body))
+    return "\n\n".join(parts)
+
+
+def head_hybrid_table(r: dict) -> str:
+    """Per model: each variant's exact share, retrieval and quality against the original, K/V kept, decode time;
+    then the run's checks."""
+    parts = []
+    st = r.get("settings", {})
+    for name, m in (r.get("models") or {}).items():
+        variants = m.get("variants") or {}
+        encoder = m.get("kind") == "encoder"
+        body = []
+        for label, v in variants.items():
+            kv = (v.get("kv") or {}).get("measured_ratio")
+            row = [label, f"`{v.get('policy')}`", f"{v.get('exact_share', 0):.3f}", fmt(v.get("probe_ratio"))]
+            if encoder:
+                row += [fmt(v.get("cosine"), 4)]
+            else:
+                row += [fmt(v.get("exact_match_ratio")), fmt(v.get("perplexity_ratio"), 4), fmt(kv),
+                        f"{v['decode_ms']:.2f} ({v['decode_ratio']:.2f}×)" if v.get("decode_ms") else "—"]
+            row.append(fmt(v.get("compile_seconds")))
+            body.append(row)
+        head = ["variant", "policy", "exact share", "probe accuracy ÷ original's"]
+        head += (["embedding cosine to the original"] if encoder else
+                 ["exact match ÷ original's", "held-out perplexity ÷ original's", "decode K/V ÷ original's",
+                  f"decode ms per token at {(m.get('decode_time') or {}).get('context', '?')} (÷ original's)"])
+        head.append("compile s")
+        orig = m.get("original") or {}
+        if encoder:
+            base = f"original: fact retrieval {fmt(orig.get('probe'))}"
+            what = m.get("measure", "")
+        else:
+            dt = m.get("decode_time") or {}
+            base = (f"original: teacher-forced probe accuracy {fmt((orig.get('probes') or {}).get('teacher_forced'))}, "
+                    f"exact match {fmt((orig.get('probes') or {}).get('exact_match'))}, perplexity "
+                    f"{fmt(orig.get('perplexity'), 4)}, decode {fmt(((dt.get('ms') or {}).get('original')))} ms per token "
+                    f"({dt.get('steps')} steps, best of {dt.get('rounds')} rounds)")
+            what = f"probes: {m.get('probe_rows')} rows; held out: {m.get('held_out_text')}"
+        parts.append(f"`{m.get('model')}` ({m.get('kind')}, {m.get('layers')} layers × {m.get('kv_heads_per_layer')} "
+                     f"KV heads, at {m.get('context')} tokens), form `{m.get('form')}`, window {m.get('window')}; "
+                     f"{what}; {base}.\n\n" + table(head, body))
+        checks = m.get("checks") or []
+        if checks:
+            parts.append(table(["check", "value", "bound", "verdict"],
+                               [[c["check"].replace("max |Δ logit|", "largest absolute logit difference"), fmt(c["value"], 4) if isinstance(c["value"], float) else str(c["value"]),
+                                str(c["bound"]).replace("<=", "≤").replace(">=", "≥"), "met" if c.get("met") else "missed"]
+                                for c in checks]))
+    comp = st.get("compile") or {}
+    parts.append(f"{st.get('threads')} torch threads; compile with dispatch {comp.get('dispatch')}, tolerance "
+                 f"{comp.get('tolerance')}, end-to-end budget {comp.get('e2e_tolerance') or 'none'}; "
+                 f"{st.get('samples_per_cell')} samples per probe cell.")
+    return "\n\n".join(parts)
+
+
+def compile_under_load_table(r: dict) -> str:
+    """Compile's wall time quiet and with busy processes beside it (the busy loop's code stays in the file)."""
+    body = []
+    for x in r.get("rows", []):
+        q, b = x.get("quiet") or {}, x.get("busy") or {}
+        body.append([f"`{x.get('case')}`", f"{q.get('rewritten')}/{q.get('sites')}", f"{q.get('wall_s')} s",
+                     f"{b.get('wall_s')} s", f"{x.get('busy_over_quiet')}×", f"{q.get('others_cores')} / {b.get('others_cores')}",
+                     "met" if x.get("quiet_within_goal") and x.get("busy_within_goal") else "missed"])
+    g = r.get("goals", {})
+    return (f"`attnopt.compile` on {r.get('example')}, dispatch {r.get('dispatch')}, {r.get('threads')} threads; busy: "
+            f"{r.get('busy_processes')} other processes each running the matrix-multiply loop the result file records "
+            f"(`busy_loop`), after {r.get('warm_s')} s of warm-up. Goals: quiet ≤ {g.get('quiet_wall_s_at_most')} s, "
+            f"busy ÷ quiet ≤ {g.get('busy_over_quiet_at_most')}.\n\n"
+            + table(["case", "sites rewritten", "quiet wall", "busy wall", "busy ÷ quiet",
+                     "other work's cores, quiet / busy", "goals"], body))
+
+
 def generic_table(r: dict) -> str:
     scalars = [(k, v) for k, v in r.items() if k != "meta" and isinstance(v, (int, float, str)) and len(str(v)) < 120]
     return table(["field", "value"], [[k, str(v)] for k, v in scalars]) if scalars else "(no scalar fields)"
@@ -468,6 +646,13 @@ RENDERERS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "dispatch_under_load": ("Dispatch thresholds measured under load", dispatch_load_table),
     "compile_dispatch_cpu": ("Compile time with the default dispatch", compile_dispatch_table),
     "profile_linear_prefill": ("Causal linear prefill, one layer at 16k", profile_prefill_table),
+    "fidelity": ("Held-out perplexity of the tiny LM, training-free and calibrated", fidelity_table),
+    "gla_window_mixing": ("gla+window: how its two halves mix, calibrated", gla_window_mixing_table),
+    "ops_cpu": ("Each op against SDPA, one layer", ops_cpu_table),
+    "reuse_cpu": ("reuse: op, end to end, decoding, quality, dispatch, ONNX",
+                  lambda r: reuse_cpu_block(r["meta"].get("machine"), r)),
+    "head_hybrid": ("Per-head hybrids: exact heads chosen by keep:recall", head_hybrid_table),
+    "compile_under_load": ("Compile time quiet and under load", compile_under_load_table),
 }
 
 
@@ -555,7 +740,7 @@ def headline_block(results: dict) -> str:
             g = goals.get(h.goal) if h.goal else None
             goal = "—" if g is None else f"{bound_text(g['bound'])}: {verdict(g, r).split(' (')[0]}"
             m = r["meta"]
-            rows.append([h.what, value, goal, f"`{machine}`, `{short(m.get('commit'))}`, {str(m.get('date'))[:10]}"])
+            rows.append([h.what, value, goal, f"`{machine}`, {commit_text(m)}, {str(m.get('date'))[:10]}"])
     return table(["measured", "current result", "goal", "machine, commit, date"], rows)
 
 
@@ -601,7 +786,7 @@ def measured_block(name: str, results: dict) -> str:
                  fmt(x.get("embedding_cosine_held_out"))] for x in r.get("minilm", []) if form_of(x["policy"]) == name]
         if rows:
             parts.append("Quality on real MiniLM, training-free, default budget "
-                         f"(`compile_cpu`, `{machine}`, commit `{short(r['meta'].get('commit'))}`):\n\n"
+                         f"(`compile_cpu`, `{machine}`, {commit_text(r['meta'])}):\n\n"
                          + table(["policy", "sites kept", "cosine in-sample", "cosine held out"], rows))
     for bench in ("decode_cpu", "decode_cpu_2threads"):
         for machine, r in each(bench):
@@ -610,31 +795,31 @@ def measured_block(name: str, results: dict) -> str:
             if rows:
                 against = ("the baseline's (the faster original: HF's DynamicCache or appending layers)"
                            if r.get("baselines") else "the original's (HF's DynamicCache)")
-                parts.append(f"Per-token decode time ÷ {against}, best rounds (`{bench}`, `{machine}`, commit "
-                             f"`{short(r['meta'].get('commit'))}`):\n\n"
+                parts.append(f"Per-token decode time ÷ {against}, best rounds (`{bench}`, `{machine}`, "
+                             f"{commit_text(r['meta'])}):\n\n"
                              + table(["policy"] + [f"{int(n):,}" for n in r["contexts"]], rows))
     for machine, r in each("e2e_cpu"):
         variants = [v for v in r["rows"][0]["speedup"] if form_of(v) == name]
         rows = [[f"`{v}`"] + [f"{row['speedup'][v]:.2f}×" for row in r["rows"]] for v in variants]
         if rows:
-            parts.append(f"End-to-end forward, speed-up over the original (`e2e_cpu`, `{machine}`, commit "
-                         f"`{short(r['meta'].get('commit'))}`):\n\n"
+            parts.append(f"End-to-end forward, speed-up over the original (`e2e_cpu`, `{machine}`, "
+                         f"{commit_text(r['meta'])}):\n\n"
                          + table(["policy"] + [f"{row['N']:,}" for row in r["rows"]], rows))
     for machine, r in each("onnx_decode_cpu"):
         keys = [k for k, p in r.get("policies", {}).items() if form_of(p) == name]
         rows = [[f"`{r['policies'][k]}`"] + [f"{r['contexts'][n][k]['ort_ms']:.2f} / {r['contexts'][n][k]['torch_ms']:.2f}"
                                               for n in r["contexts"]] for k in keys]
         if rows:
-            parts.append(f"Decoding, ms per token, ONNX Runtime / torch (`onnx_decode_cpu`, `{machine}`, commit "
-                         f"`{short(r['meta'].get('commit'))}`):\n\n"
+            parts.append(f"Decoding, ms per token, ONNX Runtime / torch (`onnx_decode_cpu`, `{machine}`, "
+                         f"{commit_text(r['meta'])}):\n\n"
                          + table(["policy"] + [f"{int(n):,}" for n in r["contexts"]], rows))
     for machine, r in each("fidelity"):
         rows = [[f"`{x['policy']}`", fmt((x.get("before") or {}).get("perplexity")),
                  fmt((x.get("after") or {}).get("perplexity"))]
                 for x in fidelity_rows(r, "tiny_lm") if form_of(x.get("policy", "")) == name]
         if rows:
-            parts.append(f"Held-out perplexity per byte of the tiny LM (`fidelity`, `{machine}`, commit "
-                         f"`{short(r['meta'].get('commit'))}`):\n\n"
+            parts.append(f"Held-out perplexity per byte of the tiny LM (`fidelity`, `{machine}`, "
+                         f"{commit_text(r['meta'])}):\n\n"
                          + table(["policy", "training-free", "calibrated"], rows))
     if name == "reuse":
         parts += [reuse_cpu_block(machine, r) for machine, r in each("reuse_cpu")]
@@ -645,13 +830,17 @@ def measured_block(name: str, results: dict) -> str:
 
 def reuse_cpu_block(machine: str, r: dict) -> str:
     """benchmarks/reuse_cpu.py's sections, each with its goal from the reuse issue (losses included)."""
-    head = (f"`reuse_cpu`, `{machine}`, commit `{short(r['meta'].get('commit'))}`, 2 threads unless a row says "
+    head = (f"`reuse_cpu`, `{machine}`, {commit_text(r['meta'])}, 2 threads unless a row says "
             "otherwise, best of interleaved rounds")
-    by = {name: (r[name].get("measured_by") or {}).get("commit")
-          for name in ("op", "e2e", "decode", "decode_1thread", "quality", "minilm", "dispatch", "onnx") if r.get(name)}
+    sections = [name for name in ("op", "e2e", "decode", "decode_1thread", "quality", "minilm", "dispatch", "onnx")
+                if r.get(name)]
+    by = {name: (r[name].get("measured_by") or {}).get("commit") for name in sections}
+    dirty = {name: (r[name].get("measured_by") or {}).get("dirty") for name in sections}
     earlier = sorted({c for c in by.values() if c and c != r["meta"].get("commit")})
     for c in earlier:
-        head += f"; sections {', '.join(n for n, x in by.items() if x == c)} measured at commit `{short(c)}`"
+        names = [n for n, x in by.items() if x == c]
+        head += (f"; sections {', '.join(names)} measured at commit `{short(c)}`"
+                 + (" + uncommitted changes" if any(dirty[n] for n in names) else ""))
     # Sections measured on different VMs of the machine type (a run records one fingerprint): each group
     # with its fingerprint, so no ratio is read against a VM it was not measured on.
     keys = ("python_loop_ns_per_iter", "small_op_us", "sgemm_512_gflops")
@@ -935,6 +1124,15 @@ def capability_block(results: dict) -> str:
     return "\n\n".join(parts)
 
 
+def head_hybrid_block(results: dict) -> str:
+    """benchmarks/head_hybrid.py's current result for the per-head guide, with its provenance."""
+    found = results.get("head_hybrid") or {}
+    if not found:
+        return "No current result: run `python benchmarks/head_hybrid.py --threads 2`."
+    return "\n\n".join(f"`head_hybrid` on `{machine}`. {provenance(r)}\n\n{head_hybrid_table(r)}"
+                         for machine, r in sorted(found.items()))
+
+
 def blocks() -> dict[Path, dict[str, str]]:
     """{file: {block name: body}} of everything generated."""
     from attnopt import forms
@@ -950,6 +1148,7 @@ def blocks() -> dict[Path, dict[str, str]]:
         ROOT / "docs" / "compatibility.md": {"compat-matrix": compat_block()},
         ROOT / "docs" / "reference" / "cli.md": {"cli-help": cli_block()},
         ROOT / "docs" / "guides" / "evaluation.md": {"capability": capability_block(results)},
+        ROOT / "docs" / "guides" / "per-head.md": {"head-hybrid": head_hybrid_block(results)},
     }
     for name, form in forms.registry().items():
         out[ROOT / "docs" / "forms" / f"{name.replace('+', '_')}.md"] = {

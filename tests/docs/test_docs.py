@@ -159,6 +159,37 @@ def test_a_goal_is_judged_from_the_result_not_assumed(render):
     assert render.verdict(goal, None) == "no current result"
 
 
+def test_a_goal_names_what_its_result_did_not_measure(render):
+    goal = next(g for g in render.load_goals() if g["id"] == "e2e-short")
+    r = {"rows": [{"N": 1024, "speedup": {"original": 1.0, "linear": 1.1, "ceiling": 1.3}}]}
+    text = render.verdict(goal, r)
+    assert text.startswith("**met where measured** (linear at 1024 1.1)"), text
+    assert "not measured: every policy at 256; " in text and "hybrid" in text.split("at 256; ")[1], text
+    every = {"rows": [{"N": n, "speedup": {"original": 1.0, **{v: 1.0 for v in render.E2E_POLICIES}}}
+                      for n in (256, 1024)]}
+    assert render.verdict(goal, every).startswith("**met** (") and "not measured" not in render.verdict(goal, every)
+
+
+def test_headline_commits_say_dirty_and_not_recorded(render):
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    assert render.commit_text({"commit": sha, "dirty": False}) == "commit `0123456`"
+    assert render.commit_text({"commit": sha, "dirty": True}) == "commit `0123456` + uncommitted changes"
+    assert render.commit_text({"commit": sha, "commit_note": "the run did not record"}).startswith("commit not recorded")
+    block = render.headline_block(render.current_results())
+    for machine_results in render.current_results().values():
+        for r in machine_results.values():
+            m = r["meta"]
+            if m.get("dirty") and not m.get("commit_note"):
+                assert f"`{m['commit'][:7]}` + uncommitted changes" in block or m["benchmark"] not in {
+                    h.benchmark for h in render.HEADLINES}
+
+
+def test_every_current_result_has_its_own_renderer(render):
+    """No benchmark falls back to a settings-only table: each shows its measurements."""
+    assert set(render.current_results()) <= set(render.RENDERERS)
+    assert "while 1" not in render.results_block(render.current_results())  # compile_under_load's busy loop code
+
+
 # ---------------------------------------------------------------- the compatibility matrix
 
 
