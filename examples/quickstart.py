@@ -1,6 +1,6 @@
 """Quickstart: find a trained decoder's attention, rewrite it, see what moved, generate, save and load.
 
-    python examples/quickstart.py        # from the repository root, about a minute on 2 CPU cores
+    python examples/quickstart.py        # from the repository root, about 20 s on 2 CPU cores
 
 The model is the small byte-level Llama shipped in benchmarks/data/tiny_lm (4 layers, trained on
 the Python reference manual's help text, context 256): its token ids are the UTF-8 bytes of the text.

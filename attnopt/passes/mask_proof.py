@@ -118,17 +118,20 @@ class StructureOracle:
             self._cache[name] = (from_positions, from_inputs)
         return self._cache[name]
 
-    def caller_patterns(self, names: list, q_len) -> Optional[str]:
+    def caller_patterns(self, names: list, q_len, kv_len) -> Optional[str]:
         """Why the caller, not the graph, decides the pattern of masks `names` for queries of length
-        `q_len`: an input with a query axis of its own can hide keys per query; None when none does.
-        (A float input without one that brings a bias at run time is read exactly: SiteModule.)"""
+        `q_len` over `kv_len` keys: a mask with a query axis computed from an input shaped like one
+        ([.., Nq, Nk]: it can hide keys per query); None when none is. (A float key mask that brings a
+        bias at run time is read exactly: SiteModule.)"""
         for name in names:
-            anc = nx.ancestors(self.dag, name) | {name}
-            for a in sorted(anc):
+            own = getattr(self.nodes[name].meta.get("val"), "shape", None)
+            if own is None or len(own) < 2 or _same_size(own[-2], 1):
+                continue  # no query axis: a key mask, whatever inputs it is read from
+            for a in sorted(nx.ancestors(self.dag, name) | {name}):
                 n = self.nodes[a]
                 shape = getattr(n.meta.get("val"), "shape", None)
                 if n.op == "placeholder" and shape is not None and len(shape) >= 2 and _same_size(shape[-2], q_len) \
-                        and not _same_size(shape[-2], 1):
+                        and _same_size(shape[-1], kv_len) and not _same_size(shape[-2], 1):
                     return f"its mask is the input '{n.name}' with a query axis ({_dims(shape)}), which can hide keys per query"
         return None
 

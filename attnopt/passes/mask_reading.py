@@ -36,6 +36,8 @@ def read_mask(c: Candidate, values: dict, oracle: StructureOracle, q_shape, k_sh
     if c.is_causal:
         return MaskInfo(form="is_causal", causal=True)
     q_len = getattr(c.query.meta.get("val"), "shape", q_shape)[-2]  # symbolic where the capture is
+    k_val = getattr(c.key.meta.get("val"), "shape", None)
+    kv_len = k_shape[-2] if k_val is None else (k_val[-1] if c.key_is_transposed else k_val[-2])
     if c.is_sdpa:
         if c.sdpa_mask is None:
             return MaskInfo()
@@ -48,7 +50,7 @@ def read_mask(c: Candidate, values: dict, oracle: StructureOracle, q_shape, k_sh
         else:
             pattern = classify_bias(_as_bhqk(m_full))
             form, keep_when = "additive", "zero"
-        return _finish_mask(pattern, [c.sdpa_mask], form, keep_when, oracle, c.sdpa_mask, q_len)
+        return _finish_mask(pattern, [c.sdpa_mask], form, keep_when, oracle, c.sdpa_mask, q_len, kv_len)
     terms = c.mask_terms
     if not terms:
         return MaskInfo()
@@ -63,9 +65,11 @@ def read_mask(c: Candidate, values: dict, oracle: StructureOracle, q_shape, k_sh
         # not vouch for an input mask that happens to look causal)
         hiding = [t for t in effective if _hides_keys(t, values)] or effective
         return _finish_mask(as_arbitrary(pattern), [t.node for t in hiding],
-                            "+".join(t.form for t in effective), "zero", oracle, None, q_len)
+                            "+".join(t.form for t in effective), "zero", oracle, None, q_len, kv_len,
+                            why=f"it combines {len(effective)} mask terms ({'+'.join(t.form for t in effective)}) "
+                                "that no one tensor holds")
     term = effective[0] if effective else terms[0]
-    return _finish_mask(pattern, [term.node], term.form, term.keep_when, oracle, term.node, q_len)
+    return _finish_mask(pattern, [term.node], term.form, term.keep_when, oracle, term.node, q_len, kv_len)
 
 
 def _unbroadcast(x: torch.Tensor) -> torch.Tensor:
@@ -103,7 +107,7 @@ def _hides_keys(term, values: dict) -> bool:
 
 
 def _finish_mask(pattern: KeepPattern, nodes: list, form: str, keep_when: str, oracle: StructureOracle,
-                 mask_node: Optional[fx.Node], q_len) -> MaskInfo:
+                 mask_node: Optional[fx.Node], q_len, kv_len, why: Optional[str] = None) -> MaskInfo:
     """MaskInfo from a numeric pattern, downgraded where the structure does not prove it.
 
     `nodes` are all mask tensors that fed the scores; `mask_node` the one a rewrite can apply
@@ -113,14 +117,13 @@ def _finish_mask(pattern: KeepPattern, nodes: list, form: str, keep_when: str, o
         p, i = oracle.sources(n.name)
         from_positions &= p
         from_inputs |= i
-    why = None
     if (pattern.causal or pattern.window is not None) and not from_positions:
         # causal-looking on this example only: an input could carry anything next call
         pattern = KeepPattern(arbitrary=True)
-        why = "it looks causal on the example, but an input decides it, not positions"
+        why = why or "it looks causal on the example, but an input decides it, not positions"
     if from_inputs and not pattern.arbitrary:
         # the example's pattern is the caller's choice this time (all-keep, say), not the model's
-        why = oracle.caller_patterns([n.name for n in nodes], q_len)
+        why = oracle.caller_patterns([n.name for n in nodes], q_len, kv_len)
         pattern = as_arbitrary(pattern) if why else pattern
     padding = pattern.padding
     if from_inputs and not pattern.arbitrary and not padding:

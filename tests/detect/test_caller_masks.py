@@ -141,3 +141,31 @@ def test_a_float_key_mask_that_brings_a_bias_runs_exact_on_that_call():
     bias = torch.randn(B, 1, 1, 31, generator=torch.Generator().manual_seed(6))
     with pytest.warns(RuntimeWarning, match="carries a bias"):
         assert _relative_difference(opt, model, bias) < 1e-6
+
+
+class PaddingFromFrames(nn.Module):
+    """Key padding read from a [B, N, F] input (all-zero frames pad): a key mask without a query axis."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.qkv, self.o = nn.Linear(40, C), nn.Linear(C, 3 * C), nn.Linear(C, C)
+
+    def forward(self, feats):
+        x = self.inp(feats)
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, H, D).permute(2, 0, 3, 1, 4)
+        keep = feats.abs().sum(-1) > 0
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
+        return self.o(out.transpose(1, 2).reshape(b, n, C))
+
+
+def test_a_key_mask_read_from_an_input_with_a_token_axis_is_padding_and_rewritten():
+    feats = torch.randn(B, 48, 40, generator=torch.Generator().manual_seed(1))
+    feats[1, 42:] = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = attnopt.compile(PaddingFromFrames().eval(), "linear", example_inputs=(feats,), tolerance=50.0,
+                              e2e_tolerance=None, dispatch="off")
+    [record] = opt.attnopt_report.sites
+    assert record.site.mask.kind == "padding" and record.outcome.final_form == "linear"
