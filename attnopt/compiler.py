@@ -374,6 +374,9 @@ def backend(policy: Any = "hybrid", *, tolerance: Optional[float] = None, e2e_to
     read from its tensors' shapes at run time, so one rewrite serves every length.
     """
     policy = Policy.parse(policy)
+    # the options are checked now, as compile() checks them, not at the first compiled call
+    CompileOptions.check(nn.Identity(), policy, (torch.zeros(1),), tolerance=tolerance, e2e_tolerance=e2e_tolerance,
+                         dispatch=dispatch)
     reports: list = []
 
     def backend_fn(gm: torch.fx.GraphModule, example_inputs):

@@ -241,6 +241,16 @@ def test_torch_compile_backend_serves_every_length_of_a_dynamic_graph_with_one_r
     assert all(r.outcome.final_form == "window" for rep in be.reports for r in rep.sites)
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"tolerance": -1}, "tolerance must be a finite number >= 0"),
+    ({"dispatch": "bogus"}, "dispatch must be 'auto'"),
+    ({"e2e_tolerance": "x"}, "e2e_tolerance must be a finite number > 0"),
+])
+def test_torch_compile_backend_checks_its_options_when_built(options, message):
+    with pytest.raises(ValueError, match=message):
+        attnopt.backend("linear", **options)
+
+
 class StarArgs(nn.Module):
     """A model whose forward takes *args."""
 
