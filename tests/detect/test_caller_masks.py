@@ -41,8 +41,9 @@ class SdpaTakesMask(nn.Module):
         return x + self.o(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, n, C))
 
 
-class KeepTimesConstant(nn.Module):
-    """scores + (1 - keep) * c, with `keep` a [N, N] input and c a scalar buffer or a literal."""
+class HiddenTimesConstant(nn.Module):
+    """scores + hidden · c, with c a scalar buffer (GPT-2's masked_bias) or a literal; `hidden` is the
+    subclass's, read from the call's second input."""
 
     def __init__(self, buffer: bool):
         super().__init__()
@@ -51,30 +52,25 @@ class KeepTimesConstant(nn.Module):
         self.buffer = buffer
         self.register_buffer("masked_bias", torch.tensor(-1e9))
 
-    def forward(self, x, keep):
+    def forward(self, x, given):
         b, n, _ = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, H, D).permute(2, 0, 3, 1, 4)
-        scores = (q @ k.transpose(-1, -2)) * D**-0.5 + (1 - keep) * (self.masked_bias if self.buffer else -1e9)
+        scores = (q @ k.transpose(-1, -2)) * D**-0.5 + self.hidden(given) * (self.masked_bias if self.buffer else -1e9)
         return x + self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, C))
 
 
-class KeepFromInputPositions(nn.Module):
-    """keep[i, j] = pos[j] <= pos[i] from a [N] positions input (causal when pos is arange), hidden by
-    a scalar constant: a buffer or a literal."""
+class KeepTimesConstant(HiddenTimesConstant):
+    """hidden = 1 - keep, with `keep` a [N, N] input."""
 
-    def __init__(self, buffer: bool):
-        super().__init__()
-        torch.manual_seed(0)
-        self.qkv, self.o = nn.Linear(C, 3 * C), nn.Linear(C, C)
-        self.buffer = buffer
-        self.register_buffer("masked_bias", torch.tensor(-1e9))
+    def hidden(self, keep):
+        return 1 - keep
 
-    def forward(self, x, pos):
-        b, n, _ = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, H, D).permute(2, 0, 3, 1, 4)
-        hidden = (pos[None, :] > pos[:, None]).float()
-        scores = (q @ k.transpose(-1, -2)) * D**-0.5 + hidden * (self.masked_bias if self.buffer else -1e9)
-        return x + self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, C))
+
+class KeepFromInputPositions(HiddenTimesConstant):
+    """hidden[i, j] = pos[j] > pos[i] from a [N] positions input (causal when pos is arange)."""
+
+    def hidden(self, pos):
+        return (pos[None, :] > pos[:, None]).float()
 
 
 def _compile(model, example_mask, long_mask):
