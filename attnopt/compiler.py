@@ -393,12 +393,12 @@ def backend(policy: Any = "hybrid", *, tolerance: Optional[float] = None, e2e_to
 
         def run(*args):
             if sources is not None:  # every size input is a tensor's dim: one rewrite for every length
-                tensors = tuple(a for i, a in enumerate(args) if i not in sources)
-                mod = compiled.get("module") or rewrite(tensors, "module")
-                return mod(*tensors)
-            # sizes no tensor carries (or none at all): one rewrite per distinct value of the int inputs
-            key = tuple(a for a in args if isinstance(a, int))
-            return (compiled.get(key) or rewrite(tuple(args), key))(*args)
+                args = tuple(a for i, a in enumerate(args) if i not in sources)
+                key = "every length"
+            else:  # sizes no tensor carries (or none at all): one rewrite per distinct value of the int inputs
+                key = tuple(a for a in args if isinstance(a, int))
+            mod = compiled[key] if key in compiled else rewrite(tuple(args), key)
+            return mod(*args)
 
         return run
 
