@@ -8,6 +8,7 @@ torch.export and replaces each site in the graph. Each step returns a dataclass 
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 from dataclasses import dataclass, field, replace
@@ -337,20 +338,20 @@ def size_sources(gm: torch.fx.GraphModule) -> Optional[dict]:
     return found or None
 
 
-class SizesFromShapes(torch.nn.Module):
-    """A Dynamo graph called with its tensors only: each size input is read from the tensor dim it
-    names, so torch.export traces it as a symbol instead of holding one value as a constant."""
-
-    def __init__(self, gm: torch.nn.Module, sources: dict):
-        super().__init__()
-        self.gm, self.sources = gm, sources
-
-    def forward(self, *tensors):
-        given = iter(tensors)
-        args = [None if slot in self.sources else next(given) for slot in range(len(tensors) + len(self.sources))]
-        for slot, (j, d) in self.sources.items():
-            args[slot] = args[j].shape[d]
-        return self.gm(*args)
+def sizes_from_shapes(gm: torch.fx.GraphModule, sources: dict) -> torch.fx.GraphModule:
+    """A copy of a Dynamo graph that takes its tensors only: each size input becomes a read of the
+    tensor dim it names, so torch.export traces it as a symbol instead of holding one value as a
+    constant. The graph's own nodes (and the module paths they record) stay as they were."""
+    graph = copy.deepcopy(gm.graph)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    last = placeholders[-1]
+    for slot, (j, d) in sorted(sources.items(), reverse=True):
+        with graph.inserting_after(last):
+            size = graph.call_function(torch.ops.aten.sym_size.int, (placeholders[j], d))
+        size.meta = dict(placeholders[slot].meta)
+        placeholders[slot].replace_all_uses_with(size)
+        graph.erase_node(placeholders[slot])
+    return torch.fx.GraphModule(gm, graph)
 
 
 def exact_heads_of(site, outcome, head_selection: Optional[dict]) -> list:
@@ -384,7 +385,7 @@ def backend(policy: Any = "hybrid", *, tolerance: Optional[float] = None, e2e_to
         compiled: dict = {}
 
         def rewrite(args: tuple, key):
-            mod = compile(gm if sources is None else SizesFromShapes(gm, sources), policy,
+            mod = compile(gm if sources is None else sizes_from_shapes(gm, sources), policy,
                           example_inputs=args, tolerance=tolerance, e2e_tolerance=e2e_tolerance, method="graph",
                           name="dynamo graph", dispatch=dispatch)
             reports.append(mod.attnopt_report)

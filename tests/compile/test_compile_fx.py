@@ -239,6 +239,9 @@ def test_torch_compile_backend_serves_every_length_of_a_dynamic_graph_with_one_r
             torch.testing.assert_close(compiled(x)["probs"], ref(x)["probs"], rtol=1e-4, atol=1e-5)
     assert len(be.reports) == 2  # the first (static) graph and the dynamic one
     assert all(r.outcome.final_form == "window" for rep in be.reports for r in rep.sites)
+    # the dynamic graph's sites keep the module paths the static one names
+    static, dynamic = ([r.site.id for r in rep.sites] for rep in be.reports)
+    assert dynamic == static and not any(i.startswith("graph") for i in static), (static, dynamic)
 
 
 @pytest.mark.parametrize("options, message", [
