@@ -21,7 +21,7 @@ import torch
 
 from attnopt.ir.site import MaskInfo
 from attnopt.passes.capture import CapturedGraph
-from attnopt.passes.mask_proof import StructureOracle
+from attnopt.passes.mask_proof import StructureOracle, symbolic
 from attnopt.passes.mask_reading import read_mask
 from attnopt.passes.record import ValueRecorder
 
@@ -117,9 +117,7 @@ def _length_symbol(c):
         return None
     k_len = k[-1] if c.key_is_transposed else k[-2]
     q_len = q[-2]
-    if not (isinstance(q_len, torch.SymInt) and isinstance(k_len, torch.SymInt)):
-        return None
-    if q_len.node.maybe_as_int() is not None or q_len.node.expr != k_len.node.expr:
+    if not (symbolic(q_len) and isinstance(k_len, torch.SymInt)) or q_len.node.expr != k_len.node.expr:
         return None
     return q_len.node.expr
 
@@ -144,7 +142,7 @@ def _inputs_at(captured: CapturedGraph, symbol, n: int, L: int) -> Optional[list
             grown.append(value)
             continue
         for d, size in enumerate(shape):
-            if not isinstance(size, torch.SymInt) or size.node.maybe_as_int() is not None:
+            if not symbolic(size):
                 continue
             if size.node.expr == symbol:
                 value = _grow(value, d, n, L)

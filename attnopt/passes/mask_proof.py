@@ -11,6 +11,7 @@ query i sits at key position i + (Nk - Nq).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -142,16 +143,15 @@ def _holds_a_pattern(node) -> bool:
     val = node.meta.get("val")
     if val is None and node.graph.owning_module is not None:
         try:
-            val = _attr(node.graph.owning_module, str(node.target))
+            val = operator.attrgetter(str(node.target))(node.graph.owning_module)
         except AttributeError:
             val = None
     return not isinstance(val, torch.Tensor) or val.numel() != 1
 
 
-def _attr(module, path: str):
-    for part in path.split("."):
-        module = getattr(module, part)
-    return module
+def symbolic(size) -> bool:
+    """A dim the capture kept symbolic (a SymInt with no fixed value)."""
+    return isinstance(size, torch.SymInt) and size.node.maybe_as_int() is None
 
 
 def _same_size(a, b) -> bool:

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from attnopt.ir.site import MaskInfo, NearMiss
 from attnopt.passes.candidate import Candidate, candidate_miss
-from attnopt.passes.mask_proof import StructureOracle
+from attnopt.passes.mask_proof import StructureOracle, symbolic
 from attnopt.passes.mask_reading import read_mask
 from attnopt.passes.replay import replay_explicit, replay_sdpa, sample_rows
 
@@ -92,18 +92,14 @@ def _channel_attention(c: Candidate) -> bool:
     """True when q's head dim is an input's token axis (a middle axis of a 3-D or larger input, kept
     symbolic by the capture) while its sequence axis is fixed: the softmax runs over channels."""
     shape = getattr(c.query.meta.get("val"), "shape", None)
-    if shape is None or len(shape) < 2 or not _symbolic(shape[-1]) or _symbolic(shape[-2]):
+    if shape is None or len(shape) < 2 or not symbolic(shape[-1]) or symbolic(shape[-2]):
         return False
     head_dim = shape[-1].node.expr
     for node in c.query.graph.nodes:
         dims = getattr(node.meta.get("val"), "shape", ()) if node.op == "placeholder" else ()
-        if len(dims) >= 3 and any(_symbolic(d) and d.node.expr == head_dim for d in dims[1:-1]):
+        if len(dims) >= 3 and any(symbolic(d) and d.node.expr == head_dim for d in dims[1:-1]):
             return True
     return False
-
-
-def _symbolic(size) -> bool:
-    return isinstance(size, torch.SymInt) and size.node.maybe_as_int() is None
 
 
 def _check_shapes(c: Candidate, q, k, v, out) -> Union[str, tuple[int, int]]:
